@@ -1,0 +1,1 @@
+// Carrier for the precompiled header target.

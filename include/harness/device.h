@@ -1,0 +1,48 @@
+// The devices work is placed on: CUDA GPUs, and CPU "devices" (cpu:0, cpu:1, ...), each a
+// separate lane with its own worker thread and its own share of the cores, so that model and
+// pipeline parallelism are real on a machine without a GPU.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <string>
+#include <vector>
+
+namespace harness {
+
+struct Device {
+  enum class Kind { kCpu, kCuda };
+
+  Kind kind = Kind::kCpu;
+  int index = 0;  // cpu:k lane number, or the CUDA ordinal
+
+  static Device cpu(int lane = 0) { return {Kind::kCpu, lane}; }
+  static Device cuda(int ordinal) { return {Kind::kCuda, ordinal}; }
+
+  // "cpu", "cpu:1", "cuda", "cuda:0". Throws std::invalid_argument naming the text.
+  static Device parse(const std::string& text);
+
+  bool is_cuda() const { return kind == Kind::kCuda; }
+  bool is_cpu() const { return kind == Kind::kCpu; }
+  // Where tensors of this device live: every CPU lane is torch's CPU device.
+  c10::Device torch_device() const;
+  std::string str() const;
+
+  bool operator==(const Device& o) const { return kind == o.kind && index == o.index; }
+  bool operator!=(const Device& o) const { return !(*this == o); }
+  bool operator<(const Device& o) const {
+    return kind != o.kind ? kind < o.kind : index < o.index;
+  }
+};
+
+// "cpu:0,cpu:1" or "cuda:0,cuda:1". Rejects duplicates, unknown kinds, and CUDA ordinals beyond
+// the GPUs present (naming the flag value at fault).
+std::vector<Device> parse_device_list(const std::string& csv);
+
+// Every GPU when there is one, else cpu:0 and cpu:1.
+std::vector<Device> default_devices();
+
+// Intra-op threads each of `n_devices` CPU lanes gets by default: cores / n_devices, at least 1.
+int default_threads_per_device(int n_devices);
+
+}  // namespace harness

@@ -1,0 +1,132 @@
+// GPT-2 as Hugging Face's GPT2LMHeadModel defines it, with the same parameter names and shapes
+// (transformer.wte.weight, transformer.h.0.attn.c_attn.weight stored [in, out], ...), so that
+// Hugging Face weights load unchanged. Placement over several devices (model parallel) and a
+// pluggable executor for the blocks (the pipeline) live here too; the pipeline itself does not.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <vector>
+
+#include "harness/device.h"
+#include "harness/model/config.h"
+
+namespace harness::model {
+
+// Hugging Face's Conv1D: y = x @ weight + bias with weight stored [in_features, out_features].
+class Conv1DImpl : public torch::nn::Module {
+ public:
+  Conv1DImpl(int64_t in_features, int64_t out_features);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Conv1D);
+
+// Keys and values of past positions for one block, so that generation costs one position per
+// new token. Both are [B, n_head, T_past, head_dim]; undefined before the first call.
+struct LayerKVCache {
+  torch::Tensor key, value;
+};
+struct KVCache {
+  std::vector<LayerKVCache> layers;
+  int64_t length() const;  // positions cached so far
+};
+
+class GPT2AttentionImpl : public torch::nn::Module {
+ public:
+  explicit GPT2AttentionImpl(const GPT2Config& config);
+  torch::Tensor forward(const torch::Tensor& x, LayerKVCache* cache = nullptr);
+  Conv1D c_attn{nullptr}, c_proj{nullptr};
+  torch::nn::Dropout attn_dropout{nullptr}, resid_dropout{nullptr};
+
+ private:
+  int64_t n_head_, head_dim_;
+};
+TORCH_MODULE(GPT2Attention);
+
+class GPT2MLPImpl : public torch::nn::Module {
+ public:
+  explicit GPT2MLPImpl(const GPT2Config& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  Conv1D c_fc{nullptr}, c_proj{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+};
+TORCH_MODULE(GPT2MLP);
+
+// One pre-LayerNorm transformer block. forward(x) returns the hidden states only, so a run of
+// blocks is a torch::nn::Sequential (what the pipeline drives).
+class GPT2BlockImpl : public torch::nn::Module {
+ public:
+  explicit GPT2BlockImpl(const GPT2Config& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward_cached(const torch::Tensor& x, LayerKVCache& cache);
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  GPT2Attention attn{nullptr};
+  GPT2MLP mlp{nullptr};
+};
+TORCH_MODULE(GPT2Block);
+
+class GPT2ModelImpl : public torch::nn::Module {
+ public:
+  explicit GPT2ModelImpl(const GPT2Config& config);
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+};
+TORCH_MODULE(GPT2Model);
+
+// Runs the blocks on hidden states [B, T, C] given on the first device and returns them on any
+// device; the pipeline installs one of these (see set_blocks_executor).
+using BlocksExecutor = std::function<torch::Tensor(const torch::Tensor&)>;
+
+class GPT2LMHeadModelImpl : public torch::nn::Module {
+ public:
+  explicit GPT2LMHeadModelImpl(const GPT2Config& config);
+
+  // input_ids [B, T] (int64, on the first device) -> logits [B, T, vocab_size] on the first device.
+  torch::Tensor forward(const torch::Tensor& input_ids);
+  // Same, attending to and extending `cache` (generation); positions continue after the cache.
+  torch::Tensor forward_cached(const torch::Tensor& input_ids, KVCache& cache);
+
+  const GPT2Config& config() const { return config_; }
+  GPT2ModelImpl& transformer_module() { return *transformer; }
+
+  // Hugging Face's initialisation: normal(0, initializer_range) weights, zero biases, unit
+  // LayerNorms, c_proj weights scaled by 1/sqrt(2 * n_layer). Deterministic given torch's seed.
+  void reset_parameters();
+
+  // Model parallel (SPEC §4): blocks in contiguous runs of ceil(n_layer / n_devices) per device;
+  // embeddings and the tied head on the first device, ln_f on the last; parameters are moved.
+  // One device means no parallelism. Throws when a device would be left without a block.
+  void parallelize(const std::vector<Device>& devices);
+  const std::vector<Device>& block_devices() const { return block_devices_; }
+  Device first_device() const { return first_device_; }
+  Device last_device() const { return last_device_; }
+
+  // Replaces the sequential walk over the blocks (e.g. by a Pipe); an empty function restores it.
+  void set_blocks_executor(BlocksExecutor executor) { blocks_executor_ = std::move(executor); }
+
+  GPT2Model transformer{nullptr};
+
+ private:
+  torch::Tensor embed(const torch::Tensor& input_ids, int64_t past_length);
+  torch::Tensor head(const torch::Tensor& hidden);  // ln_f, then tied projection on first device
+
+  GPT2Config config_;
+  std::vector<Device> block_devices_;
+  Device first_device_ = Device::cpu(0), last_device_ = Device::cpu(0);
+  BlocksExecutor blocks_executor_;
+};
+TORCH_MODULE(GPT2LMHeadModel);
+
+// Parameters, counting the tied head once (gpt2: 124,439,808).
+int64_t count_parameters(torch::nn::Module& module);
+
+}  // namespace harness::model
