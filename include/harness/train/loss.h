@@ -1,0 +1,14 @@
+// The training loss of SPEC §3: token cross entropy weighted by label_token_weights.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace harness::train {
+
+// sum(CE(logits[b,t], labels[b,t]) * weights[b,t]) / sum(weights), a float32 scalar.
+// logits [B, T, V], labels [B, T] int64, weights [B, T]. Throws when shapes disagree or the
+// weights sum to zero.
+at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
+                                  const at::Tensor& weights);
+
+}  // namespace harness::train
