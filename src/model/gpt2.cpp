@@ -1,0 +1,269 @@
+// GPT-2 modules with Hugging Face's numerics and parameter names, KV-cached generation, and
+// placement of the blocks over several devices (model parallel).
+#include "harness/model/gpt2.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_set>
+
+namespace harness::model {
+namespace {
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
+  out << ']';
+  return out.str();
+}
+
+torch::nn::LayerNorm make_layer_norm(const GPT2Config& config) {
+  return torch::nn::LayerNorm(
+      torch::nn::LayerNormOptions({config.n_embd}).eps(config.layer_norm_epsilon));
+}
+
+}  // namespace
+
+// ----- Conv1D -------------------------------------------------------------------------------
+
+Conv1DImpl::Conv1DImpl(int64_t in_features, int64_t out_features) {
+  weight = register_parameter("weight", torch::empty({in_features, out_features}).normal_(0, 0.02));
+  bias = register_parameter("bias", torch::zeros({out_features}));
+}
+
+torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = weight.size(1);
+  return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+}
+
+// ----- KV cache -----------------------------------------------------------------------------
+
+int64_t KVCache::length() const {
+  if (layers.empty() || !layers.front().key.defined()) return 0;
+  return layers.front().key.size(2);
+}
+
+// ----- attention ----------------------------------------------------------------------------
+
+GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& config)
+    : n_head_(config.n_head), head_dim_(config.head_dim()) {
+  c_attn = register_module("c_attn", Conv1D(config.n_embd, 3 * config.n_embd));
+  c_proj = register_module("c_proj", Conv1D(config.n_embd, config.n_embd));
+  attn_dropout = register_module("attn_dropout", torch::nn::Dropout(config.attn_pdrop));
+  resid_dropout = register_module("resid_dropout", torch::nn::Dropout(config.resid_pdrop));
+}
+
+torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* cache) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  auto qkv = c_attn(x).split(C, /*dim=*/2);
+  auto heads = [&](const torch::Tensor& t) {  // [B, T, C] -> [B, n_head, T, head_dim]
+    return t.view({B, T, n_head_, head_dim_}).transpose(1, 2);
+  };
+  torch::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+
+  int64_t past = 0;
+  if (cache != nullptr) {
+    if (cache->key.defined()) {
+      past = cache->key.size(2);
+      k = torch::cat({cache->key, k}, 2);
+      v = torch::cat({cache->value, v}, 2);
+    }
+    cache->key = k;
+    cache->value = v;
+  }
+  const int64_t S = past + T;
+
+  // Query i sits at absolute position past + i and sees keys 0..past + i. Without a cache the
+  // mask is the plain lower triangle; a single new token sees every key.
+  std::optional<torch::Tensor> mask;
+  bool is_causal = false;
+  if (past == 0) {
+    is_causal = T > 1;
+  } else if (T > 1) {
+    mask = torch::ones({T, S}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
+               .tril(/*diagonal=*/past);
+  }
+  const double dropout_p = attn_dropout->is_training() ? attn_dropout->options.p() : 0.0;
+  auto y = at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal,
+                                            1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  y = y.transpose(1, 2).reshape({B, T, C});
+  return resid_dropout(c_proj(y));
+}
+
+// ----- MLP and block ------------------------------------------------------------------------
+
+GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config) {
+  c_fc = register_module("c_fc", Conv1D(config.n_embd, config.inner_dim()));
+  c_proj = register_module("c_proj", Conv1D(config.inner_dim(), config.n_embd));
+  dropout = register_module("dropout", torch::nn::Dropout(config.resid_pdrop));
+}
+
+torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x) {
+  // Hugging Face's "gelu_new" is the tanh approximation.
+  return dropout(c_proj(torch::gelu(c_fc(x), "tanh")));
+}
+
+GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config) {
+  ln_1 = register_module("ln_1", make_layer_norm(config));
+  attn = register_module("attn", GPT2Attention(config));
+  ln_2 = register_module("ln_2", make_layer_norm(config));
+  mlp = register_module("mlp", GPT2MLP(config));
+}
+
+torch::Tensor GPT2BlockImpl::forward(const torch::Tensor& x) {
+  auto h = x + attn(ln_1(x));
+  return h + mlp(ln_2(h));
+}
+
+torch::Tensor GPT2BlockImpl::forward_cached(const torch::Tensor& x, LayerKVCache& cache) {
+  auto h = x + attn->forward(ln_1(x), &cache);
+  return h + mlp(ln_2(h));
+}
+
+// ----- the transformer and the LM head ------------------------------------------------------
+
+GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& config) {
+  wte = register_module("wte", torch::nn::Embedding(config.vocab_size, config.n_embd));
+  wpe = register_module("wpe", torch::nn::Embedding(config.n_positions, config.n_embd));
+  drop = register_module("drop", torch::nn::Dropout(config.embd_pdrop));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config.n_layer; ++i) h->push_back(GPT2Block(config));
+  ln_f = register_module("ln_f", make_layer_norm(config));
+}
+
+GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config) : config_(config) {
+  config_.validate();
+  transformer = register_module("transformer", GPT2Model(config_));
+  block_devices_.assign(static_cast<size_t>(config_.n_layer), Device::cpu(0));
+  reset_parameters();
+}
+
+void GPT2LMHeadModelImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  const double std = config_.initializer_range;
+  // Residual projections scaled by 1/sqrt(2 * n_layer), as GPT-2's paper and Hugging Face do.
+  const double proj_std = std / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
+  for (auto& item : named_parameters()) {
+    const std::string& name = item.key();
+    torch::Tensor& p = item.value();
+    auto ends_with = [&](const std::string& suffix) {
+      return name.size() >= suffix.size() &&
+             name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    const bool layer_norm = name.find(".ln_") != std::string::npos;
+    if (layer_norm && ends_with(".weight")) {
+      p.fill_(1.0);
+    } else if (ends_with(".bias")) {
+      p.zero_();
+    } else if (ends_with("c_proj.weight")) {
+      p.normal_(0.0, proj_std);
+    } else {
+      p.normal_(0.0, std);
+    }
+  }
+}
+
+torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t past_length) {
+  if (input_ids.dim() != 2) {
+    throw std::invalid_argument("GPT2LMHeadModel: input_ids must be [B, T], got shape " +
+                                shape_str(input_ids.sizes()));
+  }
+  const int64_t T = input_ids.size(1);
+  if (past_length + T > config_.n_positions) {
+    throw std::invalid_argument("GPT2LMHeadModel: sequence of " + std::to_string(past_length + T) +
+                                " positions (" + std::to_string(past_length) + " cached + " +
+                                std::to_string(T) + " new) exceeds n_positions " +
+                                std::to_string(config_.n_positions));
+  }
+  auto& wte = transformer->wte;
+  auto ids = input_ids.to(wte->weight.device(), torch::kLong);
+  if (ids.is_cpu() && ids.numel() > 0) {  // on a GPU this check would cost a synchronisation
+    const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+    if (lo < 0 || hi >= config_.vocab_size) {
+      throw std::invalid_argument("GPT2LMHeadModel: token id " + std::to_string(lo < 0 ? lo : hi) +
+                                  " is outside the vocabulary [0, " +
+                                  std::to_string(config_.vocab_size) + ")");
+    }
+  }
+  auto positions = torch::arange(past_length, past_length + T,
+                                 torch::TensorOptions().dtype(torch::kLong).device(ids.device()))
+                       .unsqueeze(0);
+  return transformer->drop(wte(ids) + transformer->wpe(positions.to(transformer->wpe->weight.device())));
+}
+
+torch::Tensor GPT2LMHeadModelImpl::head(const torch::Tensor& hidden) {
+  auto& ln_f = transformer->ln_f;
+  auto normed = ln_f(hidden.to(ln_f->weight.device()));
+  const auto& wte_weight = transformer->wte->weight;
+  return torch::linear(normed.to(wte_weight.device()), wte_weight);
+}
+
+torch::Tensor GPT2LMHeadModelImpl::forward(const torch::Tensor& input_ids) {
+  auto hidden = embed(input_ids, 0);
+  if (blocks_executor_) {
+    hidden = blocks_executor_(hidden);
+  } else {
+    for (size_t i = 0; i < transformer->h->size(); ++i) {
+      auto block = transformer->h->ptr<GPT2BlockImpl>(i);
+      hidden = block->forward(hidden.to(block->ln_1->weight.device()));
+    }
+  }
+  return head(hidden);
+}
+
+torch::Tensor GPT2LMHeadModelImpl::forward_cached(const torch::Tensor& input_ids, KVCache& cache) {
+  const size_t n_layer = transformer->h->size();
+  if (cache.layers.empty()) cache.layers.resize(n_layer);
+  if (cache.layers.size() != n_layer) {
+    throw std::invalid_argument("GPT2LMHeadModel: KV cache has " +
+                                std::to_string(cache.layers.size()) + " layers, the model " +
+                                std::to_string(n_layer));
+  }
+  auto hidden = embed(input_ids, cache.length());
+  for (size_t i = 0; i < n_layer; ++i) {
+    auto block = transformer->h->ptr<GPT2BlockImpl>(i);
+    hidden = block->forward_cached(hidden.to(block->ln_1->weight.device()), cache.layers[i]);
+  }
+  return head(hidden);
+}
+
+void GPT2LMHeadModelImpl::parallelize(const std::vector<Device>& devices) {
+  if (devices.empty()) throw std::invalid_argument("parallelize: no devices given");
+  const int64_t n_layer = config_.n_layer;
+  const int64_t n_devices = static_cast<int64_t>(devices.size());
+  const int64_t run = (n_layer + n_devices - 1) / n_devices;
+  const int64_t used = (n_layer + run - 1) / run;
+  if (used < n_devices) {
+    throw std::invalid_argument(
+        "parallelize: n_layer " + std::to_string(n_layer) + " over " + std::to_string(n_devices) +
+        " devices gives runs of ceil(" + std::to_string(n_layer) + "/" + std::to_string(n_devices) +
+        ") = " + std::to_string(run) + " blocks, which leaves " + devices[used].str() +
+        " (and any after it) without a block; use at most " + std::to_string(used) + " devices");
+  }
+  first_device_ = devices.front();
+  last_device_ = devices.back();
+  transformer->wte->to(first_device_.torch_device());
+  transformer->wpe->to(first_device_.torch_device());
+  block_devices_.clear();
+  for (int64_t i = 0; i < n_layer; ++i) {
+    const Device& d = devices[static_cast<size_t>(i / run)];
+    block_devices_.push_back(d);
+    transformer->h->ptr(static_cast<size_t>(i))->to(d.torch_device());
+  }
+  transformer->ln_f->to(last_device_.torch_device());
+}
+
+int64_t count_parameters(torch::nn::Module& module) {
+  std::unordered_set<const void*> seen;
+  int64_t total = 0;
+  for (const auto& p : module.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) total += p.numel();
+  }
+  return total;
+}
+
+}  // namespace harness::model

@@ -1,0 +1,359 @@
+// A validating safetensors reader/writer (no external library) and GPT-2 load/save in Hugging
+// Face's layout. Format: u64 little-endian header length N, N bytes of JSON
+// {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, then the data.
+#include "harness/model/safetensors.h"
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace harness::model {
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+// The reference implementation refuses headers above 100 MB; so do we.
+constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
+
+struct Entry {
+  std::string name;
+  torch::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+};
+
+struct Header {
+  std::vector<Entry> entries;
+  std::map<std::string, std::string> metadata;
+};
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
+  out << ']';
+  return out.str();
+}
+
+[[noreturn]] void fail(const std::string& origin, const std::string& what) {
+  throw std::runtime_error(origin + ": " + what);
+}
+
+std::string dtype_name(torch::ScalarType t) {
+  switch (t) {
+    case torch::kFloat: return "F32";
+    case torch::kHalf: return "F16";
+    case torch::kBFloat16: return "BF16";
+    default: return c10::toString(t);
+  }
+}
+
+torch::ScalarType parse_dtype(const std::string& text, const std::string& origin,
+                              const std::string& tensor) {
+  if (text == "F32") return torch::kFloat;
+  if (text == "F16") return torch::kHalf;
+  if (text == "BF16") return torch::kBFloat16;
+  fail(origin, "tensor " + tensor + " has dtype \"" + text +
+                   "\"; only F32, F16 and BF16 are supported");
+}
+
+uint64_t read_u64_le(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// Checks the 8-byte prefix against the file size; returns the header length.
+uint64_t check_header_length(uint64_t header_len, uint64_t file_size, const std::string& origin) {
+  if (header_len > kMaxHeaderBytes) {
+    fail(origin, "header length " + std::to_string(header_len) + " exceeds the limit of " +
+                     std::to_string(kMaxHeaderBytes) + " bytes (corrupt file?)");
+  }
+  if (header_len > file_size - 8) {
+    fail(origin, "header length " + std::to_string(header_len) + " runs past the end of the file (" +
+                     std::to_string(file_size) + " bytes; truncated?)");
+  }
+  if (header_len < 2) fail(origin, "header length " + std::to_string(header_len) + " is too small");
+  return header_len;
+}
+
+uint64_t read_offset(const ordered_json& v, const std::string& origin, const std::string& tensor) {
+  if (!v.is_number_unsigned()) {
+    fail(origin, "tensor " + tensor + ": data_offsets must hold non-negative integers, got " +
+                     v.dump(-1, ' ', false, ordered_json::error_handler_t::replace));
+  }
+  return v.get<uint64_t>();
+}
+
+Header parse_header(const char* text, size_t length, uint64_t data_size, const std::string& origin) {
+  ordered_json j;
+  try {
+    j = ordered_json::parse(text, text + length);
+  } catch (const ordered_json::exception& e) {
+    fail(origin, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) fail(origin, std::string("header must be a JSON object, got ") + j.type_name());
+
+  auto dump = [](const ordered_json& v) {
+    return v.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+  };
+  Header header;
+  std::set<std::string> names;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& name = it.key();
+    const ordered_json& value = it.value();
+    if (name == "__metadata__") {
+      if (!value.is_object()) fail(origin, "__metadata__ must be an object of strings, got " + dump(value));
+      for (auto m = value.begin(); m != value.end(); ++m) {
+        if (!m.value().is_string()) {
+          fail(origin, "__metadata__ key \"" + m.key() + "\" must be a string, got " + dump(m.value()));
+        }
+        header.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    if (!names.insert(name).second) fail(origin, "tensor " + name + " appears twice in the header");
+    if (!value.is_object()) fail(origin, "tensor " + name + ": entry must be an object, got " + dump(value));
+    Entry e;
+    e.name = name;
+
+    auto dtype = value.find("dtype");
+    if (dtype == value.end() || !dtype->is_string()) fail(origin, "tensor " + name + ": missing string \"dtype\"");
+    e.dtype = parse_dtype(dtype->get<std::string>(), origin, name);
+
+    auto shape = value.find("shape");
+    if (shape == value.end() || !shape->is_array()) fail(origin, "tensor " + name + ": missing array \"shape\"");
+    // Product of the dimensions (zeros counted as one) must fit int64, or torch would overflow.
+    uint64_t bounded = 1, numel = 1;
+    for (const auto& d : *shape) {
+      if (!d.is_number_unsigned()) {
+        fail(origin, "tensor " + name + ": shape must hold non-negative integers, got " + dump(*shape));
+      }
+      const uint64_t dim = d.get<uint64_t>();
+      if (__builtin_mul_overflow(bounded, dim == 0 ? 1 : dim, &bounded) ||
+          bounded > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        fail(origin, "tensor " + name + ": shape " + dump(*shape) + " is too large");
+      }
+      numel *= dim;
+      e.shape.push_back(static_cast<int64_t>(dim));
+    }
+
+    auto offsets = value.find("data_offsets");
+    if (offsets == value.end() || !offsets->is_array() || offsets->size() != 2) {
+      fail(origin, "tensor " + name + ": \"data_offsets\" must be [begin, end]");
+    }
+    e.begin = read_offset((*offsets)[0], origin, name);
+    e.end = read_offset((*offsets)[1], origin, name);
+    if (e.begin > e.end || e.end > data_size) {
+      fail(origin, "tensor " + name + ": data_offsets [" + std::to_string(e.begin) + ", " +
+                       std::to_string(e.end) + "] lie outside the data section of " +
+                       std::to_string(data_size) + " bytes (truncated file?)");
+    }
+    const uint64_t itemsize = c10::elementSize(e.dtype);
+    uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(numel, itemsize, &nbytes) || nbytes != e.end - e.begin) {
+      fail(origin, "tensor " + name + ": shape " + shape_str(e.shape) + " of " +
+                       dtype_name(e.dtype) + " needs " + std::to_string(numel) + " x " +
+                       std::to_string(itemsize) + " bytes but data_offsets span " +
+                       std::to_string(e.end - e.begin));
+    }
+    header.entries.push_back(std::move(e));
+  }
+  return header;
+}
+
+torch::Tensor empty_for(const Entry& e) {
+  return torch::empty(e.shape, torch::TensorOptions().dtype(e.dtype));
+}
+
+NamedTensors::value_type named(std::string name, torch::Tensor t) {
+  return {std::move(name), std::move(t)};
+}
+
+}  // namespace
+
+SafetensorsContents parse_safetensors(const uint8_t* data, size_t size, const std::string& origin) {
+  if (size < 8) fail(origin, "file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  const uint64_t header_len = check_header_length(read_u64_le(data), size, origin);
+  const uint64_t data_size = size - 8 - header_len;
+  Header header = parse_header(reinterpret_cast<const char*>(data + 8), header_len, data_size, origin);
+  const uint8_t* base = data + 8 + header_len;
+  SafetensorsContents contents;
+  contents.metadata = std::move(header.metadata);
+  for (const Entry& e : header.entries) {
+    torch::Tensor t = empty_for(e);
+    if (e.end > e.begin) std::memcpy(t.data_ptr(), base + e.begin, e.end - e.begin);
+    contents.tensors.push_back(named(e.name, std::move(t)));
+  }
+  return contents;
+}
+
+SafetensorsContents read_safetensors_with_metadata(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, "cannot open safetensors file");
+  in.seekg(0, std::ios::end);
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  if (size < 8) fail(path, "file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  uint8_t prefix[8];
+  in.read(reinterpret_cast<char*>(prefix), 8);
+  const uint64_t header_len = check_header_length(read_u64_le(prefix), size, path);
+  std::string text(header_len, '\0');
+  if (!in.read(text.data(), static_cast<std::streamsize>(header_len))) fail(path, "cannot read the header");
+  Header header = parse_header(text.data(), text.size(), size - 8 - header_len, path);
+
+  SafetensorsContents contents;
+  contents.metadata = std::move(header.metadata);
+  for (const Entry& e : header.entries) {
+    torch::Tensor t = empty_for(e);
+    if (e.end > e.begin) {
+      in.seekg(static_cast<std::streamoff>(8 + header_len + e.begin));
+      if (!in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin))) {
+        fail(path, "tensor " + e.name + ": read of its data failed (file changed or truncated?)");
+      }
+    }
+    contents.tensors.push_back(named(e.name, std::move(t)));
+  }
+  return contents;
+}
+
+NamedTensors read_safetensors(const std::string& path) {
+  return read_safetensors_with_metadata(path).tensors;
+}
+
+void write_safetensors(const std::string& path, const NamedTensors& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  ordered_json header = ordered_json::object();
+  if (!metadata.empty()) {
+    ordered_json m = ordered_json::object();
+    for (const auto& [k, v] : metadata) m[k] = v;
+    header["__metadata__"] = m;
+  }
+  std::vector<torch::Tensor> cpu;
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    if (name == "__metadata__") fail(path, "a tensor may not be called __metadata__");
+    if (header.contains(name)) fail(path, "tensor " + name + " is given twice");
+    if (!tensor.defined()) fail(path, "tensor " + name + " is undefined");
+    const auto dtype = tensor.scalar_type();
+    if (dtype != torch::kFloat && dtype != torch::kHalf && dtype != torch::kBFloat16) {
+      fail(path, "tensor " + name + " has dtype " + std::string(c10::toString(dtype)) +
+                     "; only float32, float16 and bfloat16 are written");
+    }
+    torch::Tensor t = tensor.detach().to(torch::kCPU).contiguous();
+    const uint64_t nbytes = t.numel() * t.element_size();
+    header[name] = {{"dtype", dtype_name(dtype)},
+                    {"shape", t.sizes().vec()},
+                    {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
+    cpu.push_back(std::move(t));
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) fail(tmp, "cannot open for writing");
+    uint8_t prefix[8];
+    uint64_t n = text.size();
+    for (int i = 0; i < 8; ++i, n >>= 8) prefix[i] = static_cast<uint8_t>(n & 0xff);
+    out.write(reinterpret_cast<const char*>(prefix), 8);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const auto& t : cpu) {
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+    }
+    if (!out.flush()) fail(tmp, "write failed (disk full?)");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) fail(path, "cannot move " + tmp + " into place: " + ec.message());
+}
+
+void load_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "model.safetensors").string();
+  const std::string& origin = path;
+  NamedTensors tensors = read_safetensors(path);
+
+  std::unordered_map<std::string, torch::Tensor> params;
+  for (auto& item : model.named_parameters()) params.emplace(item.key(), item.value());
+
+  auto ends_with = [](const std::string& s, const std::string& suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  std::unordered_map<std::string, torch::Tensor> loaded;
+  torch::Tensor lm_head;
+  for (auto& [raw_name, raw] : tensors) {
+    if (ends_with(raw_name, ".attn.bias") || ends_with(raw_name, ".attn.masked_bias")) continue;
+    if (raw_name == "lm_head.weight") {
+      lm_head = raw.to(torch::kFloat);
+      continue;
+    }
+    const std::string name = raw_name.rfind("transformer.", 0) == 0 ? raw_name : "transformer." + raw_name;
+    auto p = params.find(name);
+    if (p == params.end()) {
+      fail(origin, "tensor " + raw_name + " is not a parameter of this model (n_layer " +
+                       std::to_string(model.config().n_layer) + "; config.json and weights disagree?)");
+    }
+    if (loaded.count(name)) fail(origin, "tensor " + name + " is given twice (with and without \"transformer.\")");
+    if (raw.sizes() != p->second.sizes()) {
+      fail(origin, "tensor " + name + " has shape " + shape_str(raw.sizes()) + ", expected " +
+                       shape_str(p->second.sizes()));
+    }
+    loaded.emplace(name, raw.to(torch::kFloat));
+  }
+  std::vector<std::string> missing;
+  for (auto& item : model.named_parameters()) {
+    if (!loaded.count(item.key())) missing.push_back(item.key());
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (size_t i = 0; i < missing.size(); ++i) {
+      if (i == 8) {
+        list += ", ... (" + std::to_string(missing.size()) + " in all)";
+        break;
+      }
+      list += (i ? ", " : "") + missing[i];
+    }
+    fail(origin, std::to_string(missing.size()) + " tensor(s) missing: " + list);
+  }
+  if (lm_head.defined()) {
+    const torch::Tensor& wte = loaded.at("transformer.wte.weight");
+    if (lm_head.sizes() != wte.sizes() || !torch::equal(lm_head, wte)) {
+      fail(origin, "lm_head.weight differs from transformer.wte.weight; untied LM heads are not supported");
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [name, t] : loaded) {
+    torch::Tensor& p = params.at(name);
+    p.copy_(t.to(p.scalar_type()));
+  }
+}
+
+GPT2LMHeadModel from_pretrained(const std::string& dir) {
+  const auto config = GPT2Config::from_json_file((std::filesystem::path(dir) / "config.json").string());
+  GPT2LMHeadModel model(config);
+  load_pretrained(*model, dir);
+  return model;
+}
+
+void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) fail(dir, "cannot create directory: " + ec.message());
+  model.config().save_json_file((std::filesystem::path(dir) / "config.json").string());
+  NamedTensors tensors;
+  for (auto& item : model.named_parameters()) tensors.push_back(named(item.key(), item.value()));
+  write_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), tensors);
+}
+
+}  // namespace harness::model
