@@ -18,6 +18,9 @@ struct Device {
 
   static Device cpu(int lane = 0) { return {Kind::kCpu, lane}; }
   static Device cuda(int ordinal) { return {Kind::kCuda, ordinal}; }
+  // The lane a torch device denotes: any CPU tensor is on cpu:0 (lanes differ only by name, see
+  // pipeline::WithDevice), cuda without an index is cuda:0.
+  static Device from_torch(const c10::Device& device);
 
   // "cpu", "cpu:1", "cuda", "cuda:0". Throws std::invalid_argument naming the text.
   static Device parse(const std::string& text);
@@ -41,6 +44,11 @@ std::vector<Device> parse_device_list(const std::string& csv);
 
 // Every GPU when there is one, else cpu:0 and cpu:1.
 std::vector<Device> default_devices();
+
+// Makes the calling thread a worker of `device`: its ATen intra-op width becomes
+// `intra_op_threads` (with OpenMP this is per thread, so each lane keeps its share of the cores),
+// and on CUDA lanes the current GPU becomes `device`. Call it first thing in the lane's thread.
+void enter_device_lane(const Device& device, int intra_op_threads);
 
 // Intra-op threads each of `n_devices` CPU lanes gets by default: cores / n_devices, at least 1.
 int default_threads_per_device(int n_devices);

@@ -1,6 +1,8 @@
 // Parsing and defaults for harness::Device.
 #include "harness/device.h"
 
+#include <ATen/Parallel.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
@@ -30,6 +32,12 @@ Device Device::parse(const std::string& text) {
 c10::Device Device::torch_device() const {
   return is_cuda() ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))
                    : c10::Device(c10::kCPU);
+}
+
+Device Device::from_torch(const c10::Device& device) {
+  if (device.is_cpu()) return cpu(0);
+  if (device.is_cuda()) return cuda(device.has_index() ? device.index() : 0);
+  throw std::invalid_argument("device '" + device.str() + "' is neither a CPU nor a CUDA device");
 }
 
 std::string Device::str() const {
@@ -66,6 +74,24 @@ std::vector<Device> default_devices() {
   for (int i = 0; i < gpus; ++i) devices.push_back(Device::cuda(i));
   if (devices.empty()) devices = {Device::cpu(0), Device::cpu(1)};
   return devices;
+}
+
+void enter_device_lane(const Device& device, int intra_op_threads) {
+  if (intra_op_threads < 1) {
+    throw std::invalid_argument("device lane " + device.str() + ": intra-op threads must be >= 1, got " +
+                                std::to_string(intra_op_threads));
+  }
+  // ATen initialises each thread's width lazily from the process-wide value (the last one any
+  // thread set) the first time the thread runs parallel work; trigger that now, both in our code
+  // and inside libtorch (each has its own copy of the once-per-thread flag), so it cannot later
+  // overwrite this lane's width.
+  at::internal::lazy_init_num_threads();
+  (void)at::get_num_threads();
+  at::set_num_threads(intra_op_threads);
+  if (device.is_cuda()) {
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)
+        ->setDevice(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index)));
+  }
 }
 
 int default_threads_per_device(int n_devices) {

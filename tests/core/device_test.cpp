@@ -1,6 +1,12 @@
 // Device names and lists.
 #include <gtest/gtest.h>
 
+#include <ATen/Parallel.h>
+#include <c10/core/Device.h>
+
+#include <future>
+#include <thread>
+
 #include "harness/device.h"
 
 namespace harness {
@@ -30,6 +36,36 @@ TEST(Device, ListRejectsDuplicatesAndMissingGpus) {
 TEST(Device, DefaultThreadsShareTheCores) {
   EXPECT_GE(default_threads_per_device(2), 1);
   EXPECT_EQ(default_threads_per_device(100000), 1);
+}
+
+TEST(Device, FromTorchMapsEveryCpuTensorToLaneZero) {
+  EXPECT_EQ(Device::from_torch(c10::Device(c10::kCPU)), Device::cpu(0));
+  EXPECT_EQ(Device::from_torch(c10::Device(c10::kCUDA, 1)), Device::cuda(1));
+  EXPECT_EQ(Device::from_torch(c10::Device(c10::kCUDA)), Device::cuda(0));
+}
+
+TEST(Device, LaneWidthIsPerThread) {
+  // Lane a keeps its own intra-op width after lane b set another one on its own thread. (The
+  // width is what ATen's OpenMP kernels use: the thread's omp_get_max_threads().)
+  std::promise<void> a_entered, b_entered;
+  int width_a = 0, width_b = 0;
+  std::thread a([&] {
+    enter_device_lane(Device::cpu(0), 1);
+    a_entered.set_value();
+    b_entered.get_future().wait();
+    width_a = at::get_num_threads();
+  });
+  std::thread b([&] {
+    a_entered.get_future().wait();
+    enter_device_lane(Device::cpu(1), 3);
+    width_b = at::get_num_threads();
+    b_entered.set_value();
+  });
+  a.join();
+  b.join();
+  EXPECT_EQ(width_a, 1);
+  EXPECT_EQ(width_b, 3);
+  EXPECT_THROW(enter_device_lane(Device::cpu(0), 0), std::invalid_argument);
 }
 
 }  // namespace

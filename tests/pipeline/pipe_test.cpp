@@ -1,0 +1,216 @@
+// Pipe: output and gradients equal the plain module's (a5_2_2), failures surface on the caller,
+// threads are joined, the trace shows the GPipe order.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <filesystem>
+#include <map>
+#include <thread>
+
+#include "harness/pipeline/pipe.h"
+#include "harness/pipeline/with_device.h"
+
+namespace harness::pipeline {
+namespace {
+
+size_t thread_count() {
+  size_t count = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++count;
+  return count;
+}
+
+// The original's model: Linear - Sigmoid on the first device, Linear - Sigmoid on the second.
+torch::nn::Sequential two_device_model() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(WithDevice(torch::nn::Linear(8, 16), Device::cpu(0)),
+                               WithDevice(torch::nn::Sigmoid(), Device::cpu(0)),
+                               WithDevice(torch::nn::Linear(16, 4), Device::cpu(1)),
+                               WithDevice(torch::nn::Sigmoid(), Device::cpu(1)));
+}
+
+std::map<std::string, torch::Tensor> gradients_of(torch::nn::Module& module) {
+  std::map<std::string, torch::Tensor> grads;
+  for (const auto& p : module.named_parameters()) grads[p.key()] = p.value().grad().clone();
+  return grads;
+}
+
+TEST(Pipe, a5_2_2_OutputEqualsThePlainModule) {
+  torch::nn::Sequential model = two_device_model();
+  Pipe pipe(model, 1, {/*threads_per_device=*/1});
+  torch::NoGradGuard no_grad;
+  for (int64_t batch : {1, 16, 32, 64}) {
+    const auto x = torch::randn({batch, 8});
+    const auto expected = model->forward(x);
+    for (int64_t split : {1, 2, 4, 8, 16}) {
+      pipe.set_split_size(split);
+      const auto y = pipe.forward(x);
+      ASSERT_EQ(y.sizes(), expected.sizes());
+      EXPECT_TRUE(torch::allclose(y, expected, 1e-6, 1e-6)) << "batch " << batch << " split " << split;
+    }
+  }
+}
+
+class PipeGradients : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PipeGradients, a5_2_2_GradientsEqualThePlainModule) {
+  const bool pipelined_backward = GetParam();
+  torch::nn::Sequential model = two_device_model();
+  const auto x = torch::randn({32, 8});
+  const auto target = torch::randn({32, 4});
+
+  auto x_plain = x.clone().requires_grad_();
+  torch::mse_loss(model->forward(x_plain), target).backward();
+  const auto expected = gradients_of(*model);
+  model->zero_grad();
+
+  PipeOptions options;
+  options.threads_per_device = 1;
+  options.pipelined_backward = pipelined_backward;
+  Pipe pipe(model, 8, options);
+  auto x_pipe = x.clone().requires_grad_();
+  const auto y = pipe.forward(x_pipe);
+  ASSERT_TRUE(y.requires_grad());
+  torch::mse_loss(y, target).backward();
+  for (const auto& [name, grad] : gradients_of(*model)) {
+    EXPECT_TRUE(torch::allclose(grad, expected.at(name), 1e-6, 1e-6)) << name;
+  }
+  EXPECT_TRUE(torch::allclose(x_pipe.grad(), x_plain.grad(), 1e-6, 1e-6));
+}
+
+INSTANTIATE_TEST_SUITE_P(BothBackwards, PipeGradients, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "Pipelined" : "Engine"; });
+
+TEST(Pipe, GradientsWithoutInputGradAndUnevenLastMicroBatch) {
+  torch::nn::Sequential model = two_device_model();
+  const auto x = torch::randn({13, 8});
+  model->forward(x).sum().backward();
+  const auto expected = gradients_of(*model);
+  model->zero_grad();
+  Pipe pipe(model, 4, {1});
+  pipe.forward(x).sum().backward();
+  for (const auto& [name, grad] : gradients_of(*model)) {
+    EXPECT_TRUE(torch::allclose(grad, expected.at(name), 1e-6, 1e-6)) << name;
+  }
+}
+
+TEST(Pipe, NoGradForwardBuildsNoGraph) {
+  torch::nn::Sequential model = two_device_model();
+  Pipe pipe(model, 2, {1});
+  torch::NoGradGuard no_grad;
+  EXPECT_FALSE(pipe.forward(torch::randn({4, 8})).requires_grad());
+}
+
+struct FailOnCallImpl : torch::nn::Module {
+  explicit FailOnCallImpl(int fail_on) : fail_on(fail_on) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (calls++ == fail_on) throw std::runtime_error("layer exploded on call " + std::to_string(fail_on));
+    return x;
+  }
+  std::atomic<int> calls{0};
+  int fail_on;
+};
+TORCH_MODULE(FailOnCall);
+
+TEST(Pipe, a5_2_2_FailingTaskSurfacesItsMessageAndLeavesNoThread) {
+  {
+    Pipe warm_up(two_device_model(), 2, {1});  // lazily created process-wide threads, if any
+    warm_up.forward(torch::randn({4, 8}, torch::requires_grad())).sum().backward();
+  }
+  const size_t before = thread_count();
+  {
+    torch::nn::Sequential model(WithDevice(torch::nn::Linear(8, 8), Device::cpu(0)),
+                                WithDevice(FailOnCall(1), Device::cpu(1)));
+    Pipe pipe(model, 2, {1});
+    EXPECT_EQ(thread_count(), before + 2);
+    try {
+      pipe.forward(torch::randn({8, 8}));
+      FAIL() << "expected the layer's exception";
+    } catch (const std::exception& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("layer exploded on call 1"), std::string::npos) << message;
+      EXPECT_NE(message.find("micro-batch 1, partition 1 on cpu:1"), std::string::npos) << message;
+    }
+  }
+  EXPECT_EQ(thread_count(), before);
+}
+
+TEST(Pipe, a5_2_2_TwoPipesAtOnceAndDestructorsJoin) {
+  const size_t before = thread_count();
+  {
+    torch::nn::Sequential a = two_device_model();
+    torch::nn::Sequential b = two_device_model();
+    auto pipe_a = std::make_shared<Pipe>(a, 2, PipeOptions{1});
+    auto pipe_b = std::make_shared<Pipe>(b, 3, PipeOptions{1});
+    EXPECT_EQ(thread_count(), before + 4);
+    const auto x = torch::randn({16, 8});
+    torch::Tensor ya, yb;
+    std::thread ta([&] {
+      for (int k = 0; k < 20; ++k) ya = pipe_a->forward(x);
+    });
+    std::thread tb([&] {
+      for (int k = 0; k < 20; ++k) yb = pipe_b->forward(x);
+    });
+    ta.join();
+    tb.join();
+    EXPECT_TRUE(torch::allclose(ya, yb, 1e-6, 1e-6));
+    pipe_a.reset();
+    EXPECT_EQ(thread_count(), before + 2);
+  }
+  EXPECT_EQ(thread_count(), before);
+}
+
+TEST(Pipe, BackwardAfterThePipeIsGoneIsAClearError) {
+  torch::nn::Sequential model = two_device_model();
+  torch::Tensor y;
+  {
+    Pipe pipe(model, 2, {1});
+    y = pipe.forward(torch::randn({4, 8}));
+  }
+  try {
+    y.sum().backward();
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Pipe was destroyed"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Pipe, RejectsBadSplitSizeAndEmptyInput) {
+  EXPECT_THROW(Pipe(two_device_model(), 0, {1}), std::invalid_argument);
+  Pipe pipe(two_device_model(), 2, {1});
+  EXPECT_THROW(pipe.forward(torch::randn({0, 8})), c10::Error);
+}
+
+TEST(Pipe, TraceShowsEveryTaskInGPipeOrder) {
+  Tracer tracer;
+  PipeOptions options;
+  options.threads_per_device = 1;
+  options.tracer = &tracer;
+  Pipe pipe(two_device_model(), 2, options);
+  pipe.forward(torch::randn({8, 8}, torch::requires_grad())).sum().backward();
+
+  // (phase, i, j) -> slice
+  std::map<std::tuple<std::string, int64_t, int64_t>, Tracer::Slice> by_task;
+  for (const auto& slice : tracer.slices()) {
+    int64_t i = -1, j = -1;
+    for (const auto& [key, value] : slice.args) {
+      if (key == "micro_batch") i = std::get<int64_t>(value);
+      if (key == "partition") j = std::get<int64_t>(value);
+    }
+    EXPECT_EQ(slice.track, j == 0 ? "cpu:0" : "cpu:1");
+    by_task[{slice.name, i, j}] = slice;
+  }
+  ASSERT_EQ(by_task.size(), 16u);  // 4 micro-batches x 2 partitions x forward/backward
+  for (int64_t i = 0; i < 4; ++i) {
+    EXPECT_LE((by_task[{"forward", i, 0}].end_us), (by_task[{"forward", i, 1}].start_us));
+    EXPECT_LE((by_task[{"backward", i, 1}].end_us), (by_task[{"backward", i, 0}].start_us));
+    EXPECT_LE((by_task[{"forward", 3, 1}].end_us), (by_task[{"backward", i, 1}].start_us));
+  }
+  for (int64_t i = 0; i + 1 < 4; ++i) {
+    EXPECT_LE((by_task[{"backward", i + 1, 1}].end_us), (by_task[{"backward", i, 1}].start_us));
+  }
+}
+
+}  // namespace
+}  // namespace harness::pipeline
