@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <thread>
@@ -210,6 +211,51 @@ TEST(Pipe, TraceShowsEveryTaskInGPipeOrder) {
   for (int64_t i = 0; i + 1 < 4; ++i) {
     EXPECT_LE((by_task[{"backward", i + 1, 1}].end_us), (by_task[{"backward", i, 1}].start_us));
   }
+}
+
+// Identity whose forward and backward each take `millis` of wall time, so that overlap between
+// the two lanes shows in the trace whatever the machine's load.
+struct SlowIdentity : torch::autograd::Function<SlowIdentity> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t millis) {
+    ctx->saved_data["millis"] = millis;
+    std::this_thread::sleep_for(std::chrono::milliseconds(millis));
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ctx->saved_data["millis"].toInt()));
+    return {grads[0], torch::Tensor()};
+  }
+};
+struct SlowLayerImpl : torch::nn::Module {
+  SlowLayerImpl() { weight = register_parameter("weight", torch::ones({4})); }
+  torch::Tensor forward(const torch::Tensor& x) { return SlowIdentity::apply(x * weight, 30); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(SlowLayer);
+
+bool overlap(const Tracer::Slice& a, const Tracer::Slice& b) {
+  return a.start_us < b.end_us && b.start_us < a.end_us;
+}
+
+TEST(Pipe, BothLanesWorkAtOnceInForwardAndPipelinedBackward) {
+  Tracer tracer;
+  PipeOptions options;
+  options.threads_per_device = 1;
+  options.tracer = &tracer;
+  Pipe pipe(torch::nn::Sequential(WithDevice(SlowLayer(), Device::cpu(0)),
+                                  WithDevice(SlowLayer(), Device::cpu(1))),
+            1, options);
+  pipe.forward(torch::ones({2, 4})).sum().backward();
+  std::map<std::tuple<std::string, int64_t, int64_t>, Tracer::Slice> by_task;
+  for (const auto& slice : tracer.slices()) {
+    by_task[{slice.name, std::get<int64_t>(slice.args.at(0).second),
+             std::get<int64_t>(slice.args.at(1).second)}] = slice;
+  }
+  ASSERT_EQ(by_task.size(), 8u);
+  // Forward cycle 1 runs (1,0) on cpu:0 with (0,1) on cpu:1; backward cycle 1 (0,1) with (1,0).
+  EXPECT_TRUE(overlap(by_task[{"forward", 1, 0}], by_task[{"forward", 0, 1}]));
+  EXPECT_TRUE(overlap(by_task[{"backward", 0, 1}], by_task[{"backward", 1, 0}]));
 }
 
 }  // namespace
