@@ -1,0 +1,83 @@
+// Bucketed, overlapped gradient averaging (as PyTorch's DDP reducer does it): parameters are
+// grouped into buckets of about bucket_cap_mb in reverse registration order (the order backward
+// produces gradients); a hook on each parameter's gradient accumulator marks it ready, and as soon
+// as a bucket is complete its flattened SUM all-reduce starts asynchronously while backward goes
+// on. finalize() waits, divides by the world size and writes the averages back into .grad().
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "harness/data_parallel/grad_sync.h"
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace harness::data_parallel {
+
+// The bucket plan (pure): indices of `parameters` that require grad, in reverse order, cut into
+// consecutive buckets of at most cap_bytes (a larger parameter gets a bucket of its own) and
+// wherever dtype or device changes.
+std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& parameters,
+                                              int64_t cap_bytes);
+
+class BucketedAllReduce : public GradientSynchronizer {
+ public:
+  explicit BucketedAllReduce(DistContext ctx, double bucket_cap_mb = 25.0);
+  ~BucketedAllReduce() override;  // removes its hooks
+  BucketedAllReduce(const BucketedAllReduce&) = delete;
+  BucketedAllReduce& operator=(const BucketedAllReduce&) = delete;
+
+  // Parameters must be leaves; those that do not require grad are skipped. Call once.
+  using GradientSynchronizer::attach;
+  void attach(std::vector<at::Tensor> parameters) override;
+  // Called by the accumulator hooks; public so that a caller without hooks could drive it.
+  void add(size_t index) override;
+  // Launches what backward did not (unused parameters count as zero), waits for every bucket,
+  // averages. Parameters unused in one step are taken as ready from the start of the next, so
+  // they do not delay their bucket (every rank must use the same parameters, as with DDP). A gradient accumulated again after its bucket was launched (several backward calls
+  // per step) makes that bucket be reduced again here, in bucket order on every rank.
+  void finalize() override;
+  std::string name() const override { return "bucketed"; }
+
+  const std::vector<std::vector<size_t>>& bucket_plan() const { return plan_; }
+  // Buckets whose all-reduce started during backward in the last finalized step.
+  int64_t launched_during_backward() const { return launched_during_backward_; }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;
+    size_t pending = 0;      // parameters not yet ready this step
+    bool launched = false;
+    bool stale = false;      // a gradient changed after the launch
+    at::Tensor buffer;       // the flattened gradients being reduced
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  void launch_ready_buckets_locked();
+  void launch_locked(Bucket& bucket);
+  void reset_step_locked();
+
+  DistContext ctx_;
+  int64_t cap_bytes_;
+  std::vector<at::Tensor> parameters_;
+  std::vector<std::vector<size_t>> plan_;
+  std::vector<Bucket> buckets_;
+  std::vector<size_t> bucket_of_;   // parameter index -> bucket (SIZE_MAX: not synchronised)
+  std::vector<char> ready_;          // counted towards its bucket this step (fired or presumed unused)
+  std::vector<char> fired_;          // its accumulator hook ran this step
+  size_t next_to_launch_ = 0;       // buckets launch strictly in order, the same on every rank
+  int64_t launched_in_step_ = 0;
+  int64_t launched_during_backward_ = 0;
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::mutex mutex_;
+};
+
+}  // namespace harness::data_parallel

@@ -1,0 +1,62 @@
+// Gradient synchronisation for data parallelism behind one interface (STYLE.md §5): attach the
+// parameters once, let backward produce gradients (an implementation may start reducing them as
+// each becomes ready), then finalize() before the optimizer step leaves every attached
+// parameter's .grad() equal to the mean over the ranks. Callers never change with the strategy.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "harness/data_parallel/process_group.h"
+
+namespace harness::data_parallel {
+
+class GradientSynchronizer {
+ public:
+  virtual ~GradientSynchronizer() = default;
+
+  // The parameters whose gradients are averaged, in registration order. Call once, before the
+  // first backward (implementations that overlap communication install their hooks here).
+  void attach(torch::nn::Module& module) { attach(module.parameters(/*recurse=*/true)); }
+  virtual void attach(std::vector<at::Tensor> parameters) = 0;
+
+  // Gradient of attached parameter `index` is complete (accumulated) for this step. Overlapping
+  // implementations call this from their own hooks; others ignore it.
+  virtual void add(size_t index) {}
+
+  // After backward, before the optimizer step: waits for every reduction and writes the averaged
+  // gradients. Parameters without a gradient are left without one.
+  virtual void finalize() = 0;
+
+  virtual std::string name() const = 0;
+};
+
+// The original's average_gradients: after backward, one blocking SUM all-reduce per parameter
+// that has a gradient, then division by the world size (no autograd involved, never .data()).
+class NaiveAllReduce : public GradientSynchronizer {
+ public:
+  explicit NaiveAllReduce(DistContext ctx);
+  using GradientSynchronizer::attach;
+  void attach(std::vector<at::Tensor> parameters) override;
+  void finalize() override;
+  std::string name() const override { return "naive"; }
+
+ private:
+  DistContext ctx_;
+  std::vector<at::Tensor> parameters_;
+};
+
+// The same in one call, as the original's function of that name.
+void average_gradients(torch::nn::Module& module, const DistContext& ctx);
+
+// --grad_sync: "naive" (NaiveAllReduce) or "bucketed" (BucketedAllReduce with --bucket_cap_mb,
+// bucketed_all_reduce.h). Throws std::invalid_argument naming the flag for an unknown kind.
+std::unique_ptr<GradientSynchronizer> make_gradient_synchronizer(const std::string& kind,
+                                                                 const DistContext& ctx,
+                                                                 double bucket_cap_mb = 25.0);
+
+}  // namespace harness::data_parallel

@@ -1,0 +1,71 @@
+// Starting data-parallel workers like torchrun does, and failing like it: either this process is
+// one worker of a launch done elsewhere (torchrun's or Slurm's variables), or it starts N copies
+// of itself, forwards their output, and stops them all as soon as one fails.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace harness::data_parallel {
+
+struct WorkerEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "localhost";
+  int master_port = 11868;
+};
+
+// From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (RANK set: WORLD_SIZE is
+// required, LOCAL_RANK defaults to RANK, the address and port to localhost/11868), else from
+// Slurm's SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID with MASTER_ADDR (and MASTER_PORT, default
+// 11868). nullopt when neither launched this process (a single-task Slurm step without
+// MASTER_ADDR counts as not launched). Malformed or inconsistent values throw
+// std::invalid_argument naming the variable and its value.
+std::optional<WorkerEnv> worker_env_from(const std::map<std::string, std::string>& env);
+std::optional<WorkerEnv> worker_env_from_environment();
+
+// Output forwarding: a worker's line is printed as it is when it already says which rank it is
+// from (it contains "Rank <r>" or "rank <r>" as a word, or starts with "[rank"), else with the
+// prefix "[rank r] ". Returns the line to print.
+std::string label_worker_line(int rank, const std::string& line);
+
+struct LaunchOptions {
+  std::string executable = "/proc/self/exe";
+  // Extra variables for the workers, on top of this process's environment and the five above.
+  std::vector<std::pair<std::string, std::string>> extra_env;
+  // After the first failure: SIGTERM to the others, SIGKILL after this long.
+  std::chrono::milliseconds kill_grace = std::chrono::seconds(5);
+  // Where forwarded lines go (stderr lines with is_stderr). Default: this process's stdout/stderr.
+  std::function<void(int rank, bool is_stderr, const std::string& line)> sink;
+};
+
+struct LaunchResult {
+  int exit_code = 0;            // 0 when every worker exited 0
+  std::string failure;          // "rank 1 exited with status 3", "rank 1 was killed by signal 9 (SIGKILL)"
+  std::vector<pid_t> pids;      // the workers' process ids, by rank (all reaped on return)
+  std::vector<int> wait_status; // each worker's waitpid status, by rank
+};
+
+// Starts world_size copies of options.executable with argv_of_self (argv[0] first) and RANK,
+// WORLD_SIZE, LOCAL_RANK (= rank), MASTER_ADDR, MASTER_PORT set; each worker runs in its own
+// process group and dies with the launcher (PR_SET_PDEATHSIG, so call this from a thread that
+// outlives the workers). Waits for all. When one exits non-zero or is killed, the others get
+// SIGTERM, then SIGKILL after kill_grace; SIGINT/SIGTERM to the launcher do the same. No worker is
+// left running on return.
+LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world_size,
+                         const std::string& master_addr, int master_port,
+                         const LaunchOptions& options = {});
+
+// run_workers with default options; prints the failure to stderr and returns the exit code.
+int launch_workers(const std::vector<std::string>& argv_of_self, int world_size,
+                   const std::string& master_addr, int master_port);
+
+}  // namespace harness::data_parallel

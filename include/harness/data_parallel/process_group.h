@@ -1,0 +1,57 @@
+// Setting up a c10d process group for one data-parallel rank: a TCP store for the rendezvous
+// (rank 0 serves it) and ProcessGroupGloo for CPU tensors or ProcessGroupNCCL for CUDA tensors.
+// The resulting DistContext is passed explicitly to what needs it; there is no global state.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+#include "harness/device.h"
+
+namespace harness::data_parallel {
+
+constexpr int kDefaultMasterPort = 11868;
+
+struct DistOptions {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string backend = "auto";  // auto | gloo | nccl; auto: nccl for CUDA devices, else gloo
+  std::string master_addr = "localhost";
+  int master_port = kDefaultMasterPort;
+  Device device = Device::cpu();
+  // How long the rendezvous and each collective may take before failing.
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+};
+
+struct DistContext {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  Device device = Device::cpu();
+  std::string backend;  // the resolved one: "gloo" or "nccl"
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> group;
+};
+
+// "gloo" or "nccl" for `backend` ("auto" picks by device). Throws std::invalid_argument naming
+// --backend / --device when they do not fit together or NCCL was not compiled in.
+std::string resolve_backend(const std::string& backend, const Device& device);
+
+// Rendezvous and process group. Errors (std::runtime_error) say what to change: the port in use
+// on rank 0 (--master_port), a rendezvous that timed out (which rank waited for whom, where),
+// NCCL without a GPU (--backend gloo --device cpu).
+DistContext init_process_group(const DistOptions& options);
+
+// In-place SUM all-reduce of one tensor across the group (dense; copied through a contiguous
+// buffer when it is not contiguous). Blocks until done.
+void all_reduce_sum(const DistContext& ctx, at::Tensor& tensor);
+
+// Every rank waits until all ranks reach this point.
+void barrier(const DistContext& ctx);
+
+}  // namespace harness::data_parallel

@@ -1,0 +1,193 @@
+// BucketedAllReduce (see bucketed_all_reduce.h). The hooks sit on the gradient accumulators,
+// which this object keeps alive (otherwise autograd would make new ones, without the hooks).
+#include "harness/data_parallel/bucketed_all_reduce.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+namespace harness::data_parallel {
+namespace {
+
+constexpr size_t kNoBucket = std::numeric_limits<size_t>::max();
+
+struct GradientReadyHook : torch::autograd::FunctionPostHook {
+  GradientReadyHook(GradientSynchronizer* owner, size_t index) : owner(owner), index(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    owner->add(index);
+    return outputs;
+  }
+  GradientSynchronizer* owner;
+  size_t index;
+};
+
+}  // namespace
+
+std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& parameters,
+                                              int64_t cap_bytes) {
+  std::vector<std::vector<size_t>> plan;
+  int64_t bytes = 0;
+  const at::Tensor* previous = nullptr;
+  for (size_t k = parameters.size(); k-- > 0;) {
+    const at::Tensor& p = parameters[k];
+    if (!p.requires_grad()) continue;
+    const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
+    const bool same_kind = previous != nullptr && previous->scalar_type() == p.scalar_type() &&
+                           previous->device() == p.device();
+    if (plan.empty() || !same_kind || bytes + size > cap_bytes) {
+      plan.emplace_back();
+      bytes = 0;
+    }
+    plan.back().push_back(k);
+    bytes += size;
+    previous = &p;
+  }
+  return plan;
+}
+
+BucketedAllReduce::BucketedAllReduce(DistContext ctx, double bucket_cap_mb)
+    : ctx_(std::move(ctx)) {
+  if (!(bucket_cap_mb > 0.0)) {
+    throw std::invalid_argument("--bucket_cap_mb " + std::to_string(bucket_cap_mb) +
+                                " must be positive");
+  }
+  cap_bytes_ = static_cast<int64_t>(bucket_cap_mb * 1024.0 * 1024.0);
+}
+
+BucketedAllReduce::~BucketedAllReduce() {
+  for (auto& [node, key] : hooks_) node->del_post_hook(key);
+  for (auto& bucket : buckets_) {
+    if (bucket.work) {
+      try {
+        bucket.work->wait();
+      } catch (...) {  // a destructor must not throw; the failure was reported to finalize()
+      }
+    }
+  }
+}
+
+void BucketedAllReduce::attach(std::vector<at::Tensor> parameters) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!parameters_.empty()) throw std::logic_error("BucketedAllReduce::attach called twice");
+  parameters_ = std::move(parameters);
+  plan_ = plan_buckets(parameters_, cap_bytes_);
+  bucket_of_.assign(parameters_.size(), kNoBucket);
+  ready_.assign(parameters_.size(), 0);
+  fired_.assign(parameters_.size(), 0);
+  buckets_.resize(plan_.size());
+  for (size_t b = 0; b < plan_.size(); ++b) {
+    buckets_[b].params = plan_[b];
+    buckets_[b].pending = plan_[b].size();
+    for (size_t index : plan_[b]) bucket_of_[index] = b;
+  }
+  for (size_t index = 0; index < parameters_.size(); ++index) {
+    if (bucket_of_[index] == kNoBucket) continue;
+    const at::Tensor& p = parameters_[index];
+    if (!p.is_leaf()) {
+      throw std::invalid_argument("BucketedAllReduce: parameter " + std::to_string(index) +
+                                  " is not a leaf tensor");
+    }
+    auto node = torch::autograd::impl::grad_accumulator(p);
+    const uintptr_t key = node->add_post_hook(std::make_unique<GradientReadyHook>(this, index));
+    hooks_.emplace_back(std::move(node), key);
+  }
+}
+
+void BucketedAllReduce::add(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (index >= bucket_of_.size() || bucket_of_[index] == kNoBucket) return;
+  Bucket& bucket = buckets_[bucket_of_[index]];
+  fired_[index] = 1;
+  if (ready_[index]) {  // accumulated again (another backward), or presumed unused after all
+    if (bucket.launched) bucket.stale = true;
+    return;
+  }
+  ready_[index] = 1;
+  if (--bucket.pending == 0) launch_ready_buckets_locked();
+}
+
+void BucketedAllReduce::launch_ready_buckets_locked() {
+  while (next_to_launch_ < buckets_.size() && buckets_[next_to_launch_].pending == 0) {
+    launch_locked(buckets_[next_to_launch_]);
+    ++launched_in_step_;
+    ++next_to_launch_;
+  }
+}
+
+void BucketedAllReduce::launch_locked(Bucket& bucket) {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(bucket.params.size());
+  for (size_t index : bucket.params) {
+    const at::Tensor& p = parameters_[index];
+    const at::Tensor& g = p.grad();
+    pieces.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({p.numel()}, p.options()));
+  }
+  bucket.buffer = torch::cat(pieces);
+  std::vector<at::Tensor> tensors{bucket.buffer};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  bucket.work = ctx_.group->allreduce(tensors, options);
+  bucket.launched = true;
+  bucket.stale = false;
+}
+
+void BucketedAllReduce::finalize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(ctx_.group, "BucketedAllReduce: the DistContext has no process group");
+  launched_during_backward_ = launched_in_step_;
+  // Every rank issues the same sequence: the buckets not yet launched, then the stale ones, in
+  // bucket order.
+  for (; next_to_launch_ < buckets_.size(); ++next_to_launch_) launch_locked(buckets_[next_to_launch_]);
+  for (auto& bucket : buckets_) {
+    if (!bucket.stale) continue;
+    bucket.work->wait();
+    launch_locked(bucket);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    bucket.work->wait();
+    bucket.buffer.div_(static_cast<double>(ctx_.world_size));
+    int64_t offset = 0;
+    for (size_t index : bucket.params) {
+      at::Tensor& p = parameters_[index];
+      const int64_t n = p.numel();
+      at::Tensor& g = p.mutable_grad();
+      if (g.defined()) g.copy_(bucket.buffer.slice(0, offset, offset + n).view_as(g));
+      offset += n;
+    }
+  }
+  reset_step_locked();
+}
+
+void BucketedAllReduce::reset_step_locked() {
+  // Parameters that got no gradient this step (unused by the forward) are taken as ready from
+  // the start of the next one, so that they do not hold their bucket, and every bucket after it,
+  // back until finalize(). Should one get a gradient after all, its bucket is reduced again in
+  // finalize() (the stale path), so the result stays right either way.
+  const bool had_backward = std::any_of(fired_.begin(), fired_.end(), [](char f) { return f != 0; });
+  for (auto& bucket : buckets_) {
+    bucket.pending = bucket.params.size();
+    bucket.launched = false;
+    bucket.stale = false;
+    bucket.buffer = at::Tensor();
+    bucket.work.reset();
+  }
+  for (size_t index = 0; index < ready_.size(); ++index) {
+    if (bucket_of_[index] == kNoBucket) continue;
+    const bool unused = had_backward ? fired_[index] == 0 : ready_[index] != 0;
+    ready_[index] = unused ? 1 : 0;
+    if (unused) --buckets_[bucket_of_[index]].pending;
+  }
+  std::fill(fired_.begin(), fired_.end(), 0);
+  next_to_launch_ = 0;
+  launched_in_step_ = 0;
+}
+
+}  // namespace harness::data_parallel

@@ -1,0 +1,408 @@
+// The worker launcher (see launcher.h): fork/exec, line forwarding through pipes, and stopping
+// everything on the first failure or on SIGINT/SIGTERM.
+#include "harness/data_parallel/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <stdexcept>
+
+extern char** environ;
+
+namespace harness::data_parallel {
+namespace {
+
+int parse_int_variable(const std::string& name, const std::string& value, int min_value) {
+  size_t used = 0;
+  long parsed = 0;
+  try {
+    parsed = std::stol(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (value.empty() || used != value.size() || parsed < min_value || parsed > 1'000'000'000) {
+    throw std::invalid_argument("environment variable " + name + "='" + value +
+                                "' is not an integer >= " + std::to_string(min_value));
+  }
+  return static_cast<int>(parsed);
+}
+
+const std::string* find(const std::map<std::string, std::string>& env, const std::string& key) {
+  const auto it = env.find(key);
+  return it == env.end() ? nullptr : &it->second;
+}
+
+int parse_port(const std::map<std::string, std::string>& env) {
+  const std::string* port = find(env, "MASTER_PORT");
+  if (port == nullptr) return 11868;
+  const int value = parse_int_variable("MASTER_PORT", *port, 1);
+  if (value > 65535) {
+    throw std::invalid_argument("environment variable MASTER_PORT='" + *port +
+                                "' is not a TCP port (1..65535)");
+  }
+  return value;
+}
+
+void check_rank(const WorkerEnv& w, const std::string& rank_var, const std::string& size_var) {
+  if (w.rank >= w.world_size) {
+    throw std::invalid_argument("environment variable " + rank_var + "=" +
+                                std::to_string(w.rank) + " is not below " + size_var + "=" +
+                                std::to_string(w.world_size));
+  }
+}
+
+std::string signal_name(int sig) {
+  switch (sig) {
+    case SIGKILL: return "SIGKILL";
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    case SIGHUP: return "SIGHUP";
+    case SIGPIPE: return "SIGPIPE";
+    default: {
+      const char* text = strsignal(sig);
+      return text != nullptr ? text : "unknown";
+    }
+  }
+}
+
+std::string describe_exit(int rank, int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "rank " + std::to_string(rank) + " was killed by signal " + std::to_string(sig) + " (" +
+           signal_name(sig) + ")";
+  }
+  return "rank " + std::to_string(rank) + " exited with status " +
+         std::to_string(WEXITSTATUS(status));
+}
+
+volatile sig_atomic_t g_launcher_signal = 0;  // set by the handler only; read by run_workers
+extern "C" void on_launcher_signal(int sig) { g_launcher_signal = sig; }
+
+// Installs SIGINT/SIGTERM handlers for the launch and restores the previous ones afterwards.
+class ScopedStopSignals {
+ public:
+  ScopedStopSignals() {
+    g_launcher_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = on_launcher_signal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, &old_int_);
+    sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~ScopedStopSignals() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+  }
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+struct Stream {
+  int fd = -1;
+  std::string pending;  // bytes after the last newline
+};
+
+struct Worker {
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  Stream out, err;
+};
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+std::optional<WorkerEnv> worker_env_from(const std::map<std::string, std::string>& env) {
+  if (const std::string* rank = find(env, "RANK")) {
+    WorkerEnv w;
+    w.rank = parse_int_variable("RANK", *rank, 0);
+    const std::string* world = find(env, "WORLD_SIZE");
+    if (world == nullptr) {
+      throw std::invalid_argument("environment variable RANK=" + *rank +
+                                  " is set but WORLD_SIZE is not (torchrun sets both)");
+    }
+    w.world_size = parse_int_variable("WORLD_SIZE", *world, 1);
+    const std::string* local = find(env, "LOCAL_RANK");
+    w.local_rank = local != nullptr ? parse_int_variable("LOCAL_RANK", *local, 0) : w.rank;
+    if (const std::string* addr = find(env, "MASTER_ADDR")) w.master_addr = *addr;
+    w.master_port = parse_port(env);
+    check_rank(w, "RANK", "WORLD_SIZE");
+    return w;
+  }
+  if (const std::string* procid = find(env, "SLURM_PROCID")) {
+    const std::string* ntasks = find(env, "SLURM_NTASKS");
+    if (ntasks == nullptr) {
+      throw std::invalid_argument("environment variable SLURM_PROCID=" + *procid +
+                                  " is set but SLURM_NTASKS is not");
+    }
+    WorkerEnv w;
+    w.rank = parse_int_variable("SLURM_PROCID", *procid, 0);
+    w.world_size = parse_int_variable("SLURM_NTASKS", *ntasks, 1);
+    const std::string* local = find(env, "SLURM_LOCALID");
+    w.local_rank = local != nullptr ? parse_int_variable("SLURM_LOCALID", *local, 0) : 0;
+    check_rank(w, "SLURM_PROCID", "SLURM_NTASKS");
+    const std::string* addr = find(env, "MASTER_ADDR");
+    if (addr == nullptr || addr->empty()) {
+      if (w.world_size == 1) return std::nullopt;  // one task: a plain run inside an allocation
+      throw std::invalid_argument(
+          "Slurm started " + std::to_string(w.world_size) +
+          " tasks (SLURM_NTASKS) but MASTER_ADDR is not set: export MASTER_ADDR=$(scontrol show "
+          "hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) before srun");
+    }
+    w.master_addr = *addr;
+    w.master_port = parse_port(env);
+    return w;
+  }
+  return std::nullopt;
+}
+
+std::optional<WorkerEnv> worker_env_from_environment() {
+  std::map<std::string, std::string> env;
+  for (const char* key : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"}) {
+    if (const char* value = std::getenv(key)) env[key] = value;
+  }
+  return worker_env_from(env);
+}
+
+std::string label_worker_line(int rank, const std::string& line) {
+  if (line.rfind("[rank", 0) == 0) return line;
+  for (const char* word : {"Rank ", "rank "}) {
+    for (size_t at = line.find(word); at != std::string::npos; at = line.find(word, at + 1)) {
+      const bool starts_word = at == 0 || !std::isalnum(static_cast<unsigned char>(line[at - 1]));
+      const size_t digit = at + 5;
+      if (starts_word && digit < line.size() &&
+          std::isdigit(static_cast<unsigned char>(line[digit]))) {
+        return line;
+      }
+    }
+  }
+  return "[rank " + std::to_string(rank) + "] " + line;
+}
+
+LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world_size,
+                         const std::string& master_addr, int master_port,
+                         const LaunchOptions& options) {
+  if (world_size < 1) {
+    throw std::invalid_argument("--world_size " + std::to_string(world_size) +
+                                " must be at least 1");
+  }
+  if (argv_of_self.empty()) throw std::invalid_argument("run_workers: argv_of_self is empty");
+  const auto sink = options.sink ? options.sink
+                                 : [](int, bool is_stderr, const std::string& line) {
+                                     FILE* out = is_stderr ? stderr : stdout;
+                                     std::fwrite(line.data(), 1, line.size(), out);
+                                     std::fputc('\n', out);
+                                     std::fflush(out);
+                                   };
+
+  // Everything the children need is built before fork: after it only async-signal-safe calls.
+  std::set<std::string> replaced = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                    "MASTER_PORT"};
+  for (const auto& kv : options.extra_env) replaced.insert(kv.first);
+  std::vector<std::string> base_env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (replaced.count(entry.substr(0, entry.find('='))) == 0) base_env.push_back(entry);
+  }
+  for (const auto& [key, value] : options.extra_env) base_env.push_back(key + "=" + value);
+  std::vector<char*> argv;
+  for (const auto& arg : argv_of_self) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+
+  ScopedStopSignals stop_signals;
+  LaunchResult result;
+  std::vector<Worker> workers(static_cast<size_t>(world_size));
+  const pid_t launcher_pid = ::getpid();
+
+  auto stop_all = [&](int sig) {
+    for (auto& w : workers) {
+      if (w.running) {
+        ::kill(-w.pid, sig);  // the worker's process group: its own children too
+        ::kill(w.pid, sig);
+      }
+    }
+  };
+
+  for (int rank = 0; rank < world_size; ++rank) {
+    std::vector<std::string> env_strings = base_env;
+    env_strings.push_back("RANK=" + std::to_string(rank));
+    env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size));
+    env_strings.push_back("LOCAL_RANK=" + std::to_string(rank));
+    env_strings.push_back("MASTER_ADDR=" + master_addr);
+    env_strings.push_back("MASTER_PORT=" + std::to_string(master_port));
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+
+    int out_pipe[2], err_pipe[2];
+    if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) {
+      stop_all(SIGKILL);
+      throw std::runtime_error(std::string("launcher: pipe failed: ") + std::strerror(errno));
+    }
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      const int err = errno;
+      stop_all(SIGKILL);
+      for (auto& w : workers) {
+        if (w.running) ::waitpid(w.pid, nullptr, 0);
+      }
+      throw std::runtime_error(std::string("launcher: fork failed: ") + std::strerror(err));
+    }
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher_pid) ::_exit(125);  // the launcher is already gone
+      ::dup2(out_pipe[1], STDOUT_FILENO);
+      ::dup2(err_pipe[1], STDERR_FILENO);
+      ::execve(options.executable.c_str(), argv.data(), envp.data());
+      const char msg[] = "launcher: exec of the worker program failed\n";
+      (void)!::write(STDERR_FILENO, msg, sizeof(msg) - 1);
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also here, so that kill(-pid) works before the child runs
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+    Worker& w = workers[static_cast<size_t>(rank)];
+    w.pid = pid;
+    w.running = true;
+    w.out.fd = out_pipe[0];
+    w.err.fd = err_pipe[0];
+    result.pids.push_back(pid);
+  }
+
+  bool stopping = false;
+  Clock::time_point kill_deadline{};
+  Clock::time_point drain_deadline{};
+  bool all_exited = false;
+
+  auto emit_lines = [&](int rank, bool is_stderr, Stream& s, bool at_eof) {
+    size_t start = 0;
+    for (size_t nl = s.pending.find('\n'); nl != std::string::npos;
+         nl = s.pending.find('\n', start)) {
+      sink(rank, is_stderr, label_worker_line(rank, s.pending.substr(start, nl - start)));
+      start = nl + 1;
+    }
+    s.pending.erase(0, start);
+    if (at_eof && !s.pending.empty()) {
+      sink(rank, is_stderr, label_worker_line(rank, s.pending));
+      s.pending.clear();
+    }
+  };
+
+  auto begin_stop = [&](const std::string& why, int code) {
+    if (stopping) return;
+    stopping = true;
+    result.failure = why;
+    result.exit_code = code;
+    stop_all(SIGTERM);
+    kill_deadline = Clock::now() + options.kill_grace;
+  };
+
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<int, bool>> owners;  // (rank, is_stderr) of each pollfd
+    for (int rank = 0; rank < world_size; ++rank) {
+      Worker& w = workers[static_cast<size_t>(rank)];
+      if (w.out.fd >= 0) {
+        fds.push_back({w.out.fd, POLLIN, 0});
+        owners.emplace_back(rank, false);
+      }
+      if (w.err.fd >= 0) {
+        fds.push_back({w.err.fd, POLLIN, 0});
+        owners.emplace_back(rank, true);
+      }
+    }
+    if (all_exited && (fds.empty() || Clock::now() > drain_deadline)) break;
+
+    if (!fds.empty()) {
+      ::poll(fds.data(), fds.size(), 50);
+    } else {
+      ::usleep(20'000);
+    }
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      auto [rank, is_stderr] = owners[k];
+      Worker& w = workers[static_cast<size_t>(rank)];
+      Stream& s = is_stderr ? w.err : w.out;
+      char buffer[65536];
+      const ssize_t n = ::read(s.fd, buffer, sizeof(buffer));
+      if (n > 0) {
+        s.pending.append(buffer, static_cast<size_t>(n));
+        emit_lines(rank, is_stderr, s, false);
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        emit_lines(rank, is_stderr, s, true);
+        ::close(s.fd);
+        s.fd = -1;
+      }
+    }
+
+    if (g_launcher_signal != 0 && !stopping) {
+      const int sig = g_launcher_signal;
+      begin_stop("the launcher received " + signal_name(sig) + "; stopped all ranks", 128 + sig);
+    }
+
+    for (int rank = 0; rank < world_size; ++rank) {
+      Worker& w = workers[static_cast<size_t>(rank)];
+      if (!w.running) continue;
+      int status = 0;
+      const pid_t done = ::waitpid(w.pid, &status, WNOHANG);
+      if (done != w.pid) continue;
+      w.running = false;
+      w.status = status;
+      const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
+      if (failed && !stopping) {
+        const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+        begin_stop(describe_exit(rank, status), code);
+      }
+    }
+    if (stopping && Clock::now() >= kill_deadline) stop_all(SIGKILL);
+
+    if (!all_exited) {
+      all_exited = true;
+      for (const auto& w : workers) all_exited = all_exited && !w.running;
+      // Output still buffered in the pipes is read for a short while; a grandchild that keeps a
+      // pipe open must not keep the launcher waiting.
+      if (all_exited) drain_deadline = Clock::now() + std::chrono::seconds(2);
+    }
+  }
+
+  for (auto& w : workers) {
+    ::kill(-w.pid, SIGKILL);  // anything the worker left behind in its process group
+    for (Stream* s : {&w.out, &w.err}) {
+      if (s->fd >= 0) {
+        ::close(s->fd);
+        s->fd = -1;
+      }
+    }
+    result.wait_status.push_back(w.status);
+  }
+  return result;
+}
+
+int launch_workers(const std::vector<std::string>& argv_of_self, int world_size,
+                   const std::string& master_addr, int master_port) {
+  const LaunchResult result = run_workers(argv_of_self, world_size, master_addr, master_port);
+  if (result.exit_code != 0) std::fprintf(stderr, "launcher: %s\n", result.failure.c_str());
+  return result.exit_code;
+}
+
+}  // namespace harness::data_parallel

@@ -1,0 +1,206 @@
+// c10d set-up (see process_group.h). Gloo's declarations come from Debian's libgloo-dev; its code
+// is LibTorch's own copy (third_party/README.md explains why that is safe).
+#include "harness/data_parallel/process_group.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+
+#ifdef HARNESS_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#ifdef HARNESS_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace harness::data_parallel {
+namespace {
+
+std::string seconds_text(std::chrono::milliseconds timeout) {
+  std::ostringstream out;
+  out << static_cast<double>(timeout.count()) / 1000.0 << "s";
+  return out.str();
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// True when nothing can listen on `port` (IPv4 wildcard) because another socket holds it.
+bool port_in_use(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool in_use = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 &&
+                      errno == EADDRINUSE;
+  ::close(fd);
+  return in_use;
+}
+
+void validate(const DistOptions& o) {
+  if (o.world_size < 1) {
+    throw std::invalid_argument("--world_size " + std::to_string(o.world_size) +
+                                " must be at least 1");
+  }
+  if (o.rank < 0 || o.rank >= o.world_size) {
+    throw std::invalid_argument("rank " + std::to_string(o.rank) + " is outside [0, world size " +
+                                std::to_string(o.world_size) + ")");
+  }
+  if (o.master_port < 1 || o.master_port > 65535) {
+    throw std::invalid_argument("--master_port " + std::to_string(o.master_port) +
+                                " is not a TCP port (1..65535)");
+  }
+  if (o.master_addr.empty()) throw std::invalid_argument("--master_addr is empty");
+  if (o.timeout.count() <= 0) throw std::invalid_argument("the process-group timeout must be > 0");
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(o.master_port);
+  store_options.isServer = o.rank == 0;
+  store_options.numWorkers = static_cast<size_t>(o.world_size);
+  store_options.waitWorkers = true;
+  store_options.timeout = o.timeout;
+  const std::string where = o.master_addr + ":" + std::to_string(o.master_port);
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    if (o.rank == 0 && (port_in_use(o.master_port) ||
+                        what.find("EADDRINUSE") != std::string::npos)) {
+      throw std::runtime_error("MASTER_PORT " + std::to_string(o.master_port) + " on " +
+                               o.master_addr + " is in use: pick another with --master_port");
+    }
+    std::ostringstream msg;
+    if (o.rank == 0) {
+      msg << "rank 0 waited " << seconds_text(o.timeout) << " at " << where << " for the other "
+          << o.world_size - 1 << " rank(s) to join the rendezvous; are they running with the same "
+          << "--master_addr/--master_port and --world_size " << o.world_size << "?";
+    } else {
+      msg << "rank " << o.rank << " waited " << seconds_text(o.timeout) << " for rank 0 at "
+          << where << " (MASTER_ADDR:MASTER_PORT) and could not rendezvous; is rank 0 running, "
+          << "and is --master_addr/--master_port the same on every rank?";
+    }
+    msg << " (c10d: " << what.substr(0, what.find('\n')) << ")";
+    throw std::runtime_error(msg.str());
+  }
+}
+
+}  // namespace
+
+std::string resolve_backend(const std::string& backend, const Device& device) {
+  std::string resolved = backend;
+  if (backend == "auto") {
+    resolved = device.is_cuda() ? "nccl" : "gloo";
+  } else if (backend != "gloo" && backend != "nccl") {
+    throw std::invalid_argument("--backend " + backend + " is unknown: use auto, gloo or nccl");
+  }
+  if (resolved == "nccl" && !device.is_cuda()) {
+    throw std::invalid_argument("--backend nccl needs a CUDA device, but --device is " +
+                                device.str() + ": use --backend gloo (or auto) for CPU devices");
+  }
+#ifndef HARNESS_WITH_NCCL
+  if (resolved == "nccl") {
+    throw std::invalid_argument("--backend nccl: this build has no NCCL support; use --backend gloo");
+  }
+#endif
+#ifndef HARNESS_WITH_GLOO
+  if (resolved == "gloo") {
+    throw std::invalid_argument("--backend gloo: this build has no Gloo headers (libgloo-dev)");
+  }
+#endif
+  return resolved;
+}
+
+DistContext init_process_group(const DistOptions& options) {
+  validate(options);
+  DistContext ctx;
+  ctx.rank = options.rank;
+  ctx.world_size = options.world_size;
+  ctx.local_rank = options.local_rank;
+  ctx.device = options.device;
+  ctx.backend = resolve_backend(options.backend, options.device);
+  if (ctx.backend == "nccl" && !torch::cuda::is_available()) {
+    // Before the rendezvous, so that no rank waits for one that cannot start.
+    throw std::runtime_error(
+        "--backend nccl (or --device " + options.device.str() +
+        ") needs a CUDA GPU and none is visible here: use --backend gloo --device cpu");
+  }
+  ctx.store = connect_store(options);
+
+  if (ctx.backend == "gloo") {
+#ifdef HARNESS_WITH_GLOO
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+    // GLOO_SOCKET_IFNAME picks the interface as in PyTorch; on one machine, loopback always works.
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    if (ifname != nullptr && *ifname != '\0') {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    } else if (is_loopback(options.master_addr)) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    try {
+      ctx.group = c10::make_intrusive<c10d::ProcessGroupGloo>(ctx.store, ctx.rank,
+                                                              ctx.world_size, gloo_options);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      throw std::runtime_error("rank " + std::to_string(ctx.rank) +
+                               ": connecting the Gloo process group failed (peers via the store at " +
+                               options.master_addr + ":" + std::to_string(options.master_port) +
+                               "): " + what.substr(0, what.find('\n')));
+    }
+#endif
+  } else {
+#ifdef HARNESS_WITH_NCCL
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = options.timeout;
+    try {
+      ctx.group = c10::make_intrusive<c10d::ProcessGroupNCCL>(ctx.store, ctx.rank,
+                                                              ctx.world_size, nccl_options);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      throw std::runtime_error("rank " + std::to_string(ctx.rank) +
+                               ": creating the NCCL process group failed (" +
+                               what.substr(0, what.find('\n')) +
+                               "); without GPUs use --backend gloo --device cpu");
+    }
+#endif
+  }
+  return ctx;
+}
+
+void all_reduce_sum(const DistContext& ctx, at::Tensor& tensor) {
+  TORCH_CHECK(ctx.group, "all_reduce_sum: the DistContext has no process group");
+  const bool contiguous = tensor.is_contiguous();
+  std::vector<at::Tensor> buffers{contiguous ? tensor : tensor.contiguous()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  ctx.group->allreduce(buffers, opts)->wait();
+  if (!contiguous) {
+    at::NoGradGuard no_grad;
+    tensor.copy_(buffers[0]);
+  }
+}
+
+void barrier(const DistContext& ctx) {
+  TORCH_CHECK(ctx.group, "barrier: the DistContext has no process group");
+  ctx.group->barrier()->wait();
+}
+
+}  // namespace harness::data_parallel

@@ -1,0 +1,157 @@
+// The launcher: environment parsing, line labelling, and real worker processes (this binary run
+// again as workers, see worker_test.cpp) that succeed, fail, get killed, or are interrupted.
+#include "harness/data_parallel/launcher.h"
+
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <thread>
+
+#include "test_support.h"
+
+namespace harness::data_parallel {
+namespace {
+
+using testing::launch_scenario;
+using testing::process_gone;
+using Env = std::map<std::string, std::string>;
+
+TEST(WorkerEnv, ReadsTorchrunVariables) {
+  const auto w = worker_env_from({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                                  {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29500"}});
+  ASSERT_TRUE(w.has_value());
+  EXPECT_EQ(w->rank, 3);
+  EXPECT_EQ(w->world_size, 4);
+  EXPECT_EQ(w->local_rank, 1);
+  EXPECT_EQ(w->master_addr, "node7");
+  EXPECT_EQ(w->master_port, 29500);
+  const auto defaults = worker_env_from({{"RANK", "1"}, {"WORLD_SIZE", "2"}});
+  ASSERT_TRUE(defaults.has_value());
+  EXPECT_EQ(defaults->local_rank, 1);
+  EXPECT_EQ(defaults->master_addr, "localhost");
+  EXPECT_EQ(defaults->master_port, 11868);
+  EXPECT_FALSE(worker_env_from({}).has_value());
+}
+
+TEST(WorkerEnv, ReadsSlurmVariables) {
+  const auto w = worker_env_from({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"},
+                                  {"SLURM_LOCALID", "1"}, {"MASTER_ADDR", "gpu01"}});
+  ASSERT_TRUE(w.has_value());
+  EXPECT_EQ(w->rank, 5);
+  EXPECT_EQ(w->world_size, 8);
+  EXPECT_EQ(w->local_rank, 1);
+  EXPECT_EQ(w->master_addr, "gpu01");
+  EXPECT_EQ(w->master_port, 11868);
+  // One task without a master address: a plain run inside an allocation, not a worker.
+  EXPECT_FALSE(worker_env_from({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}).has_value());
+  // Torchrun's variables win over Slurm's.
+  EXPECT_EQ(worker_env_from({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"SLURM_PROCID", "5"},
+                             {"SLURM_NTASKS", "8"}})->world_size, 1);
+}
+
+void expect_error(const Env& env, const std::string& needle) {
+  try {
+    worker_env_from(env);
+    ADD_FAILURE() << "accepted, expected an error containing: " << needle;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(WorkerEnv, MalformedValuesNameTheVariable) {
+  expect_error({{"RANK", "one"}, {"WORLD_SIZE", "2"}}, "RANK='one'");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2x"}}, "WORLD_SIZE='2x'");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "0"}}, "WORLD_SIZE='0'");
+  expect_error({{"RANK", "2"}, {"WORLD_SIZE", "2"}}, "RANK=2 is not below WORLD_SIZE=2");
+  expect_error({{"RANK", "0"}}, "WORLD_SIZE is not");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}, "MASTER_PORT='70000'");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "-1"}}, "LOCAL_RANK='-1'");
+  expect_error({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}}, "MASTER_ADDR is not set");
+  expect_error({{"SLURM_PROCID", "x"}, {"SLURM_NTASKS", "4"}}, "SLURM_PROCID='x'");
+}
+
+TEST(Launcher, LabelsOnlyLinesThatDoNotNameTheirRank) {
+  const std::string epoch = "Epoch 3 on Rank 1: Training Time = 2.5, Tokens_per_sec = 100";
+  EXPECT_EQ(label_worker_line(1, epoch), epoch);
+  EXPECT_EQ(label_worker_line(0, "Rank 0 training time: avg:1, std:0"),
+            "Rank 0 training time: avg:1, std:0");
+  EXPECT_EQ(label_worker_line(1, "[rank 1] already labelled"), "[rank 1] already labelled");
+  EXPECT_EQ(label_worker_line(1, "loading the model"), "[rank 1] loading the model");
+  EXPECT_EQ(label_worker_line(0, "Ranking 3 things"), "[rank 0] Ranking 3 things");
+  EXPECT_EQ(label_worker_line(0, "prank 3"), "[rank 0] prank 3");
+}
+
+TEST(Launcher, ForwardsOutputAndSetsTheEnvironment) {
+  const auto run = launch_scenario("echo", 2);
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+  const std::string all = run.joined();
+  for (int r = 0; r < 2; ++r) {
+    const std::string rs = std::to_string(r);
+    EXPECT_NE(all.find("out: [rank " + rs + "] plain line from a worker\n"), std::string::npos) << all;
+    EXPECT_NE(all.find("out: Epoch 0 on Rank " + rs + ": Training Time = 1.5"), std::string::npos);
+    EXPECT_NE(all.find("out: [rank " + rs + "] env RANK=" + rs + " WORLD_SIZE=2 LOCAL_RANK=" + rs +
+                       " MASTER_ADDR=localhost MASTER_PORT="),
+              std::string::npos)
+        << all;
+    EXPECT_NE(all.find("out: [rank " + rs + "] partial line without newline\n"), std::string::npos);
+    EXPECT_NE(all.find("err: [rank " + rs + "] a warning on stderr\n"), std::string::npos);
+  }
+}
+
+TEST(Launcher, AFailingWorkerStopsTheOthersQuickly) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto run = launch_scenario("fail", 3);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(run.result.exit_code, 3);
+  EXPECT_EQ(run.result.failure, "rank 1 exited with status 3") << run.joined();
+  EXPECT_LT(seconds, 20.0);
+  ASSERT_EQ(run.result.pids.size(), 3u);
+  for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid)) << "pid " << pid << " survived";
+  // The others were stopped by SIGTERM, not left to finish their 60 s.
+  EXPECT_TRUE(WIFSIGNALED(run.result.wait_status[0]));
+  EXPECT_TRUE(WIFSIGNALED(run.result.wait_status[2]));
+}
+
+TEST(Launcher, a5_SigkillOfOneWorkerEndsTheLaunchWithinThirtySeconds) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto run = launch_scenario("sigkill", 2);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(run.result.exit_code, 0);
+  EXPECT_EQ(run.result.failure, "rank 1 was killed by signal 9 (SIGKILL)") << run.joined();
+  EXPECT_LT(seconds, 30.0);
+  for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid)) << "pid " << pid << " survived";
+}
+
+TEST(Launcher, AWorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto run = launch_scenario("stubborn", 2, {}, std::chrono::milliseconds(1000));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(run.result.exit_code, 2);
+  EXPECT_EQ(run.result.failure, "rank 1 exited with status 2");
+  ASSERT_TRUE(WIFSIGNALED(run.result.wait_status[0])) << run.joined();
+  EXPECT_EQ(WTERMSIG(run.result.wait_status[0]), SIGKILL);
+  EXPECT_LT(seconds, 20.0);
+  for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid));
+}
+
+TEST(Launcher, SigintToTheLauncherStopsEveryWorker) {
+  testing::CapturedLaunch run;
+  std::thread launcher([&run] { run = launch_scenario("sleep", 2); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ::kill(::getpid(), SIGINT);  // the launcher's handler is installed for the whole launch
+  launcher.join();
+  EXPECT_EQ(run.result.exit_code, 128 + SIGINT);
+  EXPECT_NE(run.result.failure.find("SIGINT"), std::string::npos) << run.result.failure;
+  for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid));
+}
+
+TEST(Launcher, RejectsBadArguments) {
+  EXPECT_THROW(run_workers({"x"}, 0, "localhost", 1234), std::invalid_argument);
+  EXPECT_THROW(run_workers({}, 2, "localhost", 1234), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace harness::data_parallel

@@ -1,0 +1,144 @@
+// Process-group set-up and gradient averaging: errors in-process, then real Gloo all-reduces
+// between two worker processes (this binary run again, see worker_test.cpp).
+#include "harness/data_parallel/process_group.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "harness/data_parallel/grad_sync.h"
+#include "test_support.h"
+
+namespace harness::data_parallel {
+namespace {
+
+using testing::free_port;
+using testing::launch_scenario;
+
+std::string error_of(const DistOptions& options) {
+  try {
+    init_process_group(options);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(ProcessGroup, ResolvesTheBackendByDevice) {
+  EXPECT_EQ(resolve_backend("auto", Device::cpu()), "gloo");
+  EXPECT_EQ(resolve_backend("gloo", Device::cpu(1)), "gloo");
+  EXPECT_EQ(resolve_backend("auto", Device::cuda(0)), "nccl");
+  EXPECT_THROW(resolve_backend("mpi", Device::cpu()), std::invalid_argument);
+  try {
+    resolve_backend("nccl", Device::cpu());
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--backend gloo"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ProcessGroup, NcclWithoutAGpuSaysWhichFlagsToUse) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is present";
+  DistOptions o;
+  o.device = Device::cuda(0);
+  o.master_port = free_port();
+  const std::string error = error_of(o);
+  EXPECT_NE(error.find("use --backend gloo --device cpu"), std::string::npos) << error;
+}
+
+TEST(ProcessGroup, RejectsBadOptions) {
+  DistOptions o;
+  o.rank = 2;
+  o.world_size = 2;
+  EXPECT_NE(error_of(o).find("rank 2 is outside"), std::string::npos);
+  o.rank = 0;
+  o.master_port = 70000;
+  EXPECT_NE(error_of(o).find("--master_port 70000"), std::string::npos);
+}
+
+TEST(ProcessGroup, PortInUseOnRankZeroNamesTheFlag) {
+  // Hold a listening socket on the port, as another job would.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  DistOptions o;
+  o.world_size = 2;
+  o.master_port = port;
+  o.timeout = std::chrono::seconds(5);
+  const std::string error = error_of(o);
+  ::close(fd);
+  EXPECT_NE(error.find("MASTER_PORT " + std::to_string(port) +
+                       " on localhost is in use: pick another with --master_port"),
+            std::string::npos)
+      << error;
+}
+
+TEST(ProcessGroup, RendezvousTimeoutSaysWhoWaitedForWhom) {
+  DistOptions o;
+  o.rank = 1;
+  o.world_size = 2;
+  o.master_port = free_port();  // nobody serves it
+  o.timeout = std::chrono::milliseconds(1500);
+  const auto start = std::chrono::steady_clock::now();
+  const std::string error = error_of(o);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+  EXPECT_NE(error.find("rank 1 waited 1.5s for rank 0 at localhost:" +
+                       std::to_string(o.master_port)),
+            std::string::npos)
+      << error;
+}
+
+TEST(ProcessGroup, SingleRankGlooGroupWorksInProcess) {
+  DistOptions o;
+  o.master_port = free_port();
+  o.timeout = std::chrono::seconds(30);
+  DistContext ctx = init_process_group(o);
+  EXPECT_EQ(ctx.backend, "gloo");
+  EXPECT_EQ(ctx.world_size, 1);
+  at::Tensor t = torch::arange(5, torch::kFloat32);
+  all_reduce_sum(ctx, t);
+  EXPECT_TRUE(torch::equal(t, torch::arange(5, torch::kFloat32)));
+
+  // With one rank, averaging leaves the gradients as they are; parameters without one stay so.
+  torch::manual_seed(0);
+  torch::nn::Linear used(3, 2), unused(3, 2);
+  used->forward(torch::ones({4, 3})).sum().backward();
+  const at::Tensor before = used->weight.grad().clone();
+  average_gradients(*used, ctx);
+  EXPECT_TRUE(torch::equal(used->weight.grad(), before));
+  NaiveAllReduce sync(ctx);
+  sync.attach(*unused);
+  sync.finalize();
+  EXPECT_FALSE(unused->weight.grad().defined());
+  EXPECT_THROW(make_gradient_synchronizer("fancy", ctx), std::invalid_argument);
+}
+
+TEST(ProcessGroup, TwoProcessGlooAllReduce) {
+  const auto run = launch_scenario("allreduce", 2);
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+}
+
+TEST(GradSync, NaiveAllReduceAveragesAcrossTwoProcessesBitIdentically) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("dp_naive_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto run = launch_scenario("naive", 2, {{"HARNESS_TEST_GRAD_DIR", dir.string()}});
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+  // Both ranks' averaged gradients, written as .pth, are bit-identical (the --pytest check).
+  const std::string command = std::string(HARNESS_SOURCE_DIR) + "/.venv/bin/python " +
+                              HARNESS_SOURCE_DIR + "/scripts/check_gradients.py " + dir.string();
+  EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  testing::remove_tree(dir.string());
+}
+
+}  // namespace
+}  // namespace harness::data_parallel

@@ -1,0 +1,75 @@
+// Helpers for the multi-process tests: the test binary re-runs itself as workers
+// (HARNESS_TEST_WORKER names the scenario, --gtest_filter selects DpWorker.Run).
+#pragma once
+
+#include <arpa/inet.h>
+#include <ftw.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "harness/data_parallel/launcher.h"
+
+namespace harness::data_parallel::testing {
+
+constexpr const char* kWorkerVariable = "HARNESS_TEST_WORKER";
+
+// A TCP port nothing listens on right now (the kernel's pick, released again).
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct CapturedLaunch {
+  LaunchResult result;
+  std::vector<std::string> lines;  // every forwarded line, "out: " or "err: " first
+  std::string joined() const {
+    std::string all;
+    for (const auto& l : lines) all += l + "\n";
+    return all;
+  }
+};
+
+// Runs `world_size` copies of this test binary in scenario `scenario`.
+inline CapturedLaunch launch_scenario(const std::string& scenario, int world_size,
+                                      std::vector<std::pair<std::string, std::string>> env = {},
+                                      std::chrono::milliseconds kill_grace = std::chrono::seconds(5)) {
+  auto captured = std::make_shared<CapturedLaunch>();
+  auto mutex = std::make_shared<std::mutex>();
+  LaunchOptions options;
+  options.extra_env = std::move(env);
+  options.extra_env.emplace_back(kWorkerVariable, scenario);
+  options.kill_grace = kill_grace;
+  options.sink = [captured, mutex](int, bool is_stderr, const std::string& line) {
+    std::lock_guard<std::mutex> lock(*mutex);
+    captured->lines.push_back((is_stderr ? "err: " : "out: ") + line);
+  };
+  captured->result = run_workers({"data_parallel_tests", "--gtest_filter=DpWorker.Run"}, world_size,
+                                 "localhost", free_port(), options);
+  return *captured;
+}
+
+// std::filesystem::remove_all must not be used here: libtorch.so exports its own copy of the
+// std::filesystem functions, and remove_all from it crashes (null call) in this build.
+inline void remove_tree(const std::string& path) {
+  ::nftw(path.c_str(),
+         [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
+inline bool process_gone(pid_t pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; }
+
+}  // namespace harness::data_parallel::testing
