@@ -258,5 +258,37 @@ TEST(Pipe, BothLanesWorkAtOnceInForwardAndPipelinedBackward) {
   EXPECT_TRUE(overlap(by_task[{"backward", 0, 1}], by_task[{"backward", 1, 0}]));
 }
 
+struct FailingBackward : torch::autograd::Function<FailingBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    throw std::runtime_error("backward exploded");
+  }
+};
+struct FailingBackwardLayerImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) { return FailingBackward::apply(x); }
+};
+TORCH_MODULE(FailingBackwardLayer);
+
+TEST(Pipe, FailingBackwardTaskSurfacesFromLossBackward) {
+  const size_t before = thread_count();
+  {
+    Pipe pipe(torch::nn::Sequential(WithDevice(torch::nn::Linear(4, 4), Device::cpu(0)),
+                                    WithDevice(FailingBackwardLayer(), Device::cpu(1))),
+              2, {1});
+    const auto y = pipe.forward(torch::randn({4, 4}));
+    try {
+      y.sum().backward();
+      FAIL() << "expected the backward's exception";
+    } catch (const std::exception& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("backward exploded"), std::string::npos) << message;
+      EXPECT_NE(message.find("backward of micro-batch 1, partition 1 on cpu:1"), std::string::npos)
+          << message;
+    }
+  }
+  EXPECT_EQ(thread_count(), before);
+}
+
 }  // namespace
 }  // namespace harness::pipeline
