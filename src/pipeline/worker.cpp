@@ -68,6 +68,10 @@ void Worker::submit(std::function<void()> work, std::string what) {
 std::exception_ptr Worker::take() { return out_.pop(); }
 
 Workers::Workers(const std::vector<Device>& devices, int intra_op_threads) {
+  // Each worker's at::set_num_threads also changes the width ATen gives threads it initialises
+  // later; initialise the calling thread now so it keeps its own width.
+  at::internal::lazy_init_num_threads();
+  (void)at::get_num_threads();
   for (const Device& device : devices) {
     if (workers_.count(device) == 0) {
       workers_.emplace(device, std::make_unique<Worker>(device, intra_op_threads));
