@@ -7,12 +7,12 @@ Usage: check_gradients.py [DIR]   (DIR defaults to tests). Exit status 0 when th
 import os
 import sys
 
-import torch
-
 
 def load(path):
     if not os.path.isfile(path):
         raise SystemExit(f"{path}: no such file (run run_data_parallel --pytest --grad_dir DIR first)")
+    import torch  # here, so that a missing file is reported without the seconds torch takes to load
+
     grads = torch.load(path)  # default arguments on purpose: weights_only=True since PyTorch 2.6
     if not isinstance(grads, dict):
         raise SystemExit(f"{path}: expected a dict of tensors, got {type(grads).__name__}")
@@ -26,6 +26,7 @@ def main(argv):
     directory = argv[1] if len(argv) > 1 else "tests"
     paths = [os.path.join(directory, f"model{rank}_gradients.pth") for rank in (0, 1)]
     g0, g1 = (load(p) for p in paths)
+    import torch
     problems = []
     if set(g0) != set(g1):
         only0 = sorted(set(g0) - set(g1))

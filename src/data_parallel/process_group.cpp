@@ -173,6 +173,8 @@ DistContext init_process_group(const DistOptions& options) {
     try {
       ctx.group = c10::make_intrusive<c10d::ProcessGroupNCCL>(ctx.store, ctx.rank,
                                                               ctx.world_size, nccl_options);
+      // Collectives without tensors (barrier) then use this rank's GPU, not rank % n_gpus.
+      ctx.group->setBoundDeviceId(options.device.torch_device());
     } catch (const std::exception& e) {
       const std::string what = e.what();
       throw std::runtime_error("rank " + std::to_string(ctx.rank) +
@@ -200,7 +202,9 @@ void all_reduce_sum(const DistContext& ctx, at::Tensor& tensor) {
 
 void barrier(const DistContext& ctx) {
   TORCH_CHECK(ctx.group, "barrier: the DistContext has no process group");
-  ctx.group->barrier()->wait();
+  c10d::BarrierOptions opts;
+  if (ctx.device.is_cuda()) opts.device = ctx.device.torch_device();
+  ctx.group->barrier(opts)->wait();
 }
 
 }  // namespace harness::data_parallel
