@@ -87,7 +87,7 @@ TEST(LoaderTest, PrefetchRunsAheadButBoundedAndInBackground) {
   };
   BatchLoader loader(numbered(20), counting, LoaderOptions{2, false, 0, false, 3});
   loader.start_epoch(0);
-  for (int i = 0; i < 200 && collated < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int i = 0; i < 2000 && collated < 4; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   // 3 queued + 1 collated and waiting for room: never more before the first next().
   EXPECT_GE(collated.load(), 3);
