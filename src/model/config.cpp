@@ -1,6 +1,8 @@
 // GPT2Config: presets with the published shapes, validation, and Hugging Face's config.json.
 #include "harness/model/config.h"
 
+#include "json_depth.h"
+
 #include <nlohmann/json.hpp>
 
 #include <fstream>
@@ -125,6 +127,7 @@ std::vector<std::string> GPT2Config::preset_names() {
 }
 
 GPT2Config GPT2Config::from_json_string(const std::string& text, const std::string& origin) {
+  detail::check_json_nesting(text.data(), text.size(), 64, origin);
   json j;
   try {
     j = json::parse(text);

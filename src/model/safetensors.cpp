@@ -3,10 +3,13 @@
 // {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}, then the data.
 #include "harness/model/safetensors.h"
 
+#include "json_depth.h"
+
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -19,10 +22,13 @@
 namespace harness::model {
 namespace {
 
-using ordered_json = nlohmann::ordered_json;
+using json = nlohmann::json;
 
 // The reference implementation refuses headers above 100 MB; so do we.
 constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
+// A valid header nests three levels ({name: {shape: [...]}}). nlohmann's copy and destruction
+// recurse per level, so a deeply nested header would overflow the stack (found by the fuzzer).
+constexpr int kMaxJsonDepth = 16;
 
 struct Entry {
   std::string name;
@@ -86,31 +92,41 @@ uint64_t check_header_length(uint64_t header_len, uint64_t file_size, const std:
   return header_len;
 }
 
-uint64_t read_offset(const ordered_json& v, const std::string& origin, const std::string& tensor) {
+uint64_t read_offset(const json& v, const std::string& origin, const std::string& tensor) {
   if (!v.is_number_unsigned()) {
     fail(origin, "tensor " + tensor + ": data_offsets must hold non-negative integers, got " +
-                     v.dump(-1, ' ', false, ordered_json::error_handler_t::replace));
+                     v.dump(-1, ' ', false, json::error_handler_t::replace));
   }
   return v.get<uint64_t>();
 }
 
 Header parse_header(const char* text, size_t length, uint64_t data_size, const std::string& origin) {
-  ordered_json j;
+  detail::check_json_nesting(text, length, kMaxJsonDepth, origin + ": header");
+  // JSON objects keep the last of duplicate keys silently; a header naming a tensor twice is
+  // ambiguous, so the top-level keys are checked while parsing.
+  std::set<std::string> top_level_keys;
+  auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 &&
+        !top_level_keys.insert(parsed.get<std::string>()).second) {
+      fail(origin, "tensor " + parsed.get<std::string>() + " appears twice in the header");
+    }
+    return true;
+  };
+  json j;
   try {
-    j = ordered_json::parse(text, text + length);
-  } catch (const ordered_json::exception& e) {
+    j = json::parse(text, text + length, on_event);
+  } catch (const json::exception& e) {
     fail(origin, std::string("header is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) fail(origin, std::string("header must be a JSON object, got ") + j.type_name());
 
-  auto dump = [](const ordered_json& v) {
-    return v.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+  auto dump = [](const json& v) {
+    return v.dump(-1, ' ', false, json::error_handler_t::replace);
   };
   Header header;
-  std::set<std::string> names;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& name = it.key();
-    const ordered_json& value = it.value();
+    const json& value = it.value();
     if (name == "__metadata__") {
       if (!value.is_object()) fail(origin, "__metadata__ must be an object of strings, got " + dump(value));
       for (auto m = value.begin(); m != value.end(); ++m) {
@@ -121,7 +137,6 @@ Header parse_header(const char* text, size_t length, uint64_t data_size, const s
       }
       continue;
     }
-    if (!names.insert(name).second) fail(origin, "tensor " + name + " appears twice in the header");
     if (!value.is_object()) fail(origin, "tensor " + name + ": entry must be an object, got " + dump(value));
     Entry e;
     e.name = name;
@@ -168,6 +183,10 @@ Header parse_header(const char* text, size_t length, uint64_t data_size, const s
     }
     header.entries.push_back(std::move(e));
   }
+  // The file's own order (what the writer wrote); JSON objects do not keep it.
+  std::stable_sort(header.entries.begin(), header.entries.end(), [](const Entry& a, const Entry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
   return header;
 }
 
@@ -232,9 +251,9 @@ NamedTensors read_safetensors(const std::string& path) {
 
 void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  ordered_json header = ordered_json::object();
+  json header = json::object();
   if (!metadata.empty()) {
-    ordered_json m = ordered_json::object();
+    json m = json::object();
     for (const auto& [k, v] : metadata) m[k] = v;
     header["__metadata__"] = m;
   }

@@ -127,6 +127,8 @@ TEST(GPT2ConfigTest, WrongTypesNameTheFileAndKey) {
   EXPECT_NE(msg.find("model_type"), std::string::npos) << msg;
   msg = error_of([] { GPT2Config::from_json_string(R"({"n_embd": 100, "n_head": 12})", "c.json"); });
   EXPECT_NE(msg.find("c.json"), std::string::npos) << msg;
+  msg = error_of([] { GPT2Config::from_json_string(std::string(100000, '[') + std::string(100000, ']'), "deep.json"); });
+  EXPECT_NE(msg.find("deep.json: JSON nests"), std::string::npos) << msg;
   msg = error_of([] { GPT2Config::from_json_file("/nonexistent/config.json"); });
   EXPECT_NE(msg.find("/nonexistent/config.json"), std::string::npos) << msg;
 }

@@ -122,6 +122,8 @@ TEST_F(SafetensorsTest, MalformedFilesGiveClearErrors) {
       {"fractional dim", R"({"w":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", data, -1, "shape"},
       {"overflowing shape", R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}})", data, -1, "too large"},
       {"entry not an object", R"({"w":3})", data, -1, "tensor w"},
+      {"duplicate name", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})", data, -1, "tensor w appears twice"},
+      {"deep nesting", "{\"w\":" + std::string(100000, '[') + std::string(100000, ']') + "}", data, -1, "header: JSON nests more than 16 levels"},
       {"bad metadata", R"({"__metadata__":{"a":1}})", "", -1, "__metadata__"},
       {"truncated data", ok, std::string(5, '\0'), -1, "truncated"},
   };

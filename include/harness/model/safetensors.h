@@ -19,7 +19,7 @@ namespace harness::model {
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 struct SafetensorsContents {
-  NamedTensors tensors;  // in the order of the header
+  NamedTensors tensors;  // in the file's order (by data offset), i.e. as written
   std::map<std::string, std::string> metadata;  // "__metadata__"
 };
 
@@ -28,7 +28,7 @@ struct SafetensorsContents {
 SafetensorsContents parse_safetensors(const uint8_t* data, size_t size,
                                       const std::string& origin = "<memory>");
 
-// Reads `path` (validated as parse_safetensors does), tensors on the CPU in header order.
+// Reads `path` (validated as parse_safetensors does), tensors on the CPU in the file's order.
 NamedTensors read_safetensors(const std::string& path);
 SafetensorsContents read_safetensors_with_metadata(const std::string& path);
 
