@@ -97,6 +97,18 @@ TEST(ProcessGroup, RendezvousTimeoutSaysWhoWaitedForWhom) {
       << error;
 }
 
+TEST(ProcessGroup, RankZeroTimeoutSaysItWaitedForTheOthers) {
+  DistOptions o;
+  o.world_size = 3;
+  o.master_port = free_port();  // rank 0 serves it, nobody joins
+  o.timeout = std::chrono::milliseconds(1500);
+  const std::string error = error_of(o);
+  EXPECT_NE(error.find("rank 0 waited 1.5s at localhost:" + std::to_string(o.master_port) +
+                       " for the other 2 rank(s)"),
+            std::string::npos)
+      << error;
+}
+
 TEST(ProcessGroup, SingleRankGlooGroupWorksInProcess) {
   DistOptions o;
   o.master_port = free_port();
