@@ -1,0 +1,146 @@
+// Flags and the per-epoch evaluation that run_data_parallel and run_pipeline share. Parsing
+// lives here, in the programs; the library takes plain structs.
+#pragma once
+
+#include <cxxopts.hpp>
+
+#include <cstdint>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "harness/data/dataset.h"
+#include "harness/data/loader.h"
+#include "harness/device.h"
+#include "harness/train/bleu.h"
+#include "harness/train/report.h"
+#include "harness/train/setup.h"
+#include "harness/train/trainer.h"
+
+namespace harness::apps {
+
+// Flags of both programs (SPEC §7); each program adds its own and the defaults that differ.
+struct CommonFlags {
+  int64_t batch_size = 0;
+  int64_t n_epochs = 0;
+  double learning_rate = 1e-4;
+  int64_t model_max_length = 128;
+  std::string dataset;
+  bool benchmark_only = false;
+  int64_t max_batches = 0;
+  train::ModelSource model;
+  std::string workdir = "./workdir";
+  uint64_t seed = 1234;
+  std::string devices;  // empty: the program's default
+  int threads_per_device = 0;  // 0: cores / devices
+  std::string trace;
+  data::SplitSizes sizes;
+  std::string export_dataset;
+  bool progress = true;
+};
+
+inline void add_common_options(cxxopts::Options& options, int64_t default_batch_size,
+                               int64_t default_epochs) {
+  options.add_options()
+      ("batch_size", "global batch size", cxxopts::value<int64_t>()->default_value(std::to_string(default_batch_size)))
+      ("n_epochs", "epochs", cxxopts::value<int64_t>()->default_value(std::to_string(default_epochs)))
+      ("learning_rate", "AdamW learning rate (0 leaves the weights as loaded)", cxxopts::value<double>()->default_value("1e-4"))
+      ("model_max_length", "tokens per example (source + target), longer ones are cut", cxxopts::value<int64_t>()->default_value("128"))
+      ("dataset", "folder with train/validation/test .jsonl or fairseq train/valid/test.{de,en}; default: the embedded corpus", cxxopts::value<std::string>()->default_value(""))
+      ("benchmark_only", "train only: no validation loss, generation or BLEU")
+      ("max_batches", "batches per epoch (0 = the whole epoch)", cxxopts::value<int64_t>()->default_value("0"))
+      ("model", "preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny", cxxopts::value<std::string>()->default_value("gpt2-mini"))
+      ("model_path", "Hugging Face folder (config.json + model.safetensors [+ tokenizer.model]) to start from", cxxopts::value<std::string>()->default_value(""))
+      ("workdir", "where results, tokenizer and model are written", cxxopts::value<std::string>()->default_value("./workdir"))
+      ("seed", "fixes weights, shuffling, dropout and the embedded corpus", cxxopts::value<uint64_t>()->default_value("1234"))
+      ("devices", "comma-separated devices: cuda:0,cuda:1 or cpu:0,cpu:1 (CPU lanes)", cxxopts::value<std::string>()->default_value(""))
+      ("threads_per_device", "intra-op threads of each CPU device (0 = cores / devices)", cxxopts::value<int>()->default_value("0"))
+      ("trace", "write a Chrome trace (chrome://tracing, Perfetto) of the run to FILE", cxxopts::value<std::string>()->default_value(""))
+      ("train_size", "training pairs taken from the dataset", cxxopts::value<size_t>()->default_value("5000"))
+      ("validation_size", "validation pairs", cxxopts::value<size_t>()->default_value("1000"))
+      ("test_size", "test pairs (generation and BLEU)", cxxopts::value<size_t>()->default_value("100"))
+      ("export_dataset", "write the corpus as JSON Lines to DIR and exit", cxxopts::value<std::string>()->default_value(""))
+      ("no_progress", "no progress display on stderr")
+      ("h,help", "this help");
+}
+
+inline CommonFlags read_common(const cxxopts::ParseResult& r) {
+  CommonFlags f;
+  f.batch_size = r["batch_size"].as<int64_t>();
+  f.n_epochs = r["n_epochs"].as<int64_t>();
+  f.learning_rate = r["learning_rate"].as<double>();
+  f.model_max_length = r["model_max_length"].as<int64_t>();
+  f.dataset = r["dataset"].as<std::string>();
+  f.benchmark_only = r.count("benchmark_only") > 0;
+  f.max_batches = r["max_batches"].as<int64_t>();
+  f.model.preset = r["model"].as<std::string>();
+  f.model.path = r["model_path"].as<std::string>();
+  f.workdir = r["workdir"].as<std::string>();
+  f.seed = r["seed"].as<uint64_t>();
+  f.devices = r["devices"].as<std::string>();
+  f.threads_per_device = r["threads_per_device"].as<int>();
+  f.trace = r["trace"].as<std::string>();
+  f.sizes.train = r["train_size"].as<size_t>();
+  f.sizes.validation = r["validation_size"].as<size_t>();
+  f.sizes.test = r["test_size"].as<size_t>();
+  f.export_dataset = r["export_dataset"].as<std::string>();
+  f.progress = r.count("no_progress") == 0;
+  auto positive = [](const char* flag, int64_t value) {
+    if (value <= 0) {
+      throw std::invalid_argument(std::string("--") + flag + " must be positive, got " +
+                                  std::to_string(value));
+    }
+  };
+  positive("batch_size", f.batch_size);
+  positive("n_epochs", f.n_epochs);
+  positive("model_max_length", f.model_max_length);
+  if (f.max_batches < 0) throw std::invalid_argument("--max_batches must be >= 0");
+  if (f.learning_rate < 0) throw std::invalid_argument("--learning_rate must be >= 0");
+  if (f.threads_per_device < 0) throw std::invalid_argument("--threads_per_device must be >= 0");
+  if (f.sizes.train == 0 || f.sizes.validation == 0 || f.sizes.test == 0) {
+    throw std::invalid_argument("--train_size, --validation_size and --test_size must be positive");
+  }
+  return f;
+}
+
+inline cxxopts::ParseResult parse_or_exit(cxxopts::Options& options, int argc, char** argv) {
+  try {
+    cxxopts::ParseResult result = options.parse(argc, argv);
+    if (result.count("help")) {
+      std::cout << options.help() << std::endl;
+      std::exit(0);
+    }
+    if (!result.unmatched().empty()) {
+      throw std::invalid_argument("unexpected argument '" + result.unmatched().front() + "'");
+    }
+    return result;
+  } catch (const std::exception& e) {
+    std::cerr << options.program() << ": " << e.what() << "\n(see --help)" << std::endl;
+    std::exit(2);
+  }
+}
+
+// Validation loss, generations and BLEU of one epoch.
+struct EpochEvaluation {
+  double validation_loss = 0.0;
+  double bleu = 0.0;
+  std::vector<std::string> generations;
+};
+
+inline EpochEvaluation evaluate_epoch(model::GPT2LMHeadModel& model, data::BatchLoader& validation,
+                                      const data::Tokenizer& tokenizer,
+                                      const std::vector<data::TranslationExample>& test,
+                                      int64_t model_max_length, const c10::Device& device,
+                                      bool progress) {
+  EpochEvaluation out;
+  out.validation_loss = train::evaluate_loss(model, validation, device);
+  out.generations =
+      train::generate_translations(model, tokenizer, test, model_max_length, device, progress);
+  std::vector<std::string> references;
+  references.reserve(test.size());
+  for (const auto& example : test) references.push_back(example.en);
+  out.bleu = train::corpus_bleu(out.generations, references);
+  return out;
+}
+
+}  // namespace harness::apps

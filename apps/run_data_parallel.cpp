@@ -1,0 +1,273 @@
+// run_data_parallel: GPT-2 translation training with data parallelism over a c10d process group
+// (Gloo on CPUs, NCCL on GPUs). Started plainly it launches --world_size workers of itself;
+// started by torchrun or Slurm (RANK/WORLD_SIZE/... set) it is one of those workers. SPEC §5, §7.
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "common.h"
+#include "harness/data_parallel/checkpoint_io.h"
+#include "harness/data_parallel/grad_sync.h"
+#include "harness/data_parallel/launcher.h"
+#include "harness/data_parallel/partition.h"
+#include "harness/data_parallel/process_group.h"
+#include "harness/model/safetensors.h"
+#include "harness/trace.h"
+
+namespace harness::apps {
+namespace {
+
+namespace dp = harness::data_parallel;
+namespace fs = std::filesystem;
+
+struct DataParallelFlags {
+  CommonFlags common;
+  int world_size = 2;
+  bool pytest = false;
+  std::string grad_dir = "tests";
+  std::string backend = "auto";
+  std::string device = "auto";
+  std::string master_addr;
+  int master_port = 0;
+  std::string grad_sync = "bucketed";
+  double bucket_cap_mb = 25.0;
+};
+
+DataParallelFlags parse(int argc, char** argv) {
+  cxxopts::Options options("run_data_parallel",
+                           "Train GPT-2 (German->English) with data parallelism over a process group");
+  add_common_options(options, /*default_batch_size=*/128, /*default_epochs=*/10);
+  options.add_options()
+      ("world_size", "number of ranks (worker processes started here)", cxxopts::value<int>()->default_value("2"))
+      ("pytest", "train one batch and write each rank's gradients to --grad_dir/model{rank}_gradients.pth")
+      ("grad_dir", "folder for the --pytest gradient files", cxxopts::value<std::string>()->default_value("tests"))
+      ("backend", "auto | gloo | nccl (auto: nccl on GPUs, gloo on CPUs)", cxxopts::value<std::string>()->default_value("auto"))
+      ("device", "auto | cpu | cuda: what each rank trains on (auto: GPU local_rank if any)", cxxopts::value<std::string>()->default_value("auto"))
+      ("master_addr", "rendezvous host (default: $MASTER_ADDR or localhost)", cxxopts::value<std::string>()->default_value(""))
+      ("master_port", "rendezvous port (default: $MASTER_PORT or 11868)", cxxopts::value<int>()->default_value("0"))
+      ("grad_sync", "bucketed: overlapped all-reduce of gradient buckets during backward; naive: the original's per-parameter all-reduce after backward", cxxopts::value<std::string>()->default_value("bucketed"))
+      ("bucket_cap_mb", "bucket size for --grad_sync bucketed", cxxopts::value<double>()->default_value("25"));
+  cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
+  DataParallelFlags flags;
+  try {
+    flags.common = read_common(result);
+    flags.world_size = result["world_size"].as<int>();
+    flags.pytest = result.count("pytest") > 0;
+    flags.grad_dir = result["grad_dir"].as<std::string>();
+    flags.backend = result["backend"].as<std::string>();
+    flags.device = result["device"].as<std::string>();
+    flags.master_addr = result["master_addr"].as<std::string>();
+    flags.master_port = result["master_port"].as<int>();
+    flags.grad_sync = result["grad_sync"].as<std::string>();
+    flags.bucket_cap_mb = result["bucket_cap_mb"].as<double>();
+    if (flags.world_size <= 0) {
+      throw std::invalid_argument("--world_size must be positive, got " + std::to_string(flags.world_size));
+    }
+    if (flags.device != "auto" && flags.device != "cpu" && flags.device != "cuda") {
+      throw std::invalid_argument("--device '" + flags.device + "': expected auto, cpu or cuda");
+    }
+    if (flags.master_port < 0 || flags.master_port > 65535) {
+      throw std::invalid_argument("--master_port " + std::to_string(flags.master_port) + " is not a port");
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "run_data_parallel: " << e.what() << std::endl;
+    std::exit(2);
+  }
+  return flags;
+}
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::string(value) : fallback;
+}
+
+// Rank r's device: GPU local_rank under CUDA, else a CPU lane.
+Device worker_device(const DataParallelFlags& flags, int local_rank) {
+  const bool gpus = torch::cuda::is_available();
+  if (flags.device == "cuda" || (flags.device == "auto" && gpus)) {
+    if (!gpus) throw std::invalid_argument("--device cuda but no GPU is present (use --device cpu)");
+    const int count = static_cast<int>(torch::cuda::device_count());
+    if (local_rank >= count) {
+      throw std::invalid_argument("local rank " + std::to_string(local_rank) + " needs GPU " +
+                                  std::to_string(local_rank) + " but only " + std::to_string(count) +
+                                  " are present: lower --world_size or use --device cpu");
+    }
+    return Device::cuda(local_rank);
+  }
+  return Device::cpu(local_rank);
+}
+
+// Every rank starts from rank 0's weights, as DDP does.
+void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor& p : module.parameters()) {
+    std::vector<at::Tensor> tensors{p};
+    ctx.group->broadcast(tensors)->wait();
+  }
+}
+
+void save_gradients(const std::string& path, torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> gradients;
+  for (const auto& item : module.named_parameters()) {
+    if (item.value().grad().defined()) {
+      gradients.emplace_back(item.key(), item.value().grad().detach().to(torch::kCPU).contiguous());
+    }
+  }
+  dp::save_tensor_dict_pth(path, gradients);
+}
+
+int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
+  const CommonFlags& f = flags.common;
+  const int rank = env.rank;
+  const Device device = worker_device(flags, env.local_rank);
+  const int local_world = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
+  const int threads = f.threads_per_device > 0 ? f.threads_per_device : default_threads_per_device(local_world);
+  at::set_num_threads(threads);
+
+  dp::DistOptions options;
+  options.rank = rank;
+  options.world_size = env.world_size;
+  options.local_rank = env.local_rank;
+  options.backend = flags.backend;
+  options.master_addr = env.master_addr;
+  options.master_port = env.master_port;
+  options.device = device;
+  dp::DistContext ctx = dp::init_process_group(options);
+  const int64_t device_batch = dp::per_device_batch_size(f.batch_size, env.world_size);
+
+  train::make_directories(f.workdir);
+  data::TranslationCorpus corpus = train::load_corpus(f.dataset, f.sizes, f.seed);
+  const model::GPT2Config config = train::resolve_config(f.model);
+  // Every rank trains the same tokenizer (deterministic); only rank 0 keeps the file, so the
+  // ranks need no shared folder when they span machines.
+  const std::string tokenizer_path =
+      rank == 0 ? f.workdir + "/tokenizer.model"
+                : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
+  data::Tokenizer tokenizer = train::prepare_tokenizer(f.model, config, corpus.train, tokenizer_path);
+  if (rank != 0) fs::remove(tokenizer_path);
+
+  model::GPT2LMHeadModel model = train::build_model(f.model, config, f.seed);
+  model->to(device.torch_device());
+  broadcast_parameters(ctx, *model);
+  // Dropout differs per rank, as it would in PyTorch's DDP with one seed per process.
+  torch::manual_seed(f.seed + static_cast<uint64_t>(rank));
+
+  if (rank == 0) {
+    std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << ctx.backend
+              << " device=" << device.str() << " threads_per_rank=" << threads << " model="
+              << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
+              << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
+              << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
+              << " grad_sync=" << flags.grad_sync << std::endl;
+  }
+
+  const int64_t max_length = f.model_max_length;
+  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, max_length);
+  };
+  data::BatchLoader train_loader = dp::partition_dataset(rank, env.world_size, corpus.train, f.batch_size, collate);
+  data::BatchLoader validation_loader(corpus.validation, collate, {device_batch, false, 0, false, 2});
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(f.learning_rate));
+  std::unique_ptr<dp::GradientSynchronizer> sync =
+      dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb);
+  sync->attach(*model);
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  const c10::Device torch_device = device.torch_device();
+
+  if (flags.pytest) {
+    // One batch: forward, backward, averaged gradients, written before any optimizer step.
+    train::TrainEpochOptions options;
+    options.device = torch_device;
+    options.max_batches = 1;
+    options.show_progress = false;
+    std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
+    options.after_backward = [&] {
+      sync->finalize();
+      train::make_directories(flags.grad_dir);
+      save_gradients(path, *model);
+    };
+    train::train_epoch(model, optimizer, train_loader, 0, options);
+    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
+    dp::barrier(ctx);
+    return 0;
+  }
+
+  std::vector<double> times, rates;
+  const std::string track = "rank " + std::to_string(rank);
+  for (int64_t epoch = 0; epoch < f.n_epochs; ++epoch) {
+    train::TrainEpochOptions options;
+    options.device = torch_device;
+    options.max_batches = f.max_batches;
+    options.description = "rank " + std::to_string(rank) + " epoch " + std::to_string(epoch);
+    options.show_progress = f.progress && rank == 0;
+    options.tracer = tracer.get();
+    options.trace_track = track;
+    options.after_backward = [&] {
+      TraceScope scope(tracer.get(), "gradient all-reduce", track);
+      sync->finalize();
+    };
+    train::EpochTiming timing = train::train_epoch(model, optimizer, train_loader, epoch, options);
+    const double rate = timing.mean_batch_token_rate();
+    times.push_back(timing.seconds);
+    rates.push_back(rate);
+    std::cout << "Epoch " << epoch << " on Rank " << rank << ": Training Time = "
+              << train::format_number(timing.seconds)
+              << ", Tokens_per_sec = " << train::format_number(rate) << std::endl;
+    if (f.benchmark_only) continue;
+
+    EpochEvaluation eval = evaluate_epoch(model, validation_loader, tokenizer, corpus.test,
+                                          max_length, torch_device, f.progress && rank == 0);
+    std::cout << "Epoch " << epoch << " on Rank " << rank
+              << ": Validation Loss = " << train::format_number(eval.validation_loss) << std::endl;
+    std::cout << "Epoch " << epoch << " on Rank " << rank
+              << ": BLEU = " << train::format_number(eval.bleu) << std::endl;
+    const std::string prefix = f.workdir + "/rank" + std::to_string(rank);
+    train::write_results_json(prefix + "_results_epoch" + std::to_string(epoch) + ".json",
+                              {eval.validation_loss, eval.bleu, timing.seconds, rate});
+    train::write_generations_json(prefix + "_gen_epoch" + std::to_string(epoch) + ".json",
+                                  corpus.test, eval.generations);
+  }
+  const train::MeanStd time_stats = train::mean_std(times), rate_stats = train::mean_std(rates);
+  std::cout << "Rank " << rank << " training time: avg:" << train::format_number(time_stats.mean)
+            << ", std:" << train::format_number(time_stats.std)
+            << ", tokens_per_second: avg: " << train::format_number(rate_stats.mean)
+            << ", std:" << train::format_number(rate_stats.std) << std::endl;
+  if (tracer) {
+    fs::path trace(f.trace);
+    const std::string path = env.world_size == 1
+        ? f.trace
+        : (trace.parent_path() / (trace.stem().string() + ".rank" + std::to_string(rank) + trace.extension().string())).string();
+    tracer->write_chrome_json(path);
+  }
+  if (rank == 0) {
+    model::save_pretrained(*model, f.workdir);
+    std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+  }
+  dp::barrier(ctx);
+  return 0;
+}
+
+}  // namespace
+}  // namespace harness::apps
+
+int main(int argc, char** argv) {
+  using namespace harness::apps;
+  const DataParallelFlags flags = parse(argc, argv);
+  try {
+    std::optional<dp::WorkerEnv> env = dp::worker_env_from_environment();
+    if (env) return run_worker(flags, *env);
+    // Not started by a launcher: start --world_size workers of this program here.
+    const std::string addr = !flags.master_addr.empty() ? flags.master_addr : env_or("MASTER_ADDR", "localhost");
+    const int port = flags.master_port > 0 ? flags.master_port
+                                           : std::atoi(env_or("MASTER_PORT", std::to_string(dp::kDefaultMasterPort)).c_str());
+    std::vector<std::string> args(argv, argv + argc);
+    return dp::launch_workers(args, flags.world_size, addr, port);
+  } catch (const std::exception& e) {
+    std::cerr << "run_data_parallel: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

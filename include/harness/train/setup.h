@@ -1,0 +1,43 @@
+// What both programs do before training: the corpus (a dataset folder or the embedded one), the
+// tokenizer (trained on the training pairs, or the one shipped with a loaded model), and the model
+// (a preset or a Hugging Face folder), each checked against the others.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "harness/data/dataset.h"
+#include "harness/data/example.h"
+#include "harness/data/tokenizer.h"
+#include "harness/model/gpt2.h"
+
+namespace harness::train {
+
+struct ModelSource {
+  std::string preset = "gpt2-mini";  // used when path is empty
+  std::string path;                  // folder with config.json + model.safetensors
+};
+
+// `dataset` empty: the embedded corpus generated from `seed`.
+data::TranslationCorpus load_corpus(const std::string& dataset, const data::SplitSizes& sizes,
+                                    uint64_t seed);
+
+// The config the model will have (preset or path/config.json).
+model::GPT2Config resolve_config(const ModelSource& source);
+
+// A tokenizer.model beside the loaded weights is reused (so that a trained model can be evaluated
+// as it is); otherwise a new one is trained on corpus.train, capped at config.vocab_size, and saved
+// as `save_path`. Throws when the model's vocab_size is smaller than the tokenizer's.
+data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Config& config,
+                                  const std::vector<data::TranslationExample>& train,
+                                  const std::string& save_path);
+
+// Weights from source.path, else freshly initialised from torch's seed `seed`.
+model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2Config& config,
+                                   uint64_t seed);
+
+// Creates the folder (and parents); an error names it.
+void make_directories(const std::string& path);
+
+}  // namespace harness::train

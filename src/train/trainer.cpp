@@ -1,0 +1,157 @@
+// One training epoch, validation loss and greedy generation (SPEC §3, §7).
+#include "harness/train/trainer.h"
+
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include "harness/trace.h"
+#include "harness/train/loss.h"
+#include "harness/train/report.h"
+
+namespace harness::train {
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+double EpochTiming::mean_batch_token_rate() const { return mean_std(batch_token_rates).mean; }
+
+Progress::Progress(std::string description, int64_t total, bool enabled)
+    : description_(std::move(description)),
+      total_(total),
+      enabled_(enabled),
+      tty_(isatty(STDERR_FILENO) != 0),
+      every_(std::max<int64_t>(1, total / 10)),
+      start_(now_seconds()) {}
+
+void Progress::update(int64_t done, const std::string& postfix) {
+  if (!enabled_) return;
+  const double elapsed = now_seconds() - start_;
+  if (tty_) {
+    constexpr int kWidth = 30;
+    const int filled = total_ > 0 ? static_cast<int>(kWidth * done / total_) : 0;
+    std::fprintf(stderr, "\r%s [%s%s] %lld/%lld %.1fs %s", description_.c_str(),
+                 std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total_), elapsed,
+                 postfix.c_str());
+    std::fflush(stderr);
+  } else if (done % every_ == 0 || done == total_) {
+    std::fprintf(stderr, "%s %lld/%lld %.1fs %s\n", description_.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total_), elapsed,
+                 postfix.c_str());
+  }
+}
+
+void Progress::finish() {
+  if (enabled_ && tty_) std::fprintf(stderr, "\n");
+}
+
+EpochTiming train_epoch(model::GPT2LMHeadModel& model, torch::optim::Optimizer& optimizer,
+                        data::BatchLoader& loader, int64_t epoch, const TrainEpochOptions& options) {
+  model->train();
+  EpochTiming timing;
+  const int64_t total = options.max_batches > 0
+                            ? std::min(options.max_batches, loader.num_batches())
+                            : loader.num_batches();
+  Progress progress(options.description, total, options.show_progress);
+  const double epoch_start = now_seconds();
+  loader.start_epoch(epoch);
+  while (timing.batches < total) {
+    std::optional<data::Batch> batch = loader.next();
+    if (!batch) break;
+    const double t0 = now_seconds();
+    TraceScope scope(options.tracer, "step", options.trace_track,
+                     {{"epoch", epoch}, {"batch", timing.batches}});
+    data::Batch on_device = batch->to(options.device);
+    optimizer.zero_grad();
+    torch::Tensor logits = model->forward(on_device.input_ids);
+    torch::Tensor loss = weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
+                                                on_device.label_token_weights.to(logits.device()));
+    loss.backward();
+    if (options.after_backward) options.after_backward();
+    optimizer.step();
+    // The loss is read for the progress display only; reading it here also waits for the step,
+    // so the per-batch time below measures finished work on every device type.
+    timing.last_loss = loss.item<double>();
+    const double batch_seconds = now_seconds() - t0;
+    const int64_t tokens = batch->tokens();
+    timing.tokens += tokens;
+    timing.batch_token_rates.push_back(static_cast<double>(tokens) / batch_seconds);
+    ++timing.batches;
+    std::ostringstream postfix;
+    postfix << "loss=" << timing.last_loss << " tokens_per_sec="
+            << static_cast<int64_t>(tokens / batch_seconds);
+    progress.update(timing.batches, postfix.str());
+  }
+  progress.finish();
+  timing.seconds = now_seconds() - epoch_start;
+  return timing;
+}
+
+double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
+                     const c10::Device& device, int64_t max_batches) {
+  model->eval();
+  torch::NoGradGuard no_grad;
+  loader.start_epoch(0);
+  double sum = 0.0;
+  int64_t count = 0;
+  while (max_batches == 0 || count < max_batches) {
+    std::optional<data::Batch> batch = loader.next();
+    if (!batch) break;
+    data::Batch on_device = batch->to(device);
+    torch::Tensor logits = model->forward(on_device.input_ids);
+    sum += weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
+                                  on_device.label_token_weights.to(logits.device()))
+               .item<double>();
+    ++count;
+  }
+  if (count == 0) throw std::runtime_error("evaluate_loss: the validation loader gave no batch");
+  return sum / static_cast<double>(count);
+}
+
+std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
+                                               const data::Tokenizer& tokenizer,
+                                               const std::vector<data::TranslationExample>& examples,
+                                               int64_t model_max_length, const c10::Device& device,
+                                               bool show_progress) {
+  if (model_max_length >= model->config().n_positions) {
+    throw std::invalid_argument("--model_max_length " + std::to_string(model_max_length) +
+                                " needs n_positions > " + std::to_string(model_max_length) +
+                                " but the model has n_positions " +
+                                std::to_string(model->config().n_positions));
+  }
+  model->eval();
+  torch::NoGradGuard no_grad;
+  std::vector<std::string> generations;
+  generations.reserve(examples.size());
+  Progress progress("generate", static_cast<int64_t>(examples.size()), show_progress);
+  const int64_t stop_id = tokenizer.eos_en_id();
+  for (const data::TranslationExample& example : examples) {
+    std::vector<int64_t> ids = tokenizer.encode(example.de + data::Tokenizer::kEosDe);
+    const size_t source_length = ids.size();
+    model::KVCache cache;
+    torch::Tensor step_input = torch::tensor(ids, torch::kLong).unsqueeze(0).to(device);
+    while (static_cast<int64_t>(ids.size()) <= model_max_length) {
+      torch::Tensor logits = model->forward_cached(step_input, cache);
+      const int64_t next = logits.index({0, -1}).argmax().item<int64_t>();
+      if (next == stop_id) break;
+      ids.push_back(next);
+      step_input = torch::full({1, 1}, next, torch::TensorOptions().dtype(torch::kLong).device(device));
+    }
+    generations.push_back(tokenizer.decode(
+        std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(source_length), ids.end())));
+    progress.update(static_cast<int64_t>(generations.size()), "");
+  }
+  progress.finish();
+  return generations;
+}
+
+}  // namespace harness::train
