@@ -1,0 +1,270 @@
+"""The benchmark runner's parsing, statistics, grader checks and figures, on sample logs and a tiny
+synthetic trace (no program is run: the long benchmarks are not part of the test suite)."""
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+SOURCE_DIR = os.environ.get("HARNESS_SOURCE_DIR",
+                            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(SOURCE_DIR, "scripts"))
+
+import bench_common as bc  # noqa: E402
+import plot_trace  # noqa: E402
+import run_benchmarks  # noqa: E402
+
+DP_LOG = """\
+Epoch 0 on Rank 0: Training Time = 12.5, Tokens_per_sec = 1000.0
+Epoch 0 on Rank 1: Training Time = 13.5, Tokens_per_sec = 900.0
+Epoch 1 on Rank 1: Training Time = 9.0, Tokens_per_sec = 1100.0
+Epoch 1 on Rank 0: Training Time = 10.0, Tokens_per_sec = 1200.0
+Epoch 2 on Rank 0: Training Time = 12.0, Tokens_per_sec = 1000.0
+Epoch 2 on Rank 1: Training Time = 11.0, Tokens_per_sec = 1300.0
+Rank 0 training time: avg:11.5, std:1.0801234497346435, tokens_per_second: avg: 1066.6666666666667, std:94.28090415820634
+Rank 1 training time: avg:11.166666666666666, std:1.8408935028645435, tokens_per_second: avg: 1100.0, std:163.29931618554522
+"""
+
+PP_LOG = """\
+Epoch 0: Training Time = 3.0, Tokens_per_sec = 100.5
+Epoch 0: Validation Loss = 5.25
+Epoch 0: BLEU = 0.0
+Epoch 1: Training Time = 2.0, Tokens_per_sec = 150.0
+Epoch 1: Validation Loss = 4.75
+Epoch 1: BLEU = 1.5
+Epoch 2: Training Time = 4.0, Tokens_per_sec = 75.0
+Training time: avg:3.0, std:0.816496580927726, tokens_per_second: avg: 108.5, std:31.0
+"""
+
+
+def pp_log(times_rates):
+    lines = [f"Epoch {e}: Training Time = {t}, Tokens_per_sec = {r}" for e, (t, r) in enumerate(times_rates)]
+    tm, ts = bc.mean_std([t for t, _ in times_rates])
+    rm, rs = bc.mean_std([r for _, r in times_rates])
+    lines.append(f"Training time: avg:{tm}, std:{ts}, tokens_per_second: avg: {rm}, std:{rs}")
+    return "\n".join(lines) + "\n"
+
+
+def dp_log(per_rank):
+    lines = []
+    for e in range(len(per_rank[0])):
+        for r, figures in enumerate(per_rank):
+            lines.append(f"Epoch {e} on Rank {r}: Training Time = {figures[e][0]}, Tokens_per_sec = {figures[e][1]}")
+    for r, figures in enumerate(per_rank):
+        tm, ts = bc.mean_std([t for t, _ in figures])
+        rm, rs = bc.mean_std([x for _, x in figures])
+        lines.append(f"Rank {r} training time: avg:{tm}, std:{ts}, tokens_per_second: avg: {rm}, std:{rs}")
+    return "\n".join(lines) + "\n"
+
+
+class ParseTest(unittest.TestCase):
+    def test_pipeline_log_with_evaluation_lines(self):
+        log = bc.parse_log_text(PP_LOG, "pp.log", "pp", expected_epochs=3)
+        self.assertEqual([f.time for f in log.epochs[0]], [3.0, 2.0, 4.0])
+        self.assertEqual([f.tok for f in log.epochs[0]], [100.5, 150.0, 75.0])
+        stats = bc.combined_stats(log, warmup=1)
+        self.assertEqual(stats.n, 2)
+        self.assertAlmostEqual(stats.time_mean, 3.0)
+        self.assertAlmostEqual(stats.time_std, 1.0)
+        self.assertAlmostEqual(stats.tok_mean, 112.5)
+        self.assertAlmostEqual(stats.tok_std, 37.5)
+
+    def test_two_rank_log_time_is_mean_and_throughput_is_sum_over_ranks(self):
+        log = bc.parse_log_text(DP_LOG, "dp.log", "dp", world_size=2, expected_epochs=3)
+        stats = bc.combined_stats(log, warmup=1)
+        # epoch 1: time (10 + 9) / 2 = 9.5, tok 1200 + 1100 = 2300; epoch 2: 11.5, 2300
+        self.assertAlmostEqual(stats.time_mean, 10.5)
+        self.assertAlmostEqual(stats.time_std, 1.0)
+        self.assertAlmostEqual(stats.tok_mean, 2300.0)
+        self.assertAlmostEqual(stats.tok_std, 0.0)
+
+    def assertParseError(self, text, kind, *fragments, world_size=1, epochs=3):
+        with self.assertRaises(bc.LogParseError) as ctx:
+            bc.parse_log_text(text, "/logs/bad.log", kind, world_size, epochs)
+        message = str(ctx.exception)
+        self.assertIn("/logs/bad.log", message)
+        for fragment in fragments:
+            self.assertIn(fragment, message)
+
+    def test_malformed_number_names_file_and_line(self):
+        bad = PP_LOG.replace("Training Time = 2.0", "Training Time = two")
+        self.assertParseError(bad, "pp", "bad.log:4", "malformed")
+
+    def test_nan_is_an_error_not_a_value(self):
+        bad = PP_LOG.replace("Tokens_per_sec = 150.0", "Tokens_per_sec = nan")
+        self.assertParseError(bad, "pp", "bad.log:4", "Tokens_per_sec is nan")
+
+    def test_missing_epoch_is_an_error(self):
+        bad = "\n".join(l for l in PP_LOG.splitlines() if not l.startswith("Epoch 1: Training"))
+        self.assertParseError(bad, "pp", "missing epoch(s) [1]")
+
+    def test_missing_rank_and_missing_summary(self):
+        no_rank1 = "\n".join(l for l in DP_LOG.splitlines() if "Rank 1" not in l)
+        self.assertParseError(no_rank1, "dp", "rank 1", world_size=2)
+        no_summary = "\n".join(l for l in PP_LOG.splitlines() if not l.startswith("Training time"))
+        self.assertParseError(no_summary, "pp", "summary line is missing")
+
+    def test_pipeline_line_in_data_parallel_log_is_malformed(self):
+        self.assertParseError(PP_LOG, "dp", "malformed", world_size=1)
+
+    def test_summary_that_disagrees_with_epoch_lines(self):
+        bad = PP_LOG.replace("avg:3.0,", "avg:7.0,")
+        self.assertParseError(bad, "pp", "disagrees")
+
+    def test_empty_or_absent_log(self):
+        self.assertParseError("", "pp", "no Training Time line")
+        with self.assertRaises(bc.LogParseError) as ctx:
+            bc.parse_log("/nonexistent/x.log", "pp")
+        self.assertIn("/nonexistent/x.log", str(ctx.exception))
+
+    def test_warmup_must_leave_an_epoch(self):
+        log = bc.parse_log_text(PP_LOG, "pp.log", "pp", expected_epochs=3)
+        with self.assertRaises(bc.LogParseError):
+            bc.combined_stats(log, warmup=3)
+
+
+class SummaryTest(unittest.TestCase):
+    def test_keys_are_exactly_specs(self):
+        s = bc.Stats(10.0, 1.0, 100.0, 5.0, 2)
+        f = bc.Stats(5.0, 0.5, 190.0, 4.0, 2)
+        out = bc.performance_summary(3, 1, 96, 2, s, f, s, f)
+        self.assertEqual(set(out), {"config", "data_parallel", "pipeline_parallel"})
+        self.assertEqual(set(out["config"]), {"epochs", "warmup_epochs_dropped", "pipeline_batch_size",
+                                              "pipeline_n_chunk"})
+        self.assertEqual(set(out["data_parallel"]), {"single_gpu", "two_gpu", "speedup_time_reduction_x",
+                                                     "speedup_throughput_x"})
+        self.assertEqual(set(out["pipeline_parallel"]), {"model_parallel", "pipeline_parallel",
+                                                         "speedup_time_reduction_x", "speedup_throughput_x"})
+        self.assertEqual(set(out["data_parallel"]["two_gpu"]), {"time_mean", "time_std", "tok_mean", "tok_std"})
+        self.assertAlmostEqual(out["data_parallel"]["speedup_time_reduction_x"], 2.0)
+        self.assertAlmostEqual(out["data_parallel"]["speedup_throughput_x"], 1.9)
+
+    def test_grader_names_the_failed_check(self):
+        s = bc.Stats(10.0, 1.0, 100.0, 5.0, 2)
+        f = bc.Stats(5.0, 0.5, 190.0, 4.0, 2)
+        out = bc.performance_summary(3, 1, 96, 2, s, f, s, f)
+        failures = bc.threshold_failures(out, 1.5, 1.95, 1.0, 1.0)
+        self.assertEqual(len(failures), 1)
+        self.assertIn("--dp-throughput-threshold", failures[0])
+        self.assertEqual(bc.threshold_failures(out, 1.5, 1.5, 1.5, 1.5), [])
+
+    def test_gpipe_figures(self):
+        self.assertAlmostEqual(bc.gpipe_bound(2, 2), 4 / 3)
+        self.assertAlmostEqual(bc.gpipe_bound(2, 4), 1.6)
+        self.assertAlmostEqual(bc.gpipe_bubble(2, 2), 1 / 3)
+
+
+def synthetic_trace(path):
+    """GPipe, K=2, M=2, unit tasks (1 ms = 1000 us) in one 6 ms step: each device is busy 4 ms."""
+    def x(name, tid, start, dur, mb=None, part=None):
+        e = {"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": start * 1000, "dur": dur * 1000}
+        if mb is not None:
+            e["args"] = {"micro_batch": mb, "partition": part}
+        return e
+    events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": t, "args": {"name": n}}
+              for t, n in ((1, "cpu:0"), (2, "cpu:1"), (3, "main"))]
+    for step, t0 in ((0, 0), (1, 10)):
+        events += [x("forward", 1, t0 + 0, 1, 0, 0), x("forward", 1, t0 + 1, 1, 1, 0),
+                   x("forward", 2, t0 + 1, 1, 0, 1), x("forward", 2, t0 + 2, 1, 1, 1),
+                   x("backward", 2, t0 + 3, 1, 1, 1), x("backward", 2, t0 + 4, 1, 0, 1),
+                   x("backward", 1, t0 + 4, 1, 1, 0), x("backward", 1, t0 + 5, 1, 0, 0),
+                   x("step", 3, t0, 6)]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+class TimelineTest(unittest.TestCase):
+    def test_bubble_fraction_of_an_ideal_gpipe_step_and_figure(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "t.json")
+            synthetic_trace(trace)
+            out = os.path.join(tmp, "t.png")
+            report = plot_trace.plot_trace(trace, out, step="last")
+            self.assertEqual(report.device_tracks, ["cpu:0", "cpu:1"])
+            self.assertEqual((report.k, report.m), (2, 2))
+            self.assertAlmostEqual(report.window[0], 10.0)
+            self.assertAlmostEqual(report.bubble_fraction, 1 / 3)
+            self.assertAlmostEqual(report.gpipe_bubble, 1 / 3)
+            self.assertGreater(os.path.getsize(out), 5000)
+
+    def test_bad_trace_files(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            bad = os.path.join(tmp, "bad.json")
+            with open(bad, "w") as f:
+                f.write("{not json")
+            with self.assertRaises(plot_trace.TraceError) as ctx:
+                plot_trace.load_trace(bad)
+            self.assertIn("bad.json", str(ctx.exception))
+            with self.assertRaises(plot_trace.TraceError):
+                plot_trace.load_trace(os.path.join(tmp, "absent.json"))
+
+
+class RunnerTest(unittest.TestCase):
+    """The runner end to end on reused logs: summary JSON, figures, table, grader exit status."""
+
+    def write_logs(self, perf, sfx):
+        os.makedirs(perf, exist_ok=True)
+        logs = {
+            f"dp_ws1_b64{sfx}": dp_log([[(20, 500), (10, 1000), (10, 1000)]]),
+            f"dp_ws2_b128{sfx}": dp_log([[(12, 480), (6, 950), (6, 1000)], [(12, 480), (6, 950), (6, 900)]]),
+            f"pp_model_b96{sfx}": pp_log([(10, 600), (8, 700), (8, 700)]),
+            f"pp_pipeline_b96_n2{sfx}": pp_log([(9, 700), (7, 800), (7, 800)]),
+        }
+        for name, text in logs.items():
+            with open(os.path.join(perf, name + ".log"), "w") as f:
+                f.write(text)
+
+    def test_reused_logs_give_summary_figures_and_grader_status(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir, figs = os.path.join(tmp, "w"), os.path.join(tmp, "figs")
+            self.write_logs(os.path.join(workdir, "perf"), "_fast2")
+            common = ["--reuse-logs", "--max-batches", "2", "--workdir", workdir, "--out-dir", figs,
+                      "--no-scaling", "--no-timeline", "--build-dir", os.path.join(tmp, "nobuild"),
+                      "--devices", "cpu:0,cpu:1"]
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+                rc = run_benchmarks.main(common + ["--mode", "grader", "--dp-time-threshold", "1.5",
+                                                   "--dp-throughput-threshold", "1.5",
+                                                   "--pp-time-threshold", "1.1",
+                                                   "--pp-throughput-threshold", "1.1"])
+            self.assertEqual(rc, 0, out.getvalue())
+            with open(os.path.join(figs, "performance_summary.json")) as f:
+                summary = json.load(f)
+            self.assertAlmostEqual(summary["data_parallel"]["single_gpu"]["time_mean"], 10.0)
+            self.assertAlmostEqual(summary["data_parallel"]["two_gpu"]["tok_mean"], 1900.0)
+            self.assertAlmostEqual(summary["data_parallel"]["speedup_time_reduction_x"], 10 / 6)
+            self.assertAlmostEqual(summary["pipeline_parallel"]["speedup_throughput_x"], 800 / 700)
+            for png in ("ddp_training_time.png", "ddp_tokens_per_second.png", "pp_training_time.png",
+                        "pp_tokens_per_second.png"):
+                self.assertGreater(os.path.getsize(os.path.join(figs, png)), 5000, png)
+            self.assertIn("pp_pipeline_b96_n2_fast2", out.getvalue())
+
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+                rc = run_benchmarks.main(common + ["--mode", "grader", "--pp-time-threshold", "100"])
+            self.assertEqual(rc, 1)
+            self.assertIn("FAILED: pipeline time speedup", out.getvalue())
+            self.assertIn("--pp-time-threshold", out.getvalue())
+
+    def test_broken_log_stops_the_runner_with_its_name(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = os.path.join(tmp, "w")
+            perf = os.path.join(workdir, "perf")
+            self.write_logs(perf, "")
+            with open(os.path.join(perf, "dp_ws2_b128.log"), "a") as f:
+                f.write("Epoch 3 on Rank 0: Training Time = , Tokens_per_sec = 1\n")
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+                rc = run_benchmarks.main(["--reuse-logs", "--workdir", workdir, "--out-dir",
+                                          os.path.join(tmp, "f"), "--skip-pp", "--devices", "cpu:0,cpu:1"])
+            self.assertEqual(rc, 2)
+            self.assertIn("dp_ws2_b128.log:", err.getvalue())
+            self.assertIn("malformed", err.getvalue())
+
+    def test_bad_options_are_refused(self):
+        with contextlib.redirect_stderr(io.StringIO()) as err, self.assertRaises(SystemExit):
+            run_benchmarks.parse_args(["--epochs", "2", "--warmup-epochs", "2"])
+        self.assertIn("--warmup-epochs", err.getvalue())
+
+
+if __name__ == "__main__":
+    unittest.main()
