@@ -51,6 +51,7 @@ inline void add_common_options(cxxopts::Options& options, int64_t default_batch_
       ("max_batches", "batches per epoch (0 = the whole epoch)", cxxopts::value<int64_t>()->default_value("0"))
       ("model", "preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny", cxxopts::value<std::string>()->default_value("gpt2-mini"))
       ("model_path", "Hugging Face folder (config.json + model.safetensors [+ tokenizer.model]) to start from", cxxopts::value<std::string>()->default_value(""))
+      ("dropout", "dropout probability for embeddings, attention and residuals (default: the model's)", cxxopts::value<double>())
       ("workdir", "where results, tokenizer and model are written", cxxopts::value<std::string>()->default_value("./workdir"))
       ("seed", "fixes weights, shuffling, dropout and the embedded corpus", cxxopts::value<uint64_t>()->default_value("1234"))
       ("devices", "comma-separated devices: cuda:0,cuda:1 or cpu:0,cpu:1 (CPU lanes)", cxxopts::value<std::string>()->default_value(""))
@@ -75,6 +76,7 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.max_batches = r["max_batches"].as<int64_t>();
   f.model.preset = r["model"].as<std::string>();
   f.model.path = r["model_path"].as<std::string>();
+  if (r.count("dropout")) f.model.dropout = r["dropout"].as<double>();
   f.workdir = r["workdir"].as<std::string>();
   f.seed = r["seed"].as<uint64_t>();
   f.devices = r["devices"].as<std::string>();

@@ -38,7 +38,8 @@ PipelineFlags parse(int argc, char** argv) {
       throw std::invalid_argument("--model_parallel_mode '" + flags.mode +
                                   "': expected model_parallel or pipeline_parallel");
     }
-    if (flags.n_chunk <= 0 || flags.n_chunk > flags.common.batch_size) {
+    if (flags.mode == "pipeline_parallel" &&
+        (flags.n_chunk <= 0 || flags.n_chunk > flags.common.batch_size)) {
       throw std::invalid_argument("--n_chunk " + std::to_string(flags.n_chunk) +
                                   " must be between 1 and --batch_size " +
                                   std::to_string(flags.common.batch_size));

@@ -20,12 +20,24 @@ data::TranslationCorpus load_corpus(const std::string& dataset, const data::Spli
 }
 
 model::GPT2Config resolve_config(const ModelSource& source) {
-  if (source.path.empty()) return model::GPT2Config::preset(source.preset);
-  const fs::path config = fs::path(source.path) / "config.json";
-  if (!fs::exists(config)) {
-    throw std::runtime_error("--model_path " + source.path + ": no config.json in that folder");
+  model::GPT2Config config;
+  if (source.path.empty()) {
+    config = model::GPT2Config::preset(source.preset);
+  } else {
+    const fs::path file = fs::path(source.path) / "config.json";
+    if (!fs::exists(file)) {
+      throw std::runtime_error("--model_path " + source.path + ": no config.json in that folder");
+    }
+    config = model::GPT2Config::from_json_file(file.string());
   }
-  return model::GPT2Config::from_json_file(config.string());
+  if (source.dropout) {
+    if (*source.dropout < 0.0 || *source.dropout >= 1.0) {
+      throw std::invalid_argument("--dropout " + std::to_string(*source.dropout) +
+                                  " must be in [0, 1)");
+    }
+    config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = *source.dropout;
+  }
+  return config;
 }
 
 data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Config& config,
@@ -53,9 +65,12 @@ data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Co
 model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2Config& config,
                                    uint64_t seed) {
   torch::manual_seed(seed);
-  if (!source.path.empty()) return model::from_pretrained(source.path);
   model::GPT2LMHeadModel model(config);
-  model->reset_parameters();
+  if (source.path.empty()) {
+    model->reset_parameters();
+  } else {
+    model::load_pretrained(*model, source.path);
+  }
   return model;
 }
 

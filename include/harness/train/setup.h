@@ -17,13 +17,14 @@ namespace harness::train {
 struct ModelSource {
   std::string preset = "gpt2-mini";  // used when path is empty
   std::string path;                  // folder with config.json + model.safetensors
+  std::optional<double> dropout;     // overrides embd/attn/resid_pdrop when set
 };
 
 // `dataset` empty: the embedded corpus generated from `seed`.
 data::TranslationCorpus load_corpus(const std::string& dataset, const data::SplitSizes& sizes,
                                     uint64_t seed);
 
-// The config the model will have (preset or path/config.json).
+// The config the model will have (preset or path/config.json, then the dropout override).
 model::GPT2Config resolve_config(const ModelSource& source);
 
 // A tokenizer.model beside the loaded weights is reused (so that a trained model can be evaluated
@@ -33,7 +34,8 @@ data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Co
                                   const std::vector<data::TranslationExample>& train,
                                   const std::string& save_path);
 
-// Weights from source.path, else freshly initialised from torch's seed `seed`.
+// A model of `config` with the weights of source.path, else freshly initialised from torch's
+// seed `seed`.
 model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2Config& config,
                                    uint64_t seed);
 

@@ -1,0 +1,143 @@
+// The shared training pieces: greedy generation with the KV cache equals greedy generation by
+// full recomputation, one epoch lowers the loss, formatting and mean/std of the printed figures.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "harness/data/collate.h"
+#include "harness/data/loader.h"
+#include "harness/data/synthetic_corpus.h"
+#include "harness/data/tokenizer.h"
+#include "harness/train/loss.h"
+#include "harness/train/report.h"
+#include "harness/train/trainer.h"
+
+namespace harness::train {
+namespace {
+
+struct Fixture {
+  data::TranslationCorpus corpus;
+  std::unique_ptr<data::Tokenizer> tokenizer;
+};
+
+const Fixture& fixture() {
+  static const Fixture f = [] {
+    Fixture out;
+    out.corpus = data::generate_corpus(7, {200, 32, 8});
+    const std::string path = std::filesystem::temp_directory_path().string() + "/trainer_test_" +
+                             std::to_string(::getpid()) + ".model";
+    out.tokenizer = std::make_unique<data::Tokenizer>(data::Tokenizer::train(out.corpus.train, 400, path));
+    std::remove(path.c_str());
+    return out;
+  }();
+  return f;
+}
+
+model::GPT2LMHeadModel tiny_model(int64_t vocab) {
+  model::GPT2Config config = model::GPT2Config::preset("gpt2-tiny");
+  config.vocab_size = vocab;
+  config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = 0.0;
+  torch::manual_seed(3);
+  model::GPT2LMHeadModel model(config);
+  model->reset_parameters();
+  return model;
+}
+
+// The original's generation: the whole prefix through the model for every new token.
+std::vector<std::string> generate_by_recompute(model::GPT2LMHeadModel& model,
+                                               const data::Tokenizer& tokenizer,
+                                               const std::vector<data::TranslationExample>& examples,
+                                               int64_t max_length) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  std::vector<std::string> out;
+  for (const auto& example : examples) {
+    std::vector<int64_t> ids = tokenizer.encode(example.de + data::Tokenizer::kEosDe);
+    const size_t source = ids.size();
+    while (static_cast<int64_t>(ids.size()) <= max_length) {
+      torch::Tensor logits = model->forward(torch::tensor(ids, torch::kLong).unsqueeze(0));
+      const int64_t next = logits.index({0, -1}).argmax().item<int64_t>();
+      if (next == tokenizer.eos_en_id()) break;
+      ids.push_back(next);
+    }
+    out.push_back(tokenizer.decode(std::vector<int64_t>(ids.begin() + source, ids.end())));
+  }
+  return out;
+}
+
+TEST(GenerateTest, KvCacheGenerationEqualsFullRecomputation) {
+  const Fixture& f = fixture();
+  model::GPT2LMHeadModel model = tiny_model(f.tokenizer->vocab_size());
+  const int64_t max_length = 40;
+  const auto cached = generate_translations(model, *f.tokenizer, f.corpus.test, max_length,
+                                            torch::kCPU, /*show_progress=*/false);
+  const auto recomputed = generate_by_recompute(model, *f.tokenizer, f.corpus.test, max_length);
+  ASSERT_EQ(cached.size(), f.corpus.test.size());
+  EXPECT_EQ(cached, recomputed);
+  // An untrained model rarely stops by itself: the continuation fills the length budget.
+  size_t non_empty = 0;
+  for (const auto& g : cached) non_empty += g.empty() ? 0 : 1;
+  EXPECT_GT(non_empty, 0u);
+}
+
+TEST(GenerateTest, RejectsAMaxLengthBeyondThePositions) {
+  const Fixture& f = fixture();
+  model::GPT2LMHeadModel model = tiny_model(f.tokenizer->vocab_size());
+  EXPECT_THROW(generate_translations(model, *f.tokenizer, f.corpus.test,
+                                     model->config().n_positions, torch::kCPU, false),
+               std::invalid_argument);
+}
+
+TEST(TrainEpochTest, LossFallsAndHookRunsOncePerBatch) {
+  const Fixture& f = fixture();
+  model::GPT2LMHeadModel model = tiny_model(f.tokenizer->vocab_size());
+  const data::Tokenizer& tokenizer = *f.tokenizer;
+  data::CollateFn collate = [&tokenizer](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, 40);
+  };
+  data::BatchLoader train(f.corpus.train, collate, {16, true, 1, false, 2});
+  data::BatchLoader validation(f.corpus.validation, collate, {16, false, 0, false, 2});
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  const double before = evaluate_loss(model, validation, torch::kCPU);
+  int hook_calls = 0;
+  TrainEpochOptions options;
+  options.show_progress = false;
+  options.after_backward = [&] { ++hook_calls; };
+  EpochTiming timing;
+  for (int epoch = 0; epoch < 3; ++epoch) timing = train_epoch(model, optimizer, train, epoch, options);
+  const double after = evaluate_loss(model, validation, torch::kCPU);
+  EXPECT_LT(after, before - 0.5) << "before " << before << " after " << after;
+  EXPECT_EQ(hook_calls, 3 * train.num_batches());
+  EXPECT_EQ(timing.batches, train.num_batches());
+  EXPECT_EQ(timing.tokens, 200 * 40);  // every example counts B * T tokens of input_ids
+  EXPECT_EQ(static_cast<int64_t>(timing.batch_token_rates.size()), timing.batches);
+  EXPECT_GT(timing.mean_batch_token_rate(), 0.0);
+
+  options.max_batches = 2;
+  timing = train_epoch(model, optimizer, train, 3, options);
+  EXPECT_EQ(timing.batches, 2);
+}
+
+TEST(ReportTest, NumbersArePlainDecimalsThatReadBack) {
+  EXPECT_EQ(format_number(0.00001), "0.00001");
+  EXPECT_EQ(format_number(12.5), "12.5");
+  EXPECT_EQ(format_number(3.0), "3");
+  EXPECT_EQ(format_number(1e20), "100000000000000000000");
+  for (double v : {0.1, 2.0 / 3.0, 123456.789, 1e-7}) {
+    const std::string s = format_number(v);
+    EXPECT_EQ(s.find('e'), std::string::npos) << s;
+    EXPECT_EQ(std::stod(s), v) << s;
+  }
+}
+
+TEST(ReportTest, MeanAndPopulationStdAsNumpy) {
+  const MeanStd s = mean_std({1.0, 2.0, 3.0, 4.0});
+  EXPECT_DOUBLE_EQ(s.mean, 2.5);
+  EXPECT_DOUBLE_EQ(s.std, std::sqrt(1.25));  // np.std([1,2,3,4])
+  EXPECT_DOUBLE_EQ(mean_std({5.0}).std, 0.0);
+}
+
+}  // namespace
+}  // namespace harness::train
