@@ -1,0 +1,145 @@
+// Data- and tensor-parallel process groups carved out of the world (see parallel_context.h).
+#include "harness/tensor_parallel/parallel_context.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+
+#ifdef HARNESS_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#ifdef HARNESS_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace harness::tensor_parallel {
+namespace {
+
+namespace dp = harness::data_parallel;
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// One process group over `ranks` (world ranks, this rank among them) keyed by `prefix` in the
+// world's store.
+dp::DistContext create_group(const dp::DistContext& world, const dp::DistOptions& options,
+                             const std::string& prefix, const std::vector<int>& ranks,
+                             int group_rank) {
+  dp::DistContext ctx;
+  ctx.rank = group_rank;
+  ctx.world_size = static_cast<int>(ranks.size());
+  ctx.local_rank = world.local_rank;
+  ctx.device = world.device;
+  ctx.backend = world.backend;
+  ctx.store = c10::make_intrusive<c10d::PrefixStore>(prefix, world.store);
+  const std::string what_group = "process group " + prefix + " over world " + ranks_text(ranks);
+  try {
+    if (world.backend == "gloo") {
+#ifdef HARNESS_WITH_GLOO
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      if (ifname != nullptr && *ifname != '\0') {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+      } else if (is_loopback(options.master_addr)) {
+        gloo_options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      } else {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      }
+      ctx.group = c10::make_intrusive<c10d::ProcessGroupGloo>(ctx.store, ctx.rank, ctx.world_size,
+                                                              gloo_options);
+#else
+      throw std::runtime_error("this build has no Gloo headers (libgloo-dev)");
+#endif
+    } else if (world.backend == "nccl") {
+#ifdef HARNESS_WITH_NCCL
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = options.timeout;
+      ctx.group = c10::make_intrusive<c10d::ProcessGroupNCCL>(ctx.store, ctx.rank, ctx.world_size,
+                                                              nccl_options);
+      ctx.group->setBoundDeviceId(world.device.torch_device());
+#else
+      throw std::runtime_error("this build has no NCCL support");
+#endif
+    } else {
+      throw std::invalid_argument("unknown backend '" + world.backend + "'");
+    }
+  } catch (const std::exception& e) {
+    const std::string text = e.what();
+    throw std::runtime_error("world rank " + std::to_string(world.rank) + ": creating the " +
+                             world.backend + " " + what_group + " failed: " +
+                             text.substr(0, text.find('\n')));
+  }
+  return ctx;
+}
+
+}  // namespace
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  out << "ranks [";
+  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  out << ']';
+  return out.str();
+}
+
+ParallelLayout parallel_layout(int world_size, int tensor_parallel_size, int rank) {
+  if (world_size < 1) {
+    throw std::invalid_argument("--world_size " + std::to_string(world_size) + " must be at least 1");
+  }
+  if (tensor_parallel_size < 1) {
+    throw std::invalid_argument("--tensor_parallel_size " + std::to_string(tensor_parallel_size) +
+                                " must be at least 1");
+  }
+  if (world_size % tensor_parallel_size != 0) {
+    throw std::invalid_argument(
+        "--world_size " + std::to_string(world_size) + " is not divisible by --tensor_parallel_size " +
+        std::to_string(tensor_parallel_size) + " (world size = data-parallel size x tensor-parallel size)");
+  }
+  if (rank < 0 || rank >= world_size) {
+    throw std::invalid_argument("rank " + std::to_string(rank) + " is outside [0, world size " +
+                                std::to_string(world_size) + ")");
+  }
+  ParallelLayout layout;
+  layout.world_size = world_size;
+  layout.tensor_parallel_size = tensor_parallel_size;
+  layout.data_parallel_size = world_size / tensor_parallel_size;
+  layout.tensor_rank = rank % tensor_parallel_size;
+  layout.data_rank = rank / tensor_parallel_size;
+  for (int t = 0; t < tensor_parallel_size; ++t) {
+    layout.tensor_group_ranks.push_back(layout.data_rank * tensor_parallel_size + t);
+  }
+  for (int d = 0; d < layout.data_parallel_size; ++d) {
+    layout.data_group_ranks.push_back(d * tensor_parallel_size + layout.tensor_rank);
+  }
+  return layout;
+}
+
+ParallelContext make_parallel_context(const dp::DistContext& world, const dp::DistOptions& options,
+                                      int tensor_parallel_size) {
+  if (!world.group) throw std::invalid_argument("make_parallel_context: the world has no process group");
+  ParallelContext parallel;
+  parallel.layout = parallel_layout(world.world_size, tensor_parallel_size, world.rank);
+  parallel.world = world;
+  const ParallelLayout& layout = parallel.layout;
+  // The same order on every rank: tensor group, then data group.
+  if (layout.tensor_parallel_size == world.world_size) {
+    parallel.tensor = world;
+  } else {
+    parallel.tensor = create_group(world, options, "tp" + std::to_string(layout.data_rank),
+                                   layout.tensor_group_ranks, layout.tensor_rank);
+  }
+  if (layout.data_parallel_size == world.world_size) {
+    parallel.data = world;
+  } else {
+    parallel.data = create_group(world, options, "dp" + std::to_string(layout.tensor_rank),
+                                 layout.data_group_ranks, layout.data_rank);
+  }
+  return parallel;
+}
+
+}  // namespace harness::tensor_parallel

@@ -1,0 +1,115 @@
+// Pure pieces of tensor parallelism: the rank layout of the groups, shard arithmetic, and the
+// checks of a GPT-2 config against the tensor-parallel size.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "harness/tensor_parallel/gpt2_tensor_parallel.h"
+#include "harness/tensor_parallel/layers.h"
+#include "harness/tensor_parallel/parallel_context.h"
+#include "test_support.h"
+
+namespace harness::tensor_parallel {
+namespace {
+
+using Kind = ShardSpec::Kind;
+
+TEST(ParallelLayout, GroupsOfEightRanksWithTensorParallelTwo) {
+  // DP x TP = 4 x 2: tensor groups {0,1} {2,3} {4,5} {6,7}, data groups {0,2,4,6} {1,3,5,7}.
+  const ParallelLayout l5 = parallel_layout(8, 2, 5);
+  EXPECT_EQ(l5.data_parallel_size, 4);
+  EXPECT_EQ(l5.tensor_rank, 1);
+  EXPECT_EQ(l5.data_rank, 2);
+  EXPECT_EQ(l5.tensor_group_ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(l5.data_group_ranks, (std::vector<int>{1, 3, 5, 7}));
+  const ParallelLayout l6 = parallel_layout(8, 4, 6);
+  EXPECT_EQ(l6.tensor_group_ranks, (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(l6.data_group_ranks, (std::vector<int>{2, 6}));
+  // Every rank is in exactly one tensor group and one data group, and the two meet only in it.
+  for (int r = 0; r < 8; ++r) {
+    const ParallelLayout l = parallel_layout(8, 2, r);
+    EXPECT_EQ(l.tensor_group_ranks[l.tensor_rank], r);
+    EXPECT_EQ(l.data_group_ranks[l.data_rank], r);
+  }
+  const ParallelLayout single = parallel_layout(3, 1, 2);
+  EXPECT_EQ(single.tensor_group_ranks, (std::vector<int>{2}));
+  EXPECT_EQ(single.data_group_ranks, (std::vector<int>{0, 1, 2}));
+}
+
+TEST(ParallelLayout, RejectsSizesThatDoNotDivide) {
+  try {
+    parallel_layout(6, 4, 0);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--world_size 6 is not divisible by --tensor_parallel_size 4"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parallel_layout(4, 0, 0), std::invalid_argument);
+  EXPECT_THROW(parallel_layout(4, 2, 4), std::invalid_argument);
+}
+
+TEST(ShardTensor, ColumnsRowsAndFusedParts) {
+  const at::Tensor full = torch::arange(4 * 12, torch::kFloat32).reshape({4, 12});
+  // Plain columns: rank 1 of 2 holds columns 6..11.
+  EXPECT_TRUE(torch::equal(shard_tensor(full, {Kind::kColumns, 1}, 1, 2), full.narrow(1, 6, 6)));
+  // Rows: rank 0 of 2 holds rows 0..1.
+  EXPECT_TRUE(torch::equal(shard_tensor(full, {Kind::kRows, 1}, 0, 2), full.narrow(0, 0, 2)));
+  // c_attn-like [q | k | v] of width 4 each over 2 ranks: rank 1 holds q[2:4], k[2:4], v[2:4],
+  // i.e. columns 2,3, 6,7, 10,11.
+  const at::Tensor fused = shard_tensor(full, {Kind::kColumns, 3}, 1, 2);
+  const at::Tensor expected = torch::cat({full.narrow(1, 2, 2), full.narrow(1, 6, 2), full.narrow(1, 10, 2)}, 1);
+  EXPECT_TRUE(torch::equal(fused, expected));
+  // A bias (1-D) splits along its only dimension.
+  const at::Tensor bias = torch::arange(12, torch::kFloat32);
+  EXPECT_TRUE(torch::equal(shard_tensor(bias, {Kind::kColumns, 3}, 0, 2),
+                           torch::tensor({0.f, 1.f, 4.f, 5.f, 8.f, 9.f})));
+  // Replicated tensors are the full tensor on every rank.
+  EXPECT_TRUE(torch::equal(shard_tensor(full, {}, 1, 2), full));
+  // unshard inverts shard for every spec and number of ranks that divides.
+  for (const ShardSpec spec : {ShardSpec{Kind::kColumns, 1}, ShardSpec{Kind::kColumns, 3},
+                               ShardSpec{Kind::kRows, 1}, ShardSpec{Kind::kColumns, 2}}) {
+    for (int world : {1, 2, 4}) {
+      if (spec.kind == Kind::kColumns && 12 % (spec.fused_parts * world) != 0) continue;
+      if (spec.kind == Kind::kRows && 4 % world != 0) continue;
+      std::vector<at::Tensor> shards;
+      for (int r = 0; r < world; ++r) shards.push_back(shard_tensor(full, spec, r, world));
+      EXPECT_TRUE(torch::equal(unshard_tensor(shards, spec), full))
+          << "parts " << spec.fused_parts << " world " << world;
+    }
+  }
+}
+
+TEST(ShardTensor, ErrorsNameTheShape) {
+  const at::Tensor full = torch::zeros({4, 10});
+  try {
+    shard_tensor(full, {Kind::kColumns, 3}, 0, 2);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[4, 10]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("3 fused part(s) x 2 ranks"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(shard_tensor(full, {Kind::kRows, 1}, 0, 3), std::invalid_argument);
+  EXPECT_THROW(shard_tensor(full, {Kind::kRows, 1}, 2, 2), std::invalid_argument);
+}
+
+TEST(ValidateTensorParallel, HeadsAndInnerSizeMustDivide) {
+  model::GPT2Config config = testing::tiny_config();  // 4 heads, inner 128
+  EXPECT_NO_THROW(validate_tensor_parallel(config, 4));
+  try {
+    validate_tensor_parallel(config, 3);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("n_head 4 is not divisible by --tensor_parallel_size 3"),
+              std::string::npos) << e.what();
+  }
+  config.n_inner = 30;
+  try {
+    validate_tensor_parallel(config, 4);
+    FAIL() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("inner size 30 is not divisible by --tensor_parallel_size 4"),
+              std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace harness::tensor_parallel
