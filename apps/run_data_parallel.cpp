@@ -1,12 +1,17 @@
 // run_data_parallel: GPT-2 translation training with data parallelism over a c10d process group
 // (Gloo on CPUs, NCCL on GPUs). Started plainly it launches --world_size workers of itself;
 // started by torchrun or Slurm (RANK/WORLD_SIZE/... set) it is one of those workers. SPEC §5, §7.
+// --tensor_parallel_size T > 1 splits each model replica over T ranks (Megatron style): the world
+// is data-parallel size x T ranks, the data is partitioned over the data-parallel ranks only.
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <iostream>
+#include <chrono>
 #include <memory>
+#include <optional>
+#include <sstream>
 #include <thread>
 
 #include "common.h"
@@ -16,12 +21,16 @@
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/model/safetensors.h"
+#include "harness/tensor_parallel/gpt2_tensor_parallel.h"
+#include "harness/tensor_parallel/parallel_context.h"
 #include "harness/trace.h"
+#include "harness/train/loss.h"
 
 namespace harness::apps {
 namespace {
 
 namespace dp = harness::data_parallel;
+namespace tp = harness::tensor_parallel;
 namespace fs = std::filesystem;
 
 struct DataParallelFlags {
@@ -35,6 +44,7 @@ struct DataParallelFlags {
   int master_port = 0;
   std::string grad_sync = "bucketed";
   double bucket_cap_mb = 25.0;
+  int tensor_parallel_size = 1;
 };
 
 DataParallelFlags parse(int argc, char** argv) {
@@ -50,7 +60,8 @@ DataParallelFlags parse(int argc, char** argv) {
       ("master_addr", "rendezvous host (default: $MASTER_ADDR or localhost)", cxxopts::value<std::string>()->default_value(""))
       ("master_port", "rendezvous port (default: $MASTER_PORT or 11868)", cxxopts::value<int>()->default_value("0"))
       ("grad_sync", "bucketed: overlapped all-reduce of gradient buckets during backward; naive: the original's per-parameter all-reduce after backward", cxxopts::value<std::string>()->default_value("bucketed"))
-      ("bucket_cap_mb", "bucket size for --grad_sync bucketed", cxxopts::value<double>()->default_value("25"));
+      ("bucket_cap_mb", "bucket size for --grad_sync bucketed", cxxopts::value<double>()->default_value("25"))
+      ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"));
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   DataParallelFlags flags;
   try {
@@ -64,8 +75,13 @@ DataParallelFlags parse(int argc, char** argv) {
     flags.master_port = result["master_port"].as<int>();
     flags.grad_sync = result["grad_sync"].as<std::string>();
     flags.bucket_cap_mb = result["bucket_cap_mb"].as<double>();
+    flags.tensor_parallel_size = result["tensor_parallel_size"].as<int>();
     if (flags.world_size <= 0) {
       throw std::invalid_argument("--world_size must be positive, got " + std::to_string(flags.world_size));
+    }
+    if (flags.tensor_parallel_size < 1) {
+      throw std::invalid_argument("--tensor_parallel_size must be at least 1, got " +
+                                  std::to_string(flags.tensor_parallel_size));
     }
     if (flags.device != "auto" && flags.device != "cpu" && flags.device != "cuda") {
       throw std::invalid_argument("--device '" + flags.device + "': expected auto, cpu or cuda");
@@ -120,6 +136,52 @@ void save_gradients(const std::string& path, torch::nn::Module& module) {
   dp::save_tensor_dict_pth(path, gradients);
 }
 
+// train::train_epoch for the tensor-parallel model: the same steps, timing and progress. Every
+// rank of a tensor-parallel group sees the same batches and computes the same (replicated) loss.
+train::EpochTiming train_epoch_tensor_parallel(tp::TensorParallelGPT2LMHeadModel& model,
+                                               torch::optim::Optimizer& optimizer,
+                                               data::BatchLoader& loader, int64_t epoch,
+                                               const train::TrainEpochOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
+  model->train();
+  train::EpochTiming timing;
+  const int64_t total = options.max_batches > 0 ? std::min(options.max_batches, loader.num_batches())
+                                                : loader.num_batches();
+  train::Progress progress(options.description, total, options.show_progress);
+  const auto epoch_start = Clock::now();
+  loader.start_epoch(epoch);
+  while (timing.batches < total) {
+    std::optional<data::Batch> batch = loader.next();
+    if (!batch) break;
+    const auto t0 = Clock::now();
+    TraceScope scope(options.tracer, "step", options.trace_track,
+                     {{"epoch", epoch}, {"batch", timing.batches}});
+    data::Batch on_device = batch->to(options.device);
+    optimizer.zero_grad();
+    torch::Tensor logits = model->forward(on_device.input_ids);
+    torch::Tensor loss = train::weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
+                                                       on_device.label_token_weights.to(logits.device()));
+    loss.backward();
+    if (options.after_backward) options.after_backward();
+    optimizer.step();
+    timing.last_loss = loss.item<double>();
+    const double batch_seconds = seconds_since(t0);
+    const int64_t tokens = batch->tokens();
+    timing.tokens += tokens;
+    timing.batch_token_rates.push_back(static_cast<double>(tokens) / batch_seconds);
+    ++timing.batches;
+    std::ostringstream postfix;
+    postfix << "loss=" << timing.last_loss << " tokens_per_sec=" << static_cast<int64_t>(tokens / batch_seconds);
+    progress.update(timing.batches, postfix.str());
+  }
+  progress.finish();
+  timing.seconds = seconds_since(epoch_start);
+  return timing;
+}
+
 int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   const CommonFlags& f = flags.common;
   const int rank = env.rank;
@@ -136,8 +198,16 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   options.master_addr = env.master_addr;
   options.master_port = env.master_port;
   options.device = device;
-  dp::DistContext ctx = dp::init_process_group(options);
-  const int64_t device_batch = dp::per_device_batch_size(f.batch_size, env.world_size);
+  // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
+  // same shard) is what the batch is partitioned over and the gradients are averaged over.
+  const int T = flags.tensor_parallel_size;
+  const tp::ParallelLayout layout = tp::parallel_layout(env.world_size, T, rank);
+  const dp::DistContext world = dp::init_process_group(options);
+  std::optional<tp::ParallelContext> parallel;
+  if (T > 1) parallel = tp::make_parallel_context(world, options, T);
+  const dp::DistContext& ctx = parallel ? parallel->data : world;
+  const int dp_rank = layout.data_rank, dp_size = layout.data_parallel_size;
+  const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
 
   train::make_directories(f.workdir);
   data::TranslationCorpus corpus = train::load_corpus(f.dataset, f.sizes, f.seed);
@@ -150,11 +220,22 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   data::Tokenizer tokenizer = train::prepare_tokenizer(f.model, config, corpus.train, tokenizer_path);
   if (rank != 0) fs::remove(tokenizer_path);
 
+  if (T > 1) tp::validate_tensor_parallel(config, T);
   model::GPT2LMHeadModel model = train::build_model(f.model, config, f.seed);
   model->to(device.torch_device());
-  broadcast_parameters(ctx, *model);
-  // Dropout differs per rank, as it would in PyTorch's DDP with one seed per process.
-  torch::manual_seed(f.seed + static_cast<uint64_t>(rank));
+  broadcast_parameters(world, *model);
+  // With T > 1 the unsplit model stays for evaluation and saving; the split one trains.
+  tp::TensorParallelGPT2LMHeadModel split{nullptr};
+  if (parallel) {
+    split = tp::TensorParallelGPT2LMHeadModel(config, parallel->tensor);
+    split->to(device.torch_device());
+    split->load_from(*model);
+  }
+  torch::nn::Module& trained = split ? static_cast<torch::nn::Module&>(*split) : *model;
+  // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
+  // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
+  // masks on the activations they all hold (Megatron does the same for its replicated regions).
+  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank));
 
   if (rank == 0) {
     std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << ctx.backend
@@ -162,19 +243,27 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
               << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
               << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
               << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
-              << " grad_sync=" << flags.grad_sync << std::endl;
+              << " grad_sync=" << flags.grad_sync;
+    if (T > 1) {
+      std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
+    }
+    std::cerr << std::endl;
   }
 
   const int64_t max_length = f.model_max_length;
   data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
     return data::collate(ex, tokenizer, max_length);
   };
-  data::BatchLoader train_loader = dp::partition_dataset(rank, env.world_size, corpus.train, f.batch_size, collate);
+  data::BatchLoader train_loader = dp::partition_dataset(dp_rank, dp_size, corpus.train, f.batch_size, collate);
   data::BatchLoader validation_loader(corpus.validation, collate, {device_batch, false, 0, false, 2});
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(f.learning_rate));
+  torch::optim::AdamW optimizer(trained.parameters(), torch::optim::AdamWOptions(f.learning_rate));
   std::unique_ptr<dp::GradientSynchronizer> sync =
       dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb);
-  sync->attach(*model);
+  sync->attach(trained);
+  auto run_epoch = [&](int64_t epoch, const train::TrainEpochOptions& options) {
+    return split ? train_epoch_tensor_parallel(split, optimizer, train_loader, epoch, options)
+                 : train::train_epoch(model, optimizer, train_loader, epoch, options);
+  };
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const c10::Device torch_device = device.torch_device();
 
@@ -187,12 +276,19 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
     std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
     options.after_backward = [&] {
       sync->finalize();
-      train::make_directories(flags.grad_dir);
-      save_gradients(path, *model);
+      if (split) {
+        // The unsplit gradients (gathered over the tensor-parallel group), Hugging Face names.
+        const model::NamedTensors gradients = split->gather_full_gradients();
+        train::make_directories(flags.grad_dir);
+        dp::save_tensor_dict_pth(path, gradients);
+      } else {
+        train::make_directories(flags.grad_dir);
+        save_gradients(path, *model);
+      }
     };
-    train::train_epoch(model, optimizer, train_loader, 0, options);
+    run_epoch(0, options);
     std::cout << "Rank " << rank << ": wrote " << path << std::endl;
-    dp::barrier(ctx);
+    dp::barrier(world);
     return 0;
   }
 
@@ -210,7 +306,7 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
       TraceScope scope(tracer.get(), "gradient all-reduce", track);
       sync->finalize();
     };
-    train::EpochTiming timing = train::train_epoch(model, optimizer, train_loader, epoch, options);
+    train::EpochTiming timing = run_epoch(epoch, options);
     const double rate = timing.mean_batch_token_rate();
     times.push_back(timing.seconds);
     rates.push_back(rate);
@@ -219,6 +315,7 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
               << ", Tokens_per_sec = " << train::format_number(rate) << std::endl;
     if (f.benchmark_only) continue;
 
+    if (split) split->copy_into(*model);  // collective over the tensor-parallel group
     EpochEvaluation eval = evaluate_epoch(model, validation_loader, tokenizer, corpus.test,
                                           max_length, torch_device, f.progress && rank == 0);
     std::cout << "Epoch " << epoch << " on Rank " << rank
@@ -243,11 +340,12 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
         : (trace.parent_path() / (trace.stem().string() + ".rank" + std::to_string(rank) + trace.extension().string())).string();
     tracer->write_chrome_json(path);
   }
+  if (split) split->copy_into(*model);
   if (rank == 0) {
     model::save_pretrained(*model, f.workdir);
     std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
   }
-  dp::barrier(ctx);
+  dp::barrier(world);
   return 0;
 }
 
@@ -264,6 +362,8 @@ int main(int argc, char** argv) {
     const std::string addr = !flags.master_addr.empty() ? flags.master_addr : env_or("MASTER_ADDR", "localhost");
     const int port = flags.master_port > 0 ? flags.master_port
                                            : std::atoi(env_or("MASTER_PORT", std::to_string(dp::kDefaultMasterPort)).c_str());
+    // World size = data-parallel size x tensor-parallel size: checked before anything starts.
+    tp::parallel_layout(flags.world_size, flags.tensor_parallel_size, 0);
     std::vector<std::string> args(argv, argv + argc);
     return dp::launch_workers(args, flags.world_size, addr, port);
   } catch (const std::exception& e) {
