@@ -1,0 +1,90 @@
+// run_data_parallel --tensor_parallel_size end to end: two ranks splitting one model train to the
+// same weights as one unsplit rank, and a world size that T does not divide is refused up front.
+// Skipped when the program has not been built next to this test.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "harness/model/safetensors.h"
+#include "test_support.h"
+
+namespace harness::tensor_parallel {
+namespace {
+
+const std::string kProgram = std::string(HARNESS_BINARY_DIR) + "/run_data_parallel";
+
+struct ProgramRun {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+};
+
+ProgramRun run_program(const std::string& args) {
+  ProgramRun run;
+  const std::string command = kProgram + " " + args + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return run;
+  std::array<char, 4096> buffer{};
+  while (std::fgets(buffer.data(), static_cast<int>(buffer.size()), pipe) != nullptr) run.output += buffer.data();
+  const int status = ::pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+std::string small_run_args(const std::string& workdir) {
+  return "--model gpt2-tiny --model_max_length 32 --dropout 0 --learning_rate 1e-3 --n_epochs 1 "
+         "--max_batches 2 --batch_size 8 --train_size 64 --validation_size 16 --test_size 2 "
+         "--benchmark_only --no_progress --workdir " + workdir +
+         " --master_port " + std::to_string(testing::free_port());
+}
+
+TEST(RunDataParallelTensorParallel, TwoRanksSplittingTheModelTrainLikeOneUnsplitRank) {
+  if (::access(kProgram.c_str(), X_OK) != 0) GTEST_SKIP() << kProgram << " is not built";
+  const std::string dir = testing::make_temp_dir();
+  ASSERT_FALSE(dir.empty());
+  const ProgramRun single = run_program("--world_size 1 " + small_run_args(dir + "/single"));
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const ProgramRun split = run_program("--world_size 2 --tensor_parallel_size 2 " + small_run_args(dir + "/split"));
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  // SPEC §7's per-rank lines from both ranks of the split run.
+  for (int rank : {0, 1}) {
+    EXPECT_NE(split.output.find("Epoch 0 on Rank " + std::to_string(rank) + ": Training Time = "), std::string::npos)
+        << split.output;
+    EXPECT_NE(split.output.find("Rank " + std::to_string(rank) + " training time: avg:"), std::string::npos);
+  }
+  EXPECT_NE(split.output.find("tensor_parallel_size=2 data_parallel_size=1"), std::string::npos) << split.output;
+  // The saved (unsplit, Hugging Face-named) weights after two AdamW steps agree.
+  std::map<std::string, at::Tensor> want;
+  for (auto& [name, t] : model::read_safetensors(dir + "/single/model.safetensors")) want[name] = t;
+  const model::NamedTensors got = model::read_safetensors(dir + "/split/model.safetensors");
+  EXPECT_EQ(got.size(), want.size());
+  for (const auto& [name, saved] : got) {
+    ASSERT_TRUE(want.count(name)) << name;
+    at::Tensor t = saved, w = want[name];
+    if (name.size() > 16 && name.compare(name.size() - 16, 16, "attn.c_attn.bias") == 0) {
+      // The key bias's gradient is zero up to rounding (softmax ignores it) and Adam scales any
+      // rounding noise up to ~lr: compare only the query and value biases.
+      const int64_t C = t.size(0) / 3;
+      t = torch::cat({t.narrow(0, 0, C), t.narrow(0, 2 * C, C)});
+      w = torch::cat({w.narrow(0, 0, C), w.narrow(0, 2 * C, C)});
+    }
+    EXPECT_TRUE(torch::allclose(t, w, 1e-4, 1e-5))
+        << name << ": max difference " << (t - w).abs().max().item<double>();
+  }
+  testing::remove_tree(dir);
+}
+
+TEST(RunDataParallelTensorParallel, WorldSizeNotDivisibleByTensorParallelSizeIsRefused) {
+  if (::access(kProgram.c_str(), X_OK) != 0) GTEST_SKIP() << kProgram << " is not built";
+  const ProgramRun run = run_program("--world_size 3 --tensor_parallel_size 2 " + small_run_args("/nonexistent/never-written"));
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.output.find("--world_size 3 is not divisible by --tensor_parallel_size 2"), std::string::npos)
+      << run.output;
+}
+
+}  // namespace
+}  // namespace harness::tensor_parallel
