@@ -1,0 +1,248 @@
+"""End-to-end checks of the two programs as a user runs them: SPEC §7's printed lines and files,
+the a5_1_2 gradient check with Python's torch.load, data parallelism's equivalence to one rank,
+failure handling of the launcher, and clear errors for bad flags. Uses gpt2-tiny and a few
+examples so that each run takes seconds."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+SOURCE = os.environ.get("HARNESS_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BINARY = os.environ.get("HARNESS_BINARY_DIR", os.path.join(SOURCE, "build"))
+DP = os.path.join(BINARY, "run_data_parallel")
+PP = os.path.join(BINARY, "run_pipeline")
+
+NUMBER = r"(-?\d+(?:\.\d+)?)"
+DP_TRAIN = re.compile(rf"^Epoch (\d+) on Rank (\d+): Training Time = {NUMBER}, Tokens_per_sec = {NUMBER}$")
+DP_LOSS = re.compile(rf"^Epoch (\d+) on Rank (\d+): Validation Loss = {NUMBER}$")
+DP_BLEU = re.compile(rf"^Epoch (\d+) on Rank (\d+): BLEU = {NUMBER}$")
+DP_SUMMARY = re.compile(rf"^Rank (\d+) training time: avg:{NUMBER}, std:{NUMBER}, tokens_per_second: avg: {NUMBER}, std:{NUMBER}$")
+PP_TRAIN = re.compile(rf"^Epoch (\d+): Training Time = {NUMBER}, Tokens_per_sec = {NUMBER}$")
+PP_LOSS = re.compile(rf"^Epoch (\d+): Validation Loss = {NUMBER}$")
+PP_BLEU = re.compile(rf"^Epoch (\d+): BLEU = {NUMBER}$")
+PP_SUMMARY = re.compile(rf"^Training time: avg:{NUMBER}, std:{NUMBER}, tokens_per_second: avg: {NUMBER}, std:{NUMBER}$")
+
+TINY = ["--model", "gpt2-tiny", "--model_max_length", "40", "--train_size", "64",
+        "--validation_size", "16", "--test_size", "4", "--no_progress"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, timeout=300, check=True):
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def matching(pattern, stdout):
+    return [m for m in (pattern.match(line) for line in stdout.splitlines()) if m]
+
+
+def torch_module():
+    import torch
+    return torch
+
+
+class DataParallelProgram(unittest.TestCase):
+    def test_a5_1_2_pytest_gradients_load_with_torch_load_and_are_bit_identical(self):
+        torch = torch_module()
+        with tempfile.TemporaryDirectory() as tmp:
+            grads = os.path.join(tmp, "grads")
+            run([DP, "--world_size", "2", "--pytest", "--grad_dir", grads, "--batch_size", "16",
+                 "--workdir", os.path.join(tmp, "work"), "--master_port", str(free_port())] + TINY)
+            g0 = torch.load(os.path.join(grads, "model0_gradients.pth"))
+            g1 = torch.load(os.path.join(grads, "model1_gradients.pth"))
+            self.assertIsInstance(g0, dict)
+            self.assertEqual(set(g0), set(g1))
+            self.assertIn("transformer.wte.weight", g0)
+            self.assertIn("transformer.h.1.attn.c_attn.weight", g0)
+            self.assertEqual(len(g0), 4 + 12 * 2)  # wte, wpe, ln_f (2) and 12 tensors per block
+            for name in g0:
+                self.assertTrue(torch.equal(g0[name], g1[name]), name)
+            self.assertGreater(sum(float(g.abs().sum()) for g in g0.values()), 0.0)
+            check = run([sys.executable, os.path.join(SOURCE, "scripts", "check_gradients.py"), grads])
+            self.assertEqual(check.returncode, 0)
+
+    def test_spec_lines_files_and_a_model_that_transformers_loads(self):
+        with tempfile.TemporaryDirectory() as work:
+            proc = run([DP, "--world_size", "2", "--n_epochs", "2", "--batch_size", "16", "--workdir", work,
+                        "--master_port", str(free_port()), "--learning_rate", "1e-3"] + TINY)
+            train = matching(DP_TRAIN, proc.stdout)
+            self.assertEqual(sorted((int(m[1]), int(m[2])) for m in train), [(0, 0), (0, 1), (1, 0), (1, 1)])
+            self.assertEqual(len(matching(DP_LOSS, proc.stdout)), 4)
+            self.assertEqual(len(matching(DP_BLEU, proc.stdout)), 4)
+            self.assertEqual(sorted(int(m[1]) for m in matching(DP_SUMMARY, proc.stdout)), [0, 1])
+            for rank in (0, 1):
+                for epoch in (0, 1):
+                    with open(os.path.join(work, f"rank{rank}_results_epoch{epoch}.json")) as f:
+                        results = json.load(f)
+                    self.assertEqual(set(results), {"validation_loss", "bleu", "training_time", "tokens_per_sec"})
+                    with open(os.path.join(work, f"rank{rank}_gen_epoch{epoch}.json")) as f:
+                        gens = json.load(f)
+                    self.assertEqual(len(gens), 4)
+                    self.assertEqual(set(gens[0]), {"example", "gen"})
+                    self.assertEqual(set(gens[0]["example"]), {"de", "en"})
+            for name in ("tokenizer.model", "model.safetensors", "config.json"):
+                self.assertTrue(os.path.isfile(os.path.join(work, name)), name)
+            # Every rank evaluates the same replicated model: the same loss on both ranks.
+            losses = {(int(m[1]), int(m[2])): m[3] for m in matching(DP_LOSS, proc.stdout)}
+            self.assertEqual(losses[(1, 0)], losses[(1, 1)])
+            from transformers import GPT2LMHeadModel
+            model = GPT2LMHeadModel.from_pretrained(work)
+            self.assertEqual(model.config.n_layer, 2)
+
+    def test_two_ranks_with_half_the_batch_take_the_same_step_as_one_rank(self):
+        torch = torch_module()
+        from safetensors.torch import load_file
+        with tempfile.TemporaryDirectory() as tmp:
+            # 16 examples whose targets all have the same length, so both halves weigh the same.
+            data = os.path.join(tmp, "data")
+            os.makedirs(data)
+            words = ["hund", "katze", "haus", "baum", "auto", "buch", "tisch", "stuhl"]
+            for split, n in (("train", 16), ("validation", 4), ("test", 2)):
+                with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
+                    for i in range(n):
+                        de = f"der {words[i % 8]} ist {'sehr ' * (i // 8)}gross ."
+                        f.write(json.dumps({"translation": {"de": de, "en": "the thing is big ."}}) + "\n")
+            common = ["--dataset", data, "--model", "gpt2-tiny", "--model_max_length", "40", "--dropout", "0",
+                      "--batch_size", "16", "--n_epochs", "1", "--max_batches", "1", "--benchmark_only",
+                      "--no_progress", "--grad_sync", "naive"]
+            out = {}
+            for world in (1, 2):
+                work = os.path.join(tmp, f"w{world}")
+                grads = os.path.join(tmp, f"g{world}")
+                run([DP, "--world_size", str(world), "--workdir", work, "--master_port", str(free_port())] + common)
+                run([DP, "--world_size", str(world), "--workdir", work + "p", "--pytest", "--grad_dir", grads,
+                     "--master_port", str(free_port())] + common)
+                out[world] = (load_file(os.path.join(work, "model.safetensors")),
+                              torch.load(os.path.join(grads, "model0_gradients.pth")))
+            (w1, g1), (w2, g2) = out[1], out[2]
+            self.assertEqual(set(g1), set(g2))
+            for name in g1:
+                scale = float(g1[name].abs().max())
+                self.assertLessEqual(float((g1[name] - g2[name]).abs().max()), 1e-5 * scale + 1e-8, name)
+            for name in w1:
+                self.assertTrue(torch.allclose(w1[name], w2[name], rtol=1e-5, atol=1e-6), name)
+
+    def test_sigkill_of_one_worker_stops_the_run_promptly_and_leaves_no_worker(self):
+        with tempfile.TemporaryDirectory() as work:
+            proc = subprocess.Popen([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()),
+                                     "--n_epochs", "1000", "--batch_size", "8", "--benchmark_only"] + TINY,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                # Wait until both ranks train (the first epoch line), then kill rank 1 hard.
+                deadline = time.time() + 120
+                children = []
+                seen = 0
+                while time.time() < deadline:
+                    line = proc.stdout.readline()
+                    if line.startswith("Epoch "):
+                        seen += 1
+                    if seen >= 2:
+                        break
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    children = [int(p) for p in f.read().split()]
+                self.assertEqual(len(children), 2, "the launcher should have two workers")
+                os.kill(children[1], signal.SIGKILL)
+                start = time.time()
+                _, err = proc.communicate(timeout=30)
+                self.assertLess(time.time() - start, 30)
+                self.assertNotEqual(proc.returncode, 0)
+                self.assertRegex(err, r"rank \d .*signal 9|rank \d.*SIGKILL")
+                time.sleep(0.5)
+                for pid in children:
+                    self.assertFalse(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z",
+                                     f"worker {pid} still running")
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+    def test_bad_flags_get_clear_errors(self):
+        proc = run([DP, "--world_size", "3", "--batch_size", "100", "--master_port", str(free_port())] + TINY,
+                   check=False)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("--batch_size 100 is not divisible by --world_size 3", proc.stdout + proc.stderr)
+        proc = run([DP, "--world_size", "1", "--dataset", "/nonexistent/corpus"] + TINY, check=False)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("/nonexistent/corpus", proc.stdout + proc.stderr)
+
+
+class PipelineProgram(unittest.TestCase):
+    def run_mode(self, work, mode, extra=()):
+        args = [PP, "--workdir", work, "--batch_size", "8", "--n_epochs", "1", "--devices", "cpu:0,cpu:1"] + TINY
+        if mode:
+            args += ["--model_parallel_mode", mode]
+        return run(args + list(extra))
+
+    def test_every_mode_prints_spec_lines_and_writes_its_files(self):
+        for mode in ("", "model_parallel", "pipeline_parallel"):
+            with self.subTest(mode=mode or "single device"), tempfile.TemporaryDirectory() as work:
+                trace = os.path.join(work, "trace.json")
+                proc = self.run_mode(work, mode, ["--trace", trace, "--n_chunk", "2"])
+                self.assertEqual(len(matching(PP_TRAIN, proc.stdout)), 1)
+                self.assertEqual(len(matching(PP_LOSS, proc.stdout)), 1)
+                self.assertEqual(len(matching(PP_BLEU, proc.stdout)), 1)
+                self.assertEqual(len(matching(PP_SUMMARY, proc.stdout)), 1)
+                with open(os.path.join(work, "eval_results_epoch0.json")) as f:
+                    self.assertEqual(set(json.load(f)), {"validation_loss", "bleu", "training_time", "tokens_per_sec"})
+                with open(os.path.join(work, "gen_epoch0.json")) as f:
+                    self.assertEqual(len(json.load(f)), 4)
+                for name in ("tokenizer.model", "model.safetensors", "config.json"):
+                    self.assertTrue(os.path.isfile(os.path.join(work, name)), name)
+                with open(trace) as f:
+                    events = json.load(f)["traceEvents"]
+                if mode == "pipeline_parallel":
+                    lanes = {e["args"].get("partition") for e in events if e.get("name") == "forward"}
+                    self.assertEqual(lanes, {0, 1})
+
+    def test_same_seed_gives_the_same_validation_loss_in_every_mode(self):
+        losses = {}
+        for mode in ("", "model_parallel", "pipeline_parallel"):
+            with tempfile.TemporaryDirectory() as work:
+                proc = self.run_mode(work, mode, ["--dropout", "0", "--max_batches", "3"])
+                losses[mode] = float(matching(PP_LOSS, proc.stdout)[0][2])
+        self.assertAlmostEqual(losses[""], losses["model_parallel"], places=4)
+        self.assertAlmostEqual(losses[""], losses["pipeline_parallel"], places=4)
+
+    def test_learning_rate_zero_leaves_the_loaded_weights_exactly(self):
+        from safetensors.torch import load_file
+        torch = torch_module()
+        with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
+            self.run_mode(first, "", ["--benchmark_only", "--max_batches", "2"])
+            self.run_mode(second, "", ["--model_path", first, "--learning_rate", "0", "--max_batches", "2"])
+            a = load_file(os.path.join(first, "model.safetensors"))
+            b = load_file(os.path.join(second, "model.safetensors"))
+            self.assertEqual(set(a), set(b))
+            for name in a:
+                self.assertTrue(torch.equal(a[name], b[name]), name)
+
+    def test_bad_flags_get_clear_errors(self):
+        cases = [
+            (["--model_parallel_mode", "pipeline_parallel", "--n_chunk", "0"], "--n_chunk 0"),
+            (["--model_parallel_mode", "pipeline_parallel", "--n_chunk", "9", "--batch_size", "8"], "--n_chunk 9"),
+            (["--model_parallel_mode", "sideways"], "--model_parallel_mode 'sideways'"),
+            (["--model_parallel_mode", "model_parallel", "--devices", "cpu:0,cpu:0"], "listed twice"),
+            (["--model_parallel_mode", "model_parallel", "--devices", "cpu:0,cpu:1,cpu:2"], "n_layer"),
+            (["--model", "gpt2-huge"], "gpt2-huge"),
+        ]
+        for extra, expected in cases:
+            with self.subTest(extra=extra), tempfile.TemporaryDirectory() as work:
+                proc = run([PP, "--workdir", work] + TINY + extra, check=False)
+                self.assertNotEqual(proc.returncode, 0)
+                self.assertIn(expected, proc.stdout + proc.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
