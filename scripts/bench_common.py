@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -67,6 +68,8 @@ class Stats:
     tok_mean: float
     tok_std: float
     n: int  # measured epochs behind the figures
+    time_median: float = math.nan
+    tok_median: float = math.nan
 
     def as_summary(self) -> Dict[str, float]:
         return {k: getattr(self, k) for k in SUMMARY_STAT_KEYS}
@@ -204,7 +207,7 @@ def combined_stats(log: ParsedLog, warmup: int) -> Stats:
         toks.append(sum(per_rank[r][i].tok for r in ranks))
     tm, ts = mean_std(times)
     km, ks = mean_std(toks)
-    return Stats(tm, ts, km, ks, n)
+    return Stats(tm, ts, km, ks, n, statistics.median(times), statistics.median(toks))
 
 
 def speedups(base: Stats, faster: Stats) -> Dict[str, float]:

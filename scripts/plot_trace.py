@@ -50,10 +50,15 @@ class TimelineReport:
     k: int  # devices (partitions)
     m: int  # micro-batches seen in the window
     gpipe_bubble: Optional[float]  # (K-1)/(M+K-1), None when no micro-batches are traced
+    # Idle fraction within the forward phase and the backward phase only (first to last task of
+    # each), i.e. without the serial work between and after them; None without such tasks.
+    phase_bubble_fraction: Optional[float] = None
 
     def text(self) -> str:
-        line = (f"bubble fraction: measured {self.bubble_fraction:.3f} over "
-                f"{self.window[1] - self.window[0]:.1f} ms on {self.k} device(s)")
+        line = (f"bubble fraction: measured {self.bubble_fraction:.3f} of the "
+                f"{self.window[1] - self.window[0]:.1f} ms step on {self.k} device(s)")
+        if self.phase_bubble_fraction is not None:
+            line += f" ({self.phase_bubble_fraction:.3f} within the forward and backward phases)"
         if self.gpipe_bubble is not None:
             line += (f"; GPipe (K-1)/(M+K-1) = {self.gpipe_bubble:.3f} (K={self.k}, M={self.m})")
         return line
@@ -181,8 +186,19 @@ def analyse(slices: List[Slice], window: Tuple[float, float]) -> TimelineReport:
     span = hi - lo
     bubble = 1.0 - sum(busy.values()) / (len(tracks) * span)
     m = len(micro_batches)
+    phase_busy, phase_span = 0.0, 0.0
+    for name in ("forward", "backward"):
+        tasks = [s for s in slices if s.name == name and s.track in tracks and s.start_ms >= lo
+                 and s.end_ms <= hi]
+        if not tasks:
+            continue
+        a, b = min(s.start_ms for s in tasks), max(s.end_ms for s in tasks)
+        phase_span += b - a
+        for t in tracks:
+            phase_busy += _union_length([(s.start_ms, s.end_ms) for s in tasks if s.track == t])
+    phase = 1.0 - phase_busy / (len(tracks) * phase_span) if phase_span > 0 else None
     return TimelineReport(window, tracks, busy, bubble, len(tracks), m,
-                          gpipe_bubble(len(tracks), m) if m else None)
+                          gpipe_bubble(len(tracks), m) if m else None, phase)
 
 
 def render(slices: List[Slice], report: TimelineReport, out_png: str, title: Optional[str] = None,

@@ -115,6 +115,7 @@ class Runner:
         self.used_ports: set = set()
         self.devices = self._resolve_devices(args.devices)
         self.commands: Dict[str, str] = {}
+        self.reused: set = set()
 
     @staticmethod
     def _resolve_devices(devices: str) -> str:
@@ -155,6 +156,7 @@ class Runner:
         self.commands[name] = " ".join(shlex.quote(c) for c in cmd)
         if self.args.reuse_logs and os.path.isfile(log) and all(os.path.isfile(p) for p in extra_outputs):
             print(f"[bench] {name}: reusing {log}", file=sys.stderr)
+            self.reused.add(name)
             return bc.parse_log(log, kind, world_size, n_epochs)
         if not os.access(cmd[0], os.X_OK):
             raise bc.BenchmarkError(
@@ -217,7 +219,7 @@ def bar_figure(path: str, labels: List[str], stats: List[bc.Stats], metric: str,
                footer: str, bound: Optional[float] = None, bound_label: str = "") -> None:
     """Two or more bars with std error bars and their values written on them."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    fig, ax = plt.subplots(figsize=(8.5, 5.4))
     if metric == "time":
         means = [s.time_mean for s in stats]
         stds = [s.time_std for s in stats]
@@ -267,7 +269,8 @@ def scaling_figure(path: str, chunks: List[int], stats: List[bc.Stats], model_pa
     for m, s in zip(chunks, stats):
         ratio = s.tok_mean / model_parallel.tok_mean
         ax.annotate(f"{ratio:.2f}× (bound {bc.gpipe_bound(k, m):.2f}×)", (m, s.tok_mean),
-                    textcoords="offset points", xytext=(0, 9), ha="center", fontsize=8.5)
+                    textcoords="offset points", xytext=(6 if m == chunks[0] else 0, 9),
+                    ha="left" if m == chunks[0] else "center", fontsize=8.5)
     ax.set_xscale("log", base=2)
     ax.set_xticks(chunks)
     ax.set_xticklabels([str(c) for c in chunks])
@@ -310,7 +313,8 @@ def grad_sync_figure(path: str, stats: Dict[str, bc.Stats], footer: str, title: 
 # ---------------------------------------------------------------------------------- main
 
 def _fmt(s: bc.Stats) -> str:
-    return f"{s.time_mean:9.2f} ± {s.time_std:6.2f} s   {s.tok_mean:10.0f} ± {s.tok_std:7.0f} tok/s"
+    return (f"{s.time_mean:9.2f} ± {s.time_std:6.2f} s   {s.tok_mean:10.0f} ± {s.tok_std:7.0f} tok/s"
+            f"   {s.tok_median:12.0f}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     device_text = bc.describe_device(runner.devices, args.threads_per_device)
     batches_text = f"{args.max_batches} batches/epoch" if args.max_batches else "whole epochs"
     k_cap = args.max_batches
-    dp_batches = (f"epoch = {2 * k_cap} batches of {DP_SINGLE_BATCH} (1 rank) or {k_cap} per rank (2 ranks)"
+    dp_batches = (f"epoch = {2 * k_cap} batches of {DP_SINGLE_BATCH} on 1 rank, {k_cap} per rank on 2"
                   if k_cap else "whole epochs")
     pp_batches = (f"epoch = {k_cap} batches of {args.pipeline_batch_size}" if k_cap else "whole epochs")
     run_text = (f"{args.model}, {args.model_max_length} tokens/example, {{}}, {args.epochs} epochs, "
@@ -369,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
                              f"bucketed overlapped all-reduce\nbucketed/naive throughput "
                              f"{by_mode['bucketed'].tok_mean / by_mode['naive'].tok_mean:.3f}×")
             details["grad_sync"] = {m: {**s.as_summary(), "measured_epochs": s.n,
-                                        "log": runner.log_path(n)}
+                                        "log": os.path.relpath(runner.log_path(n))}
                                     for m, s, n in ((args.grad_sync, dp_two, name2),
                                                     (other, other_stats, name_o))}
             details["grad_sync"]["bucketed_over_naive_throughput_x"] = (
@@ -429,9 +433,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{n} micro-batches on {runner.devices}",
                 subtitle=device_text)
             print(f"[bench] timeline: {report.text()}", file=sys.stderr)
-            details["timeline"] = {"trace": trace, "window_ms": list(report.window),
+            details["timeline"] = {"trace": os.path.relpath(trace), "window_ms": list(report.window),
                                    "busy_ms": report.busy_ms,
                                    "bubble_fraction_measured": report.bubble_fraction,
+                                   "bubble_fraction_in_forward_backward_phases": report.phase_bubble_fraction,
                                    "bubble_fraction_gpipe": report.gpipe_bubble,
                                    "k": report.k, "m": report.m}
 
@@ -440,7 +445,11 @@ def run(args: argparse.Namespace) -> int:
     with open(os.path.join(out_dir, "performance_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
-    details["logs"] = {name: {"log": runner.log_path(name), "command": cmd}
+    details["configurations"] = {
+        name.split(" ")[0]: {**s.as_summary(), "time_median": s.time_median, "tok_median": s.tok_median,
+                             "measured_epochs": s.n} for name, s in table}
+    details["logs"] = {name: {"log": os.path.relpath(runner.log_path(name)), "command": cmd,
+                              "reused_existing_log": name in runner.reused}
                        for name, cmd in runner.commands.items()}
     with open(os.path.join(out_dir, "benchmark_details.json"), "w") as f:
         json.dump(details, f, indent=2)
@@ -448,7 +457,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"\n{device_text}; {args.model}, {args.model_max_length} tokens/example, {batches_text}, "
           f"{n_measured} measured epoch(s) after {args.warmup_epochs} warm-up")
-    print(f"{'configuration':58s} {'time per epoch':>20s}   {'throughput':>22s}")
+    print(f"{'configuration':58s} {'time per epoch':>20s}   {'throughput (mean ± std)':>26s}"
+          f"   {'median tok/s':>12s}")
     for name, s in table:
         print(f"{name:58s} {_fmt(s)}")
     for section, label in (("data_parallel", "data parallel 2 vs 1 device"),
@@ -459,7 +469,9 @@ def run(args: argparse.Namespace) -> int:
                   f"throughput {summary[section]['speedup_throughput_x']:.3f}x")
     if "timeline" in details:
         t = details["timeline"]
-        print(f"pipeline bubble (one step): measured {t['bubble_fraction_measured']:.3f}, GPipe "
+        print(f"pipeline bubble (one step): measured {t['bubble_fraction_measured']:.3f} "
+              f"({t['bubble_fraction_in_forward_backward_phases'] or float('nan'):.3f} within the forward and "
+              f"backward phases), GPipe "
               f"(K-1)/(M+K-1) = {t['bubble_fraction_gpipe'] if t['bubble_fraction_gpipe'] is not None else float('nan'):.3f}")
     print(f"wrote {out_dir}/performance_summary.json, benchmark_details.json and the figures")
 

@@ -187,6 +187,8 @@ class TimelineTest(unittest.TestCase):
             self.assertAlmostEqual(report.window[0], 10.0)
             self.assertAlmostEqual(report.bubble_fraction, 1 / 3)
             self.assertAlmostEqual(report.gpipe_bubble, 1 / 3)
+            # forward phase 0-3 ms and backward phase 3-6 ms: each device idles 1 ms of each
+            self.assertAlmostEqual(report.phase_bubble_fraction, 1 / 3)
             self.assertGreater(os.path.getsize(out), 5000)
 
     def test_bad_trace_files(self):
