@@ -51,13 +51,15 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& par
   return plan;
 }
 
-BucketedAllReduce::BucketedAllReduce(DistContext ctx, double bucket_cap_mb)
-    : ctx_(std::move(ctx)) {
+BucketedAllReduce::BucketedAllReduce(DistContext ctx, double bucket_cap_mb,
+                                     AllReduceAlgorithm allreduce)
+    : ctx_(std::move(ctx)), allreduce_(allreduce) {
   if (!(bucket_cap_mb > 0.0)) {
     throw std::invalid_argument("--bucket_cap_mb " + std::to_string(bucket_cap_mb) +
                                 " must be positive");
   }
   cap_bytes_ = static_cast<int64_t>(bucket_cap_mb * 1024.0 * 1024.0);
+  if (allreduce_ == AllReduceAlgorithm::kRing) ring_ = std::make_unique<RingAllReduceThread>(ctx_);
 }
 
 BucketedAllReduce::~BucketedAllReduce() {
@@ -130,10 +132,14 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
     pieces.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({p.numel()}, p.options()));
   }
   bucket.buffer = torch::cat(pieces);
-  std::vector<at::Tensor> tensors{bucket.buffer};
-  c10d::AllreduceOptions options;
-  options.reduceOp = c10d::ReduceOp::SUM;
-  bucket.work = ctx_.group->allreduce(tensors, options);
+  if (ring_) {
+    bucket.work = ring_->all_reduce_async(bucket.buffer, ReduceKind::kSum);
+  } else {
+    std::vector<at::Tensor> tensors{bucket.buffer};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    bucket.work = ctx_.group->allreduce(tensors, options);
+  }
   bucket.launched = true;
   bucket.stale = false;
 }

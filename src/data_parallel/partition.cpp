@@ -49,6 +49,13 @@ std::vector<std::vector<int64_t>> partition_indices(int64_t n, const std::vector
   return partitions;
 }
 
+uint64_t epoch_seed(uint64_t seed, int64_t epoch) {
+  if (epoch < 0) {
+    throw std::invalid_argument("epoch_seed: epoch " + std::to_string(epoch) + " is negative");
+  }
+  return seed + static_cast<uint64_t>(epoch);
+}
+
 int64_t per_device_batch_size(int64_t batch_size, int world_size) {
   if (world_size < 1) {
     throw std::invalid_argument("--world_size " + std::to_string(world_size) +

@@ -1,5 +1,6 @@
 // The worker side of the multi-process tests: skipped in a normal run; when the launcher in
 // another test starts this binary with HARNESS_TEST_WORKER=<scenario>, it plays that scenario.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -14,6 +15,7 @@
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
+#include "harness/data_parallel/ring_all_reduce.h"
 #include "test_support.h"
 
 namespace harness::data_parallel {
@@ -53,6 +55,140 @@ std::vector<at::Tensor> local_gradients(int rank) {
   std::vector<at::Tensor> grads;
   for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
   return grads;
+}
+
+// Rank r's contribution in the ring tests: random data fixed by (length, rank), so that every
+// rank can also compute the expected sum locally.
+at::Tensor ring_input(int64_t length, int rank, at::ScalarType dtype) {
+  auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 * length + rank));
+  return at::randn({length}, generator, torch::TensorOptions().dtype(torch::kFloat64)).to(dtype);
+}
+
+// Rank 0's copy of `tensor`, broadcast to every rank (to check the ranks agree bit for bit).
+at::Tensor from_rank0(const DistContext& ctx, const at::Tensor& tensor) {
+  std::vector<at::Tensor> tensors{tensor.clone()};
+  c10d::BroadcastOptions options;
+  options.rootRank = 0;
+  ctx.group->broadcast(tensors, options)->wait();
+  return tensors[0];
+}
+
+// Ring against built-in all-reduce and against the locally computed sum: every length from empty
+// through shorter than the world to uneven chunks and a long odd one, sum and mean, float32 and
+// float64.
+void ring_scenario(const DistContext& ctx) {
+  const int n = ctx.world_size;
+  for (const int64_t length : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{7}, int64_t{1001},
+                               int64_t{1000003}}) {
+    for (const auto dtype : {torch::kFloat32, torch::kFloat64}) {
+      if (length > 100000 && dtype == torch::kFloat64) continue;  // the long one once, for time
+      for (const auto kind : {ReduceKind::kSum, ReduceKind::kMean}) {
+        const std::string what = "length " + std::to_string(length) + " dtype " +
+                                 std::string(c10::toString(dtype)) +
+                                 (kind == ReduceKind::kMean ? " mean" : " sum");
+        at::Tensor expected = torch::zeros({length}, torch::kFloat64);
+        for (int r = 0; r < n; ++r) expected += ring_input(length, r, dtype).to(torch::kFloat64);
+        if (kind == ReduceKind::kMean) expected /= n;
+        at::Tensor ring = ring_input(length, ctx.rank, dtype);
+        at::Tensor builtin = ring.clone();
+        const void* storage = ring.data_ptr();
+        ring_all_reduce(ctx, ring, kind);
+        all_reduce(ctx, builtin, AllReduceAlgorithm::kBuiltin, kind);
+        EXPECT_EQ(ring.data_ptr(), storage) << what << ": not in place";
+        const double tolerance = dtype == torch::kFloat32 ? 1e-5 : 1e-12;
+        EXPECT_TRUE(torch::allclose(ring.to(torch::kFloat64), expected, tolerance, tolerance)) << what;
+        EXPECT_TRUE(torch::allclose(ring, builtin, tolerance, tolerance)) << what;
+        EXPECT_TRUE(torch::equal(ring, from_rank0(ctx, ring))) << what << ": ranks disagree";
+      }
+    }
+  }
+  // Integer-valued floats add exactly in any order: ring equals built-in bit for bit.
+  at::Tensor exact = torch::arange(1001, torch::kFloat32) * (ctx.rank + 1) - 17.0 * ctx.rank;
+  at::Tensor exact_builtin = exact.clone();
+  ring_all_reduce(ctx, exact);
+  builtin_all_reduce(ctx, exact_builtin);
+  EXPECT_TRUE(torch::equal(exact, exact_builtin));
+  // A non-contiguous tensor goes through a buffer and lands back in place.
+  at::Tensor strided = torch::ones({5, 3}).t() * (ctx.rank + 1);
+  ring_all_reduce(ctx, strided);
+  EXPECT_TRUE(torch::equal(strided, torch::full({3, 5}, n * (n + 1) / 2.0)));
+  // bfloat16 sums close to the exact one (each step rounds to 8 bits of mantissa).
+  at::Tensor half = ring_input(333, ctx.rank, torch::kBFloat16);
+  ring_all_reduce(ctx, half, ReduceKind::kMean);
+  at::Tensor half_expected = torch::zeros({333}, torch::kFloat64);
+  for (int r = 0; r < n; ++r) half_expected += ring_input(333, r, torch::kBFloat16).to(torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(half.to(torch::kFloat64), half_expected / n, 3e-2, 3e-2));
+  // Integer tensors sum; a mean of them is refused with the dtype named.
+  at::Tensor ints = torch::full({4}, ctx.rank + 1, torch::kInt64);
+  ring_all_reduce(ctx, ints);
+  EXPECT_TRUE(torch::equal(ints, torch::full({4}, n * (n + 1) / 2, torch::kInt64)));
+  try {
+    ring_all_reduce(ctx, ints, ReduceKind::kMean);
+    ADD_FAILURE() << "a mean of an integer tensor was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("Long"), std::string::npos) << e.what();
+  }
+  barrier(ctx);
+}
+
+// Ring gradient synchronisation equals built-in, with both sync modes, over three steps (the last
+// with two backward calls); an unused parameter stays without a gradient.
+void ring_grad_sync_scenario(const DistContext& ctx) {
+  auto make = [] {
+    torch::manual_seed(11);
+    return torch::nn::Sequential(torch::nn::Linear(5, 16), torch::nn::Tanh(),
+                                 torch::nn::Linear(16, 16), torch::nn::Tanh(),
+                                 torch::nn::Linear(16, 3));
+  };
+  struct Variant {
+    std::string grad_sync;
+    AllReduceAlgorithm allreduce;
+  };
+  const std::vector<Variant> variants = {{"naive", AllReduceAlgorithm::kBuiltin},
+                                         {"naive", AllReduceAlgorithm::kRing},
+                                         {"bucketed", AllReduceAlgorithm::kBuiltin},
+                                         {"bucketed", AllReduceAlgorithm::kRing}};
+  std::vector<torch::nn::Sequential> models;
+  std::vector<std::vector<at::Tensor>> params;
+  std::vector<torch::nn::Linear> unused;
+  std::vector<std::unique_ptr<GradientSynchronizer>> syncs;
+  for (const auto& v : variants) {
+    models.push_back(make());
+    unused.emplace_back(3, 3);
+    params.push_back(models.back()->parameters());
+    for (const auto& p : unused.back()->parameters()) params.back().push_back(p);
+    // 400-byte buckets: several buckets, so the ring thread runs more than one per step.
+    syncs.push_back(make_gradient_synchronizer(v.grad_sync, ctx, 400.0 / (1024 * 1024), v.allreduce));
+    syncs.back()->attach(params.back());
+  }
+  EXPECT_EQ(syncs[3]->name(), "bucketed+ring");
+  EXPECT_EQ(syncs[1]->name(), "naive+ring");
+  for (int step = 0; step < 3; ++step) {
+    for (auto& list : params) {
+      for (auto& p : list) p.mutable_grad() = at::Tensor();
+    }
+    for (int k = 0; k < (step == 2 ? 2 : 1); ++k) {
+      const at::Tensor x = rank_input(ctx.rank) * (step + 1) - 0.1 * k;
+      for (auto& model : models) model->forward(x).pow(2).sum().backward();
+    }
+    // The bucketed ring's thread (tag space 1) may still be reducing while the naive ring runs
+    // on this thread (tag space 0): the tag spaces keep their messages apart.
+    for (auto& sync : syncs) sync->finalize();
+    for (size_t v = 1; v < variants.size(); ++v) {
+      for (size_t i = 0; i < params[0].size(); ++i) {
+        const at::Tensor& want = params[0][i].grad();
+        const at::Tensor& got = params[v][i].grad();
+        ASSERT_EQ(want.defined(), got.defined()) << syncs[v]->name() << " parameter " << i;
+        if (!want.defined()) continue;
+        EXPECT_TRUE(torch::allclose(got, want, 1e-6, 1e-7))
+            << syncs[v]->name() << " parameter " << i << " step " << step;
+        // The ring leaves the same bits on every rank.
+        EXPECT_TRUE(torch::equal(got, from_rank0(ctx, got))) << syncs[v]->name() << " parameter " << i;
+      }
+      EXPECT_FALSE(unused[v]->weight.grad().defined());
+    }
+  }
+  barrier(ctx);
 }
 
 TEST(DpWorker, Run) {
@@ -187,6 +323,10 @@ TEST(DpWorker, Run) {
       }
       EXPECT_FALSE(unused_a->weight.grad().defined());
     }
+  } else if (scenario == "ring") {
+    ring_scenario(connect(*env));
+  } else if (scenario == "ring_grad_sync") {
+    ring_grad_sync_scenario(connect(*env));
   } else {
     FAIL() << "unknown scenario " << scenario;
   }

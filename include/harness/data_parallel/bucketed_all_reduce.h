@@ -3,6 +3,8 @@
 // produces gradients); a hook on each parameter's gradient accumulator marks it ready, and as soon
 // as a bucket is complete its flattened SUM all-reduce starts asynchronously while backward goes
 // on. finalize() waits, divides by the world size and writes the averages back into .grad().
+// With AllReduceAlgorithm::kRing the buckets' ring all-reduces run, in bucket order, on a
+// communication thread this object owns (RingAllReduceThread), so they overlap backward as well.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,7 +32,8 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& par
 
 class BucketedAllReduce : public GradientSynchronizer {
  public:
-  explicit BucketedAllReduce(DistContext ctx, double bucket_cap_mb = 25.0);
+  explicit BucketedAllReduce(DistContext ctx, double bucket_cap_mb = 25.0,
+                             AllReduceAlgorithm allreduce = AllReduceAlgorithm::kBuiltin);
   ~BucketedAllReduce() override;  // removes its hooks
   BucketedAllReduce(const BucketedAllReduce&) = delete;
   BucketedAllReduce& operator=(const BucketedAllReduce&) = delete;
@@ -45,7 +48,9 @@ class BucketedAllReduce : public GradientSynchronizer {
   // they do not delay their bucket (every rank must use the same parameters, as with DDP). A gradient accumulated again after its bucket was launched (several backward calls
   // per step) makes that bucket be reduced again here, in bucket order on every rank.
   void finalize() override;
-  std::string name() const override { return "bucketed"; }
+  std::string name() const override {
+    return allreduce_ == AllReduceAlgorithm::kRing ? "bucketed+ring" : "bucketed";
+  }
 
   const std::vector<std::vector<size_t>>& bucket_plan() const { return plan_; }
   // Buckets whose all-reduce started during backward in the last finalized step.
@@ -66,6 +71,8 @@ class BucketedAllReduce : public GradientSynchronizer {
   void reset_step_locked();
 
   DistContext ctx_;
+  AllReduceAlgorithm allreduce_;
+  std::unique_ptr<RingAllReduceThread> ring_;  // with kRing: where the buckets are reduced
   int64_t cap_bytes_;
   std::vector<at::Tensor> parameters_;
   std::vector<std::vector<size_t>> plan_;

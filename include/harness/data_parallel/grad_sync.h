@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "harness/data_parallel/process_group.h"
+#include "harness/data_parallel/ring_all_reduce.h"
 
 namespace harness::data_parallel {
 
@@ -37,16 +38,21 @@ class GradientSynchronizer {
 
 // The original's average_gradients: after backward, one blocking SUM all-reduce per parameter
 // that has a gradient, then division by the world size (no autograd involved, never .data()).
+// `allreduce` picks the process group's collective or the ring on send/recv.
 class NaiveAllReduce : public GradientSynchronizer {
  public:
-  explicit NaiveAllReduce(DistContext ctx);
+  explicit NaiveAllReduce(DistContext ctx,
+                          AllReduceAlgorithm allreduce = AllReduceAlgorithm::kBuiltin);
   using GradientSynchronizer::attach;
   void attach(std::vector<at::Tensor> parameters) override;
   void finalize() override;
-  std::string name() const override { return "naive"; }
+  std::string name() const override {
+    return allreduce_ == AllReduceAlgorithm::kRing ? "naive+ring" : "naive";
+  }
 
  private:
   DistContext ctx_;
+  AllReduceAlgorithm allreduce_;
   std::vector<at::Tensor> parameters_;
 };
 
@@ -54,9 +60,10 @@ class NaiveAllReduce : public GradientSynchronizer {
 void average_gradients(torch::nn::Module& module, const DistContext& ctx);
 
 // --grad_sync: "naive" (NaiveAllReduce) or "bucketed" (BucketedAllReduce with --bucket_cap_mb,
-// bucketed_all_reduce.h). Throws std::invalid_argument naming the flag for an unknown kind.
-std::unique_ptr<GradientSynchronizer> make_gradient_synchronizer(const std::string& kind,
-                                                                 const DistContext& ctx,
-                                                                 double bucket_cap_mb = 25.0);
+// bucketed_all_reduce.h), either reducing with --allreduce (builtin or ring). Throws
+// std::invalid_argument naming the flag for an unknown kind.
+std::unique_ptr<GradientSynchronizer> make_gradient_synchronizer(
+    const std::string& kind, const DistContext& ctx, double bucket_cap_mb = 25.0,
+    AllReduceAlgorithm allreduce = AllReduceAlgorithm::kBuiltin);
 
 }  // namespace harness::data_parallel

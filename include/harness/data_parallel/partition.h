@@ -21,6 +21,11 @@ constexpr uint64_t kDefaultPartitionSeed = 1234;
 std::vector<std::vector<int64_t>> partition_indices(int64_t n, const std::vector<double>& sizes,
                                                     uint64_t seed = kDefaultPartitionSeed);
 
+// Epoch-wise resharding, as PyTorch's DistributedSampler.set_epoch: epoch e shuffles with seed
+// + e, so epoch 0 is the original's order and every rank derives the same permutation without
+// communicating. Throws std::invalid_argument for a negative epoch.
+uint64_t epoch_seed(uint64_t seed, int64_t epoch);
+
 // A view of `data` at `indices` (the data is shared, never copied).
 template <typename T>
 class Partition {
@@ -57,7 +62,18 @@ class DataPartitioner {
   DataPartitioner(std::vector<T> data, std::vector<double> sizes = {0.7, 0.2, 0.1},
                   uint64_t seed = kDefaultPartitionSeed)
       : data_(std::make_shared<const std::vector<T>>(std::move(data))),
-        partitions_(partition_indices(static_cast<int64_t>(data_->size()), sizes, seed)) {}
+        sizes_(std::move(sizes)),
+        seed_(seed),
+        partitions_(partition_indices(static_cast<int64_t>(data_->size()), sizes_, seed_)) {}
+
+  // Reshuffles for `epoch` (seed + epoch, see epoch_seed): the partitions stay disjoint and of
+  // the same sizes, their members change. Epoch 0 restores the original's partitions.
+  void set_epoch(int64_t epoch) {
+    partitions_ = partition_indices(static_cast<int64_t>(data_->size()), sizes_,
+                                    epoch_seed(seed_, epoch));
+    epoch_ = epoch;
+  }
+  int64_t epoch() const { return epoch_; }
 
   size_t num_partitions() const { return partitions_.size(); }
   Partition<T> use(size_t i) const {
@@ -70,16 +86,20 @@ class DataPartitioner {
 
  private:
   std::shared_ptr<const std::vector<T>> data_;
+  std::vector<double> sizes_;
+  uint64_t seed_;
+  int64_t epoch_ = 0;
   std::vector<std::vector<int64_t>> partitions_;
 };
 
 // Per-device batch size batch_size / world_size; world_size equal fractions (1 / world_size each);
-// a loader over partition `rank`, in partition order (no shuffle). Errors name the flags:
-// "--batch_size 100 is not divisible by --world_size 3", a rank outside [0, world_size).
+// a loader over partition `rank`, in partition order (no shuffle), of the partitions of `epoch`
+// (0: the original's; see epoch_seed and ShardedLoader in sharded_loader.h). Errors name the
+// flags: "--batch_size 100 is not divisible by --world_size 3", a rank outside [0, world_size).
 int64_t per_device_batch_size(int64_t batch_size, int world_size);
 data::BatchLoader partition_dataset(int rank, int world_size,
                                     const std::vector<data::TranslationExample>& dataset,
                                     int64_t batch_size, data::CollateFn collate,
-                                    uint64_t seed = kDefaultPartitionSeed);
+                                    uint64_t seed = kDefaultPartitionSeed, int64_t epoch = 0);
 
 }  // namespace harness::data_parallel

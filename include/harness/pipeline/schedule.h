@@ -2,6 +2,8 @@
 // The executor (Pipe) applies it; nothing here knows about tensors or devices.
 #pragma once
 
+#include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -28,5 +30,41 @@ std::vector<Cycle> clock_cycles(int m, int n);
 // i + j == m + n - 2 - k, i ascending. For m = 3, n = 3:
 //   [(2,2)], [(1,2),(2,1)], [(0,2),(1,1),(2,0)], [(0,1),(1,0)], [(0,0)]
 std::vector<Cycle> backward_clock_cycles(int m, int n);
+
+// The same schedules as tables: cell [j][k] is the micro-batch partition j runs at clock tick k,
+// or kIdle. Built from clock_cycles / backward_clock_cycles, so they show what Pipe executes.
+constexpr int kIdle = -1;
+using ClockTable = std::vector<std::vector<int>>;  // [partition][tick]
+
+// Throws std::invalid_argument when a cycle names a partition outside [0, n) or puts two
+// micro-batches on one partition in one tick.
+ClockTable clock_table(const std::vector<Cycle>& cycles, int n);
+
+struct ScheduleTable {
+  int m = 0;  // micro-batches
+  int n = 0;  // partitions (stages)
+  ClockTable forward;
+  ClockTable backward;
+
+  int64_t total_slots() const;  // n * ticks, forward and backward together
+  int64_t idle_slots() const;   // cells that are kIdle, forward and backward together
+  // Idle slots over all slots: (n - 1) / (m + n - 1) for GPipe, e.g. 12/36 = 33.3% for n=4, m=6.
+  double bubble_ratio() const;
+};
+
+ScheduleTable schedule_table(int m, int n);
+
+// One table as text: a header of ticks, then one row per partition, micro-batch numbers, "."
+// for idle. For m = 3, n = 2 (forward):
+//   tick     0  1  2  3
+//   stage 0  0  1  2  .
+//   stage 1  .  0  1  2
+std::string format_clock_table(const ClockTable& table);
+
+// Forward then backward on one time line, F<i> / B<i> per slot, "." idle. For m = 3, n = 2:
+//   clock    0  1  2  3  4  5  6  7
+//   stage 0  F0 F1 F2 .  .  B2 B1 B0
+//   stage 1  .  F0 F1 F2 B2 B1 B0 .
+std::string gantt_chart(const ScheduleTable& schedule);
 
 }  // namespace harness::pipeline
