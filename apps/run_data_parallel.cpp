@@ -234,7 +234,8 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   torch::nn::Module& trained = split ? static_cast<torch::nn::Module&>(*split) : *model;
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
-  // masks on the activations they all hold (Megatron does the same for its replicated regions).
+  // masks on the activations they all hold (Megatron does the same for its replicated regions;
+  // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
   torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank));
 
   if (rank == 0) {

@@ -62,8 +62,11 @@ void validate_tensor_parallel(const GPT2Config& config, int tensor_parallel_size
 
 // ----- modules -------------------------------------------------------------------------------
 
-TensorParallelGPT2AttentionImpl::TensorParallelGPT2AttentionImpl(const GPT2Config& config, dp::DistContext tp)
-    : local_heads_(config.n_head / tp_size(tp)), head_dim_(config.head_dim()) {
+TensorParallelGPT2AttentionImpl::TensorParallelGPT2AttentionImpl(const GPT2Config& config, dp::DistContext tp,
+                                                                 std::shared_ptr<ParallelRegionRng> rng)
+    : local_heads_(config.n_head / tp_size(tp)),
+      head_dim_(config.head_dim()),
+      rng_(rng ? std::move(rng) : std::make_shared<ParallelRegionRng>(tp.rank)) {
   ColumnParallelLinearOptions attn_options;
   attn_options.in_features = config.n_embd;
   attn_options.out_features = 3 * config.n_embd;
@@ -85,9 +88,14 @@ at::Tensor TensorParallelGPT2AttentionImpl::forward(const at::Tensor& x) {
     return t.view({B, T, local_heads_, head_dim_}).transpose(1, 2);
   };
   const double dropout_p = attn_dropout->is_training() ? attn_dropout->options.p() : 0.0;
-  auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), std::nullopt,
+  auto attend = [&] {
+    return at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), std::nullopt,
                                             dropout_p, /*is_causal=*/T > 1,
                                             1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  };
+  // The probabilities of this rank's heads exist only here: their dropout mask comes from the
+  // rank's own stream, leaving the default generator in step with the other ranks.
+  auto y = dropout_p > 0.0 ? rng_->run(x.device(), attend) : attend();
   y = y.transpose(1, 2).reshape({B, T, local_width});
   return resid_dropout(c_proj(y));
 }
@@ -109,9 +117,10 @@ at::Tensor TensorParallelGPT2MLPImpl::forward(const at::Tensor& x) {
   return dropout(c_proj(torch::gelu(c_fc(x), "tanh")));
 }
 
-TensorParallelGPT2BlockImpl::TensorParallelGPT2BlockImpl(const GPT2Config& config, dp::DistContext tp) {
+TensorParallelGPT2BlockImpl::TensorParallelGPT2BlockImpl(const GPT2Config& config, dp::DistContext tp,
+                                                         std::shared_ptr<ParallelRegionRng> rng) {
   ln_1 = register_module("ln_1", make_layer_norm(config));
-  attn = register_module("attn", TensorParallelGPT2Attention(config, tp));
+  attn = register_module("attn", TensorParallelGPT2Attention(config, tp, std::move(rng)));
   ln_2 = register_module("ln_2", make_layer_norm(config));
   mlp = register_module("mlp", TensorParallelGPT2MLP(config, tp));
 }
@@ -121,12 +130,14 @@ at::Tensor TensorParallelGPT2BlockImpl::forward(const at::Tensor& x) {
   return h + mlp(ln_2(h));
 }
 
-TensorParallelGPT2ModelImpl::TensorParallelGPT2ModelImpl(const GPT2Config& config, dp::DistContext tp) {
+TensorParallelGPT2ModelImpl::TensorParallelGPT2ModelImpl(const GPT2Config& config, dp::DistContext tp,
+                                                         std::shared_ptr<ParallelRegionRng> rng) {
+  if (!rng) rng = std::make_shared<ParallelRegionRng>(tp.rank);  // one stream for all blocks
   wte = register_module("wte", torch::nn::Embedding(config.vocab_size, config.n_embd));
   wpe = register_module("wpe", torch::nn::Embedding(config.n_positions, config.n_embd));
   drop = register_module("drop", torch::nn::Dropout(config.embd_pdrop));
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config.n_layer; ++i) h->push_back(TensorParallelGPT2Block(config, tp));
+  for (int64_t i = 0; i < config.n_layer; ++i) h->push_back(TensorParallelGPT2Block(config, tp, rng));
   ln_f = register_module("ln_f", make_layer_norm(config));
 }
 

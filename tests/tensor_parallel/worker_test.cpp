@@ -220,6 +220,23 @@ void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
   for (const auto& item : split->named_parameters()) {
     EXPECT_TRUE(torch::equal(reloaded_params[item.key()], item.value())) << item.key();
   }
+  // Training mode with dropout everywhere: the ranks draw the same masks on what they all hold
+  // (their default generators stay in step), so the logits agree exactly across the group.
+  {
+    model::GPT2Config noisy = config;
+    noisy.embd_pdrop = noisy.attn_pdrop = noisy.resid_pdrop = 0.2;
+    torch::manual_seed(17);
+    TensorParallelGPT2LMHeadModel dropping(noisy, tp);
+    dropping->train();
+    for (int step = 0; step < 2; ++step) {
+      const at::Tensor logits = dropping->forward(input).detach();
+      const std::vector<at::Tensor> all = all_gather(logits, tp);
+      EXPECT_TRUE(torch::equal(all[0], all[1])) << "step " << step;
+    }
+    const std::vector<at::Tensor> states =
+        all_gather(at::globalContext().defaultGenerator(c10::Device(c10::kCPU)).get_state(), tp);
+    EXPECT_TRUE(torch::equal(states[0], states[1]));
+  }
   // copy_into fills an unsplit model with the same numbers.
   model::GPT2LMHeadModel copy(config);
   split->copy_into(*copy);

@@ -13,6 +13,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "harness/model/gpt2.h"
 #include "harness/model/safetensors.h"
 #include "harness/tensor_parallel/layers.h"
+#include "harness/tensor_parallel/parallel_rng.h"
 
 namespace harness::tensor_parallel {
 
@@ -30,7 +32,9 @@ void validate_tensor_parallel(const model::GPT2Config& config, int tensor_parall
 
 class TensorParallelGPT2AttentionImpl : public torch::nn::Module {
  public:
-  TensorParallelGPT2AttentionImpl(const model::GPT2Config& config, data_parallel::DistContext tp);
+  // Attention dropout draws from `rng` (a stream per rank; see parallel_rng.h); null: its own.
+  TensorParallelGPT2AttentionImpl(const model::GPT2Config& config, data_parallel::DistContext tp,
+                                  std::shared_ptr<ParallelRegionRng> rng = nullptr);
   at::Tensor forward(const at::Tensor& x);  // [B, T, C] replicated -> [B, T, C] replicated
   ColumnParallelLinear c_attn{nullptr};     // [C, 3C / T]: this rank's q | k | v head columns
   RowParallelLinear c_proj{nullptr};        // [C / T, C]
@@ -38,6 +42,7 @@ class TensorParallelGPT2AttentionImpl : public torch::nn::Module {
 
  private:
   int64_t local_heads_, head_dim_;
+  std::shared_ptr<ParallelRegionRng> rng_;
 };
 TORCH_MODULE(TensorParallelGPT2Attention);
 
@@ -53,7 +58,8 @@ TORCH_MODULE(TensorParallelGPT2MLP);
 
 class TensorParallelGPT2BlockImpl : public torch::nn::Module {
  public:
-  TensorParallelGPT2BlockImpl(const model::GPT2Config& config, data_parallel::DistContext tp);
+  TensorParallelGPT2BlockImpl(const model::GPT2Config& config, data_parallel::DistContext tp,
+                              std::shared_ptr<ParallelRegionRng> rng = nullptr);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   TensorParallelGPT2Attention attn{nullptr};
@@ -63,7 +69,8 @@ TORCH_MODULE(TensorParallelGPT2Block);
 
 class TensorParallelGPT2ModelImpl : public torch::nn::Module {
  public:
-  TensorParallelGPT2ModelImpl(const model::GPT2Config& config, data_parallel::DistContext tp);
+  TensorParallelGPT2ModelImpl(const model::GPT2Config& config, data_parallel::DistContext tp,
+                              std::shared_ptr<ParallelRegionRng> rng = nullptr);
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
   torch::nn::ModuleList h{nullptr};
