@@ -37,6 +37,7 @@ struct DataParallelFlags {
   CommonFlags common;
   int world_size = 2;
   bool pytest = false;
+  bool save_every_rank = false;
   std::string grad_dir = "tests";
   std::string backend = "auto";
   std::string device = "auto";
@@ -54,6 +55,7 @@ DataParallelFlags parse(int argc, char** argv) {
   options.add_options()
       ("world_size", "number of ranks (worker processes started here)", cxxopts::value<int>()->default_value("2"))
       ("pytest", "train one batch and write each rank's gradients to --grad_dir/model{rank}_gradients.pth")
+      ("save_every_rank", "besides rank 0's model in --workdir, rank r > 0 writes its replica to --workdir/rank{r}/ (to check that replicas agree)")
       ("grad_dir", "folder for the --pytest gradient files", cxxopts::value<std::string>()->default_value("tests"))
       ("backend", "auto | gloo | nccl (auto: nccl on GPUs, gloo on CPUs)", cxxopts::value<std::string>()->default_value("auto"))
       ("device", "auto | cpu | cuda: what each rank trains on (auto: GPU local_rank if any)", cxxopts::value<std::string>()->default_value("auto"))
@@ -68,6 +70,7 @@ DataParallelFlags parse(int argc, char** argv) {
     flags.common = read_common(result);
     flags.world_size = result["world_size"].as<int>();
     flags.pytest = result.count("pytest") > 0;
+    flags.save_every_rank = result.count("save_every_rank") > 0;
     flags.grad_dir = result["grad_dir"].as<std::string>();
     flags.backend = result["backend"].as<std::string>();
     flags.device = result["device"].as<std::string>();
@@ -345,6 +348,8 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   if (rank == 0) {
     model::save_pretrained(*model, f.workdir);
     std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+  } else if (flags.save_every_rank) {
+    model::save_pretrained(*model, f.workdir + "/rank" + std::to_string(rank));
   }
   dp::barrier(world);
   return 0;
@@ -357,6 +362,13 @@ int main(int argc, char** argv) {
   using namespace harness::apps;
   const DataParallelFlags flags = parse(argc, argv);
   try {
+    if (!flags.common.export_dataset.empty()) {
+      const harness::data::TranslationCorpus corpus =
+          harness::train::load_corpus(flags.common.dataset, flags.common.sizes, flags.common.seed);
+      harness::data::export_jsonl(corpus, flags.common.export_dataset);
+      std::cout << "wrote the corpus to " << flags.common.export_dataset << std::endl;
+      return 0;
+    }
     std::optional<dp::WorkerEnv> env = dp::worker_env_from_environment();
     if (env) return run_worker(flags, *env);
     // Not started by a launcher: start --world_size workers of this program here.

@@ -135,6 +135,32 @@ class DataParallelProgram(unittest.TestCase):
             for name in w1:
                 self.assertTrue(torch.allclose(w1[name], w2[name], rtol=1e-5, atol=1e-6), name)
 
+    def test_after_three_steps_both_ranks_hold_bit_identical_parameters(self):
+        torch = torch_module()
+        from safetensors.torch import load_file
+        with tempfile.TemporaryDirectory() as work:
+            run([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()), "--batch_size", "8",
+                 "--n_epochs", "1", "--max_batches", "3", "--benchmark_only", "--save_every_rank",
+                 "--learning_rate", "1e-3"] + TINY)
+            w0 = load_file(os.path.join(work, "model.safetensors"))
+            w1 = load_file(os.path.join(work, "rank1", "model.safetensors"))
+            self.assertEqual(set(w0), set(w1))
+            for name in w0:
+                self.assertTrue(torch.equal(w0[name], w1[name]), name)
+
+    def test_exported_corpus_feeds_back_through_dataset(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            data = os.path.join(tmp, "corpus")
+            run([DP, "--export_dataset", data] + TINY)
+            for split, n in (("train", 64), ("validation", 16), ("test", 4)):
+                with open(os.path.join(data, f"{split}.jsonl")) as f:
+                    rows = [json.loads(line) for line in f]
+                self.assertEqual(len(rows), n)
+                self.assertEqual(set(rows[0]["translation"]), {"de", "en"})
+            proc = run([PP, "--dataset", data, "--workdir", os.path.join(tmp, "w"), "--n_epochs", "1",
+                        "--batch_size", "8", "--max_batches", "2"] + TINY)
+            self.assertEqual(len(matching(PP_BLEU, proc.stdout)), 1)
+
     def test_sigkill_of_one_worker_stops_the_run_promptly_and_leaves_no_worker(self):
         with tempfile.TemporaryDirectory() as work:
             proc = subprocess.Popen([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()),
