@@ -55,8 +55,13 @@ void ring_on_flat(const DistContext& ctx, at::Tensor& flat, int tag_space) {
     c10::intrusive_ptr<c10d::Work> recv_work, send_work;
     std::vector<at::Tensor> recv_tensors{recv_into}, send_tensors{send_chunk};
     try {
-      if (recv_into.numel() > 0) recv_work = ctx.group->recv(recv_tensors, left, tag);
+      // Gloo posts both without blocking. NCCL serialises the ops on one pair's communicator, so
+      // with N = 2 (left == right) both ranks receiving first would deadlock: odd ranks receive
+      // first, even ranks send first, which breaks every cycle of waits around the ring.
+      const bool receive_first = r % 2 == 1;
+      if (receive_first && recv_into.numel() > 0) recv_work = ctx.group->recv(recv_tensors, left, tag);
       if (send_chunk.numel() > 0) send_work = ctx.group->send(send_tensors, right, tag);
+      if (!receive_first && recv_into.numel() > 0) recv_work = ctx.group->recv(recv_tensors, left, tag);
       if (send_work) send_work->wait();
       if (recv_work) recv_work->wait();
     } catch (const std::exception& e) {
