@@ -20,6 +20,8 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
+#include "harness/data_parallel/ring_all_reduce.h"
+#include "harness/data_parallel/sharded_loader.h"
 #include "harness/model/safetensors.h"
 #include "harness/tensor_parallel/gpt2_tensor_parallel.h"
 #include "harness/tensor_parallel/parallel_context.h"
@@ -38,6 +40,8 @@ struct DataParallelFlags {
   int world_size = 2;
   bool pytest = false;
   bool save_every_rank = false;
+  dp::AllReduceAlgorithm allreduce = dp::AllReduceAlgorithm::kBuiltin;
+  bool reshuffle_each_epoch = false;
   std::string grad_dir = "tests";
   std::string backend = "auto";
   std::string device = "auto";
@@ -55,6 +59,8 @@ DataParallelFlags parse(int argc, char** argv) {
   options.add_options()
       ("world_size", "number of ranks (worker processes started here)", cxxopts::value<int>()->default_value("2"))
       ("pytest", "train one batch and write each rank's gradients to --grad_dir/model{rank}_gradients.pth")
+      ("allreduce", "builtin: the process group's all-reduce; ring: ring all-reduce on point-to-point send/recv (with either --grad_sync)", cxxopts::value<std::string>()->default_value("builtin"))
+      ("reshuffle_each_epoch", "a new seeded partition of the training set every epoch (seed + epoch, as DistributedSampler.set_epoch); default: the original's fixed partition")
       ("save_every_rank", "besides rank 0's model in --workdir, rank r > 0 writes its replica to --workdir/rank{r}/ (to check that replicas agree)")
       ("grad_dir", "folder for the --pytest gradient files", cxxopts::value<std::string>()->default_value("tests"))
       ("backend", "auto | gloo | nccl (auto: nccl on GPUs, gloo on CPUs)", cxxopts::value<std::string>()->default_value("auto"))
@@ -71,6 +77,8 @@ DataParallelFlags parse(int argc, char** argv) {
     flags.world_size = result["world_size"].as<int>();
     flags.pytest = result.count("pytest") > 0;
     flags.save_every_rank = result.count("save_every_rank") > 0;
+    flags.allreduce = dp::parse_allreduce_algorithm(result["allreduce"].as<std::string>());
+    flags.reshuffle_each_epoch = result.count("reshuffle_each_epoch") > 0;
     flags.grad_dir = result["grad_dir"].as<std::string>();
     flags.backend = result["backend"].as<std::string>();
     flags.device = result["device"].as<std::string>();
@@ -247,7 +255,8 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
               << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
               << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
               << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
-              << " grad_sync=" << flags.grad_sync;
+              << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
+              << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false");
     if (T > 1) {
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
     }
@@ -258,13 +267,15 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
     return data::collate(ex, tokenizer, max_length);
   };
-  data::BatchLoader train_loader = dp::partition_dataset(dp_rank, dp_size, corpus.train, f.batch_size, collate);
+  dp::ShardedLoader train_shards(dp_rank, dp_size, corpus.train, f.batch_size, collate,
+                                dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
   data::BatchLoader validation_loader(corpus.validation, collate, {device_batch, false, 0, false, 2});
   torch::optim::AdamW optimizer(trained.parameters(), torch::optim::AdamWOptions(f.learning_rate));
   std::unique_ptr<dp::GradientSynchronizer> sync =
-      dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb);
+      dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
   sync->attach(trained);
   auto run_epoch = [&](int64_t epoch, const train::TrainEpochOptions& options) {
+    data::BatchLoader& train_loader = train_shards.set_epoch(epoch);
     return split ? train_epoch_tensor_parallel(split, optimizer, train_loader, epoch, options)
                  : train::train_epoch(model, optimizer, train_loader, epoch, options);
   };

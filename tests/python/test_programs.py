@@ -148,6 +148,22 @@ class DataParallelProgram(unittest.TestCase):
             for name in w0:
                 self.assertTrue(torch.equal(w0[name], w1[name]), name)
 
+    def test_ring_allreduce_with_resharding_keeps_replicas_identical(self):
+        torch = torch_module()
+        from safetensors.torch import load_file
+        for grad_sync in ("naive", "bucketed"):
+            with self.subTest(grad_sync=grad_sync), tempfile.TemporaryDirectory() as work:
+                proc = run([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()),
+                            "--batch_size", "8", "--n_epochs", "2", "--max_batches", "2", "--benchmark_only",
+                            "--save_every_rank", "--allreduce", "ring", "--grad_sync", grad_sync,
+                            "--reshuffle_each_epoch"] + TINY)
+                self.assertIn("allreduce=ring", proc.stderr)
+                self.assertEqual(len(matching(DP_TRAIN, proc.stdout)), 4)
+                w0 = load_file(os.path.join(work, "model.safetensors"))
+                w1 = load_file(os.path.join(work, "rank1", "model.safetensors"))
+                for name in w0:
+                    self.assertTrue(torch.equal(w0[name], w1[name]), name)
+
     def test_exported_corpus_feeds_back_through_dataset(self):
         with tempfile.TemporaryDirectory() as tmp:
             data = os.path.join(tmp, "corpus")
