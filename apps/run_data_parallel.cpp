@@ -147,52 +147,6 @@ void save_gradients(const std::string& path, torch::nn::Module& module) {
   dp::save_tensor_dict_pth(path, gradients);
 }
 
-// train::train_epoch for the tensor-parallel model: the same steps, timing and progress. Every
-// rank of a tensor-parallel group sees the same batches and computes the same (replicated) loss.
-train::EpochTiming train_epoch_tensor_parallel(tp::TensorParallelGPT2LMHeadModel& model,
-                                               torch::optim::Optimizer& optimizer,
-                                               data::BatchLoader& loader, int64_t epoch,
-                                               const train::TrainEpochOptions& options) {
-  using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point t) {
-    return std::chrono::duration<double>(Clock::now() - t).count();
-  };
-  model->train();
-  train::EpochTiming timing;
-  const int64_t total = options.max_batches > 0 ? std::min(options.max_batches, loader.num_batches())
-                                                : loader.num_batches();
-  train::Progress progress(options.description, total, options.show_progress);
-  const auto epoch_start = Clock::now();
-  loader.start_epoch(epoch);
-  while (timing.batches < total) {
-    std::optional<data::Batch> batch = loader.next();
-    if (!batch) break;
-    const auto t0 = Clock::now();
-    TraceScope scope(options.tracer, "step", options.trace_track,
-                     {{"epoch", epoch}, {"batch", timing.batches}});
-    data::Batch on_device = batch->to(options.device);
-    optimizer.zero_grad();
-    torch::Tensor logits = model->forward(on_device.input_ids);
-    torch::Tensor loss = train::weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
-                                                       on_device.label_token_weights.to(logits.device()));
-    loss.backward();
-    if (options.after_backward) options.after_backward();
-    optimizer.step();
-    timing.last_loss = loss.item<double>();
-    const double batch_seconds = seconds_since(t0);
-    const int64_t tokens = batch->tokens();
-    timing.tokens += tokens;
-    timing.batch_token_rates.push_back(static_cast<double>(tokens) / batch_seconds);
-    ++timing.batches;
-    std::ostringstream postfix;
-    postfix << "loss=" << timing.last_loss << " tokens_per_sec=" << static_cast<int64_t>(tokens / batch_seconds);
-    progress.update(timing.batches, postfix.str());
-  }
-  progress.finish();
-  timing.seconds = seconds_since(epoch_start);
-  return timing;
-}
-
 int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   const CommonFlags& f = flags.common;
   const int rank = env.rank;
@@ -276,8 +230,10 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   sync->attach(trained);
   auto run_epoch = [&](int64_t epoch, const train::TrainEpochOptions& options) {
     data::BatchLoader& train_loader = train_shards.set_epoch(epoch);
-    return split ? train_epoch_tensor_parallel(split, optimizer, train_loader, epoch, options)
-                 : train::train_epoch(model, optimizer, train_loader, epoch, options);
+    if (!split) return train::train_epoch(model, optimizer, train_loader, epoch, options);
+    return train::train_epoch(
+        *split, [&split](const at::Tensor& input_ids) { return split->forward(input_ids); },
+        optimizer, train_loader, epoch, options);
   };
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const c10::Device torch_device = device.torch_device();

@@ -126,6 +126,43 @@ std::string resolve_backend(const std::string& backend, const Device& device) {
   return resolved;
 }
 
+c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
+                                                 const c10::intrusive_ptr<c10d::Store>& store,
+                                                 int rank, int world_size,
+                                                 const DistOptions& options) {
+  if (backend == "gloo") {
+#ifdef HARNESS_WITH_GLOO
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+    // GLOO_SOCKET_IFNAME picks the interface as in PyTorch; on one machine, loopback always works.
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    if (ifname != nullptr && *ifname != '\0') {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    } else if (is_loopback(options.master_addr)) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, gloo_options);
+#else
+    throw std::runtime_error("this build has no Gloo headers (libgloo-dev)");
+#endif
+  }
+  if (backend == "nccl") {
+#ifdef HARNESS_WITH_NCCL
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = options.timeout;
+    auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, nccl_options);
+    // Collectives without tensors (barrier) then use this rank's GPU, not rank % n_gpus.
+    group->setBoundDeviceId(options.device.torch_device());
+    return group;
+#else
+    throw std::runtime_error("this build has no NCCL support");
+#endif
+  }
+  throw std::invalid_argument("unknown backend '" + backend + "'");
+}
+
 DistContext init_process_group(const DistOptions& options) {
   validate(options);
   DistContext ctx;
@@ -142,47 +179,20 @@ DistContext init_process_group(const DistOptions& options) {
   }
   ctx.store = connect_store(options);
 
-  if (ctx.backend == "gloo") {
-#ifdef HARNESS_WITH_GLOO
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    // GLOO_SOCKET_IFNAME picks the interface as in PyTorch; on one machine, loopback always works.
-    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-    if (ifname != nullptr && *ifname != '\0') {
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    } else if (is_loopback(options.master_addr)) {
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-    } else {
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-    }
-    try {
-      ctx.group = c10::make_intrusive<c10d::ProcessGroupGloo>(ctx.store, ctx.rank,
-                                                              ctx.world_size, gloo_options);
-    } catch (const std::exception& e) {
-      const std::string what = e.what();
+  try {
+    ctx.group = create_backend(ctx.backend, ctx.store, ctx.rank, ctx.world_size, options);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const std::string first_line = what.substr(0, what.find('\n'));
+    if (ctx.backend == "gloo") {
       throw std::runtime_error("rank " + std::to_string(ctx.rank) +
                                ": connecting the Gloo process group failed (peers via the store at " +
                                options.master_addr + ":" + std::to_string(options.master_port) +
-                               "): " + what.substr(0, what.find('\n')));
+                               "): " + first_line);
     }
-#endif
-  } else {
-#ifdef HARNESS_WITH_NCCL
-    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-    nccl_options->timeout = options.timeout;
-    try {
-      ctx.group = c10::make_intrusive<c10d::ProcessGroupNCCL>(ctx.store, ctx.rank,
-                                                              ctx.world_size, nccl_options);
-      // Collectives without tensors (barrier) then use this rank's GPU, not rank % n_gpus.
-      ctx.group->setBoundDeviceId(options.device.torch_device());
-    } catch (const std::exception& e) {
-      const std::string what = e.what();
-      throw std::runtime_error("rank " + std::to_string(ctx.rank) +
-                               ": creating the NCCL process group failed (" +
-                               what.substr(0, what.find('\n')) +
-                               "); without GPUs use --backend gloo --device cpu");
-    }
-#endif
+    throw std::runtime_error("rank " + std::to_string(ctx.rank) +
+                             ": creating the NCCL process group failed (" + first_line +
+                             "); without GPUs use --backend gloo --device cpu");
   }
   return ctx;
 }

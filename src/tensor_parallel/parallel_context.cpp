@@ -8,21 +8,11 @@
 #include <sstream>
 #include <stdexcept>
 
-#ifdef HARNESS_WITH_GLOO
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#endif
-#ifdef HARNESS_WITH_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 
 namespace harness::tensor_parallel {
 namespace {
 
 namespace dp = harness::data_parallel;
-
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
 
 // One process group over `ranks` (world ranks, this rank among them) keyed by `prefix` in the
 // world's store.
@@ -38,36 +28,9 @@ dp::DistContext create_group(const dp::DistContext& world, const dp::DistOptions
   ctx.store = c10::make_intrusive<c10d::PrefixStore>(prefix, world.store);
   const std::string what_group = "process group " + prefix + " over world " + ranks_text(ranks);
   try {
-    if (world.backend == "gloo") {
-#ifdef HARNESS_WITH_GLOO
-      auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-      if (ifname != nullptr && *ifname != '\0') {
-        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-      } else if (is_loopback(options.master_addr)) {
-        gloo_options->devices.push_back(
-            c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      } else {
-        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-      }
-      ctx.group = c10::make_intrusive<c10d::ProcessGroupGloo>(ctx.store, ctx.rank, ctx.world_size,
-                                                              gloo_options);
-#else
-      throw std::runtime_error("this build has no Gloo headers (libgloo-dev)");
-#endif
-    } else if (world.backend == "nccl") {
-#ifdef HARNESS_WITH_NCCL
-      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-      nccl_options->timeout = options.timeout;
-      ctx.group = c10::make_intrusive<c10d::ProcessGroupNCCL>(ctx.store, ctx.rank, ctx.world_size,
-                                                              nccl_options);
-      ctx.group->setBoundDeviceId(world.device.torch_device());
-#else
-      throw std::runtime_error("this build has no NCCL support");
-#endif
-    } else {
-      throw std::invalid_argument("unknown backend '" + world.backend + "'");
-    }
+    dp::DistOptions group_options = options;
+    group_options.device = world.device;
+    ctx.group = dp::create_backend(world.backend, ctx.store, ctx.rank, ctx.world_size, group_options);
   } catch (const std::exception& e) {
     const std::string text = e.what();
     throw std::runtime_error("world rank " + std::to_string(world.rank) + ": creating the " +

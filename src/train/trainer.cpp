@@ -56,7 +56,15 @@ void Progress::finish() {
 
 EpochTiming train_epoch(model::GPT2LMHeadModel& model, torch::optim::Optimizer& optimizer,
                         data::BatchLoader& loader, int64_t epoch, const TrainEpochOptions& options) {
-  model->train();
+  return train_epoch(
+      *model, [&model](const at::Tensor& input_ids) { return model->forward(input_ids); },
+      optimizer, loader, epoch, options);
+}
+
+EpochTiming train_epoch(torch::nn::Module& module, const LogitsFn& forward,
+                        torch::optim::Optimizer& optimizer, data::BatchLoader& loader,
+                        int64_t epoch, const TrainEpochOptions& options) {
+  module.train();
   EpochTiming timing;
   const int64_t total = options.max_batches > 0
                             ? std::min(options.max_batches, loader.num_batches())
@@ -72,7 +80,7 @@ EpochTiming train_epoch(model::GPT2LMHeadModel& model, torch::optim::Optimizer& 
                      {{"epoch", epoch}, {"batch", timing.batches}});
     data::Batch on_device = batch->to(options.device);
     optimizer.zero_grad();
-    torch::Tensor logits = model->forward(on_device.input_ids);
+    torch::Tensor logits = forward(on_device.input_ids);
     torch::Tensor loss = weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
                                                 on_device.label_token_weights.to(logits.device()));
     loss.backward();

@@ -47,6 +47,15 @@ std::string resolve_backend(const std::string& backend, const Device& device);
 // NCCL without a GPU (--backend gloo --device cpu).
 DistContext init_process_group(const DistOptions& options);
 
+// A "gloo" or "nccl" backend for `rank` of `world_size` over `store` (the rendezvous of a group),
+// with the transport options.master_addr implies (GLOO_SOCKET_IFNAME, loopback, or the default
+// interface) and options.device bound for NCCL. c10d's exceptions propagate: the caller says
+// which group failed.
+c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
+                                                 const c10::intrusive_ptr<c10d::Store>& store,
+                                                 int rank, int world_size,
+                                                 const DistOptions& options);
+
 // In-place SUM all-reduce of one tensor across the group (dense; copied through a contiguous
 // buffer when it is not contiguous). Blocks until done.
 void all_reduce_sum(const DistContext& ctx, at::Tensor& tensor);

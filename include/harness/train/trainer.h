@@ -46,6 +46,13 @@ struct EpochTiming {
 EpochTiming train_epoch(model::GPT2LMHeadModel& model, torch::optim::Optimizer& optimizer,
                         data::BatchLoader& loader, int64_t epoch, const TrainEpochOptions& options);
 
+// The same for any model that maps input_ids [B, T] to logits [B, T, V] (e.g. a tensor-parallel
+// GPT-2); `module` is what train() is called on.
+using LogitsFn = std::function<at::Tensor(const at::Tensor& input_ids)>;
+EpochTiming train_epoch(torch::nn::Module& module, const LogitsFn& forward,
+                        torch::optim::Optimizer& optimizer, data::BatchLoader& loader,
+                        int64_t epoch, const TrainEpochOptions& options);
+
 // Mean over batches of SPEC §3's weighted loss, without gradients, in eval mode.
 double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
                      const c10::Device& device, int64_t max_batches = 0);
