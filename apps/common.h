@@ -37,6 +37,7 @@ struct CommonFlags {
   data::SplitSizes sizes;
   std::string export_dataset;
   bool progress = true;
+  bool fit_vocab = false;
 };
 
 inline void add_common_options(cxxopts::Options& options, int64_t default_batch_size,
@@ -61,6 +62,7 @@ inline void add_common_options(cxxopts::Options& options, int64_t default_batch_
       ("validation_size", "validation pairs", cxxopts::value<size_t>()->default_value("1000"))
       ("test_size", "test pairs (generation and BLEU)", cxxopts::value<size_t>()->default_value("100"))
       ("export_dataset", "write the corpus as JSON Lines to DIR and exit", cxxopts::value<std::string>()->default_value(""))
+      ("fit_vocab", "size a freshly initialised model's vocabulary to the tokenizer's (no rows for ids the tokenizer never produces; a smaller LM head)")
       ("no_progress", "no progress display on stderr")
       ("h,help", "this help");
 }
@@ -87,6 +89,7 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.sizes.test = r["test_size"].as<size_t>();
   f.export_dataset = r["export_dataset"].as<std::string>();
   f.progress = r.count("no_progress") == 0;
+  f.fit_vocab = r.count("fit_vocab") > 0;
   auto positive = [](const char* flag, int64_t value) {
     if (value <= 0) {
       throw std::invalid_argument(std::string("--") + flag + " must be positive, got " +

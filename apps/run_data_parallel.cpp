@@ -176,13 +176,14 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
 
   train::make_directories(f.workdir);
   data::TranslationCorpus corpus = train::load_corpus(f.dataset, f.sizes, f.seed);
-  const model::GPT2Config config = train::resolve_config(f.model);
+  model::GPT2Config config = train::resolve_config(f.model);
   // Every rank trains the same tokenizer (deterministic); only rank 0 keeps the file, so the
   // ranks need no shared folder when they span machines.
   const std::string tokenizer_path =
       rank == 0 ? f.workdir + "/tokenizer.model"
                 : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
   data::Tokenizer tokenizer = train::prepare_tokenizer(f.model, config, corpus.train, tokenizer_path);
+  if (f.fit_vocab) train::fit_vocabulary(config, f.model, tokenizer);
   if (rank != 0) fs::remove(tokenizer_path);
 
   if (T > 1) tp::validate_tensor_parallel(config, T);

@@ -68,9 +68,10 @@ int run(const PipelineFlags& flags) {
                           : default_threads_per_device(static_cast<int>(devices.size()));
   at::set_num_threads(threads);  // the main thread works for the first device
 
-  const model::GPT2Config config = train::resolve_config(f.model);
+  model::GPT2Config config = train::resolve_config(f.model);
   data::Tokenizer tokenizer =
       train::prepare_tokenizer(f.model, config, corpus.train, f.workdir + "/tokenizer.model");
+  if (f.fit_vocab) train::fit_vocabulary(config, f.model, tokenizer);
   model::GPT2LMHeadModel model = train::build_model(f.model, config, f.seed);
 
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();

@@ -12,5 +12,5 @@ echo "[run] run_data_parallel --world_size 2 on the embedded corpus (gpt2-mini);
 # Settings for a few CPU-minutes: sequences of the embedded corpus fit in 40 tokens; a larger
 # learning rate than the original's 1e-4 and a smaller batch give enough optimizer steps.
 "$BUILD_DIR/run_data_parallel" --world_size 2 --model gpt2-mini --workdir "$WORKDIR" \
-  --n_epochs 3 --batch_size 32 --learning_rate 1e-3 --model_max_length 40 "$@"
+  --n_epochs 3 --batch_size 32 --learning_rate 1e-3 --model_max_length 40 --fit_vocab "$@"
 echo "[run] results, tokenizer.model, model.safetensors and config.json are in $WORKDIR"

@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--model", default="gpt2-mini", help="model preset of both programs")
     p.add_argument("--model-max-length", type=int, default=64, help="tokens per example")
+    p.add_argument("--no-fit-vocab", action="store_true",
+                   help="keep the preset's vocab_size instead of the tokenizer's (--fit_vocab of the programs)")
     p.add_argument("--threads-per-device", type=int, default=1,
                    help="intra-op threads of each CPU device / data-parallel rank")
     p.add_argument("--devices", default="auto",
@@ -146,6 +148,8 @@ class Runner:
                  "--model_max_length", str(a.model_max_length), "--benchmark_only", "--no_progress",
                  "--threads_per_device", str(a.threads_per_device),
                  "--workdir", os.path.join(self.perf_dir, "runs", run_name)]
+        if not a.no_fit_vocab:
+            flags.append("--fit_vocab")
         if max_batches > 0:
             flags += ["--max_batches", str(max_batches)]
         return flags

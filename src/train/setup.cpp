@@ -62,6 +62,16 @@ data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Co
   return std::move(*tokenizer);
 }
 
+void fit_vocabulary(model::GPT2Config& config, const ModelSource& source,
+                    const data::Tokenizer& tokenizer) {
+  if (!source.path.empty()) {
+    std::cerr << "--fit_vocab: ignored for --model_path " << source.path
+              << " (its vocab_size " << config.vocab_size << " holds trained rows)\n";
+    return;
+  }
+  config.vocab_size = tokenizer.vocab_size();
+}
+
 model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2Config& config,
                                    uint64_t seed) {
   torch::manual_seed(seed);

@@ -270,6 +270,16 @@ class PipelineProgram(unittest.TestCase):
             for name in a:
                 self.assertTrue(torch.equal(a[name], b[name]), name)
 
+    def test_fit_vocab_sizes_a_fresh_model_to_the_tokenizer(self):
+        with tempfile.TemporaryDirectory() as work:
+            # gpt2-mini's vocab_size (4096) is only the cap: 64 pairs fill far fewer pieces.
+            proc = self.run_mode(work, "", ["--benchmark_only", "--max_batches", "1", "--fit_vocab",
+                                            "--model", "gpt2-mini"])
+            vocab = int(re.search(r"vocab=(\d+)", proc.stderr)[1])
+            with open(os.path.join(work, "config.json")) as f:
+                self.assertEqual(json.load(f)["vocab_size"], vocab)
+            self.assertLess(vocab, 4096)
+
     def test_bad_flags_get_clear_errors(self):
         cases = [
             (["--model_parallel_mode", "pipeline_parallel", "--n_chunk", "0"], "--n_chunk 0"),

@@ -34,6 +34,12 @@ data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Co
                                   const std::vector<data::TranslationExample>& train,
                                   const std::string& save_path);
 
+// --fit_vocab: a model initialised from scratch gets exactly the tokenizer's vocabulary (the
+// preset's vocab_size is only the cap). A model loaded from source.path keeps its own: its rows
+// are trained weights; a note on stderr says so.
+void fit_vocabulary(model::GPT2Config& config, const ModelSource& source,
+                    const data::Tokenizer& tokenizer);
+
 // A model of `config` with the weights of source.path, else freshly initialised from torch's
 // seed `seed`.
 model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2Config& config,
