@@ -142,29 +142,28 @@ GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config) : config_(con
   reset_parameters();
 }
 
-void GPT2LMHeadModelImpl::reset_parameters() {
+void init_gpt2_parameter(const std::string& name, torch::Tensor& tensor, const GPT2Config& config) {
   torch::NoGradGuard no_grad;
-  const double std = config_.initializer_range;
-  // Residual projections scaled by 1/sqrt(2 * n_layer), as GPT-2's paper and Hugging Face do.
-  const double proj_std = std / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
-  for (auto& item : named_parameters()) {
-    const std::string& name = item.key();
-    torch::Tensor& p = item.value();
-    auto ends_with = [&](const std::string& suffix) {
-      return name.size() >= suffix.size() &&
-             name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-    };
-    const bool layer_norm = name.find(".ln_") != std::string::npos;
-    if (layer_norm && ends_with(".weight")) {
-      p.fill_(1.0);
-    } else if (ends_with(".bias")) {
-      p.zero_();
-    } else if (ends_with("c_proj.weight")) {
-      p.normal_(0.0, proj_std);
-    } else {
-      p.normal_(0.0, std);
-    }
+  auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  const double std = config.initializer_range;
+  const bool layer_norm = name.find(".ln_") != std::string::npos;
+  if (layer_norm && ends_with(".weight")) {
+    tensor.fill_(1.0);
+  } else if (ends_with(".bias")) {
+    tensor.zero_();
+  } else if (ends_with("c_proj.weight")) {
+    // Residual projections scaled by 1/sqrt(2 * n_layer), as GPT-2's paper and Hugging Face do.
+    tensor.normal_(0.0, std / std::sqrt(2.0 * static_cast<double>(config.n_layer)));
+  } else {
+    tensor.normal_(0.0, std);
   }
+}
+
+void GPT2LMHeadModelImpl::reset_parameters() {
+  for (auto& item : named_parameters()) init_gpt2_parameter(item.key(), item.value(), config_);
 }
 
 torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t past_length) {

@@ -171,22 +171,11 @@ void TensorParallelGPT2LMHeadModelImpl::reset_parameters() {
   // Draws each unsplit tensor as model::GPT2LMHeadModelImpl::reset_parameters does, in the same
   // order, and keeps this rank's shard: all ranks draw the same numbers and stay in step.
   torch::NoGradGuard no_grad;
-  const double std = config_.initializer_range;
-  const double proj_std = std / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
   for (auto& item : named_parameters()) {
     const std::string& name = item.key();
     const ParameterShard& shard = shards_.at(name);
     at::Tensor full = torch::empty(shard.full_shape, item.value().options());
-    const bool layer_norm = name.find(".ln_") != std::string::npos;
-    if (layer_norm && ends_with(name, ".weight")) {
-      full.fill_(1.0);
-    } else if (ends_with(name, ".bias")) {
-      full.zero_();
-    } else if (ends_with(name, "c_proj.weight")) {
-      full.normal_(0.0, proj_std);
-    } else {
-      full.normal_(0.0, std);
-    }
+    model::init_gpt2_parameter(name, full, config_);
     item.value().copy_(shard_tensor(full, shard.spec, tp_.rank, tp_.world_size));
   }
 }

@@ -126,6 +126,11 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPT2LMHeadModel);
 
+// Hugging Face's initialisation of the (unsplit) parameter `name` in place: unit LayerNorm
+// weights, zero biases, normal(0, initializer_range) weights, c_proj weights scaled by
+// 1/sqrt(2 * n_layer). One draw per call, so callers walking the parameters in order agree.
+void init_gpt2_parameter(const std::string& name, torch::Tensor& tensor, const GPT2Config& config);
+
 // Parameters, counting the tied head once (gpt2: 124,439,808).
 int64_t count_parameters(torch::nn::Module& module);
 
