@@ -102,13 +102,7 @@ double max_over_ranks(const dp::DistContext& ctx, double value) {
 
 int run_worker(const BenchFlags& flags, const dp::WorkerEnv& env) {
   at::set_num_threads(1);  // one core per rank; the ranks share the machine
-  dp::DistOptions options;
-  options.rank = env.rank;
-  options.world_size = env.world_size;
-  options.local_rank = env.local_rank;
-  options.master_addr = env.master_addr;
-  options.master_port = env.master_port;
-  options.backend = "gloo";
+  const dp::DistOptions options = dp::dist_options_for(env, "gloo");
   const dp::DistContext ctx = dp::init_process_group(options);
   const int n = ctx.world_size;
   const double bus_factor = 2.0 * (n - 1) / n;

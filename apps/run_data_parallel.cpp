@@ -155,14 +155,7 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   const int threads = f.threads_per_device > 0 ? f.threads_per_device : default_threads_per_device(local_world);
   at::set_num_threads(threads);
 
-  dp::DistOptions options;
-  options.rank = rank;
-  options.world_size = env.world_size;
-  options.local_rank = env.local_rank;
-  options.backend = flags.backend;
-  options.master_addr = env.master_addr;
-  options.master_port = env.master_port;
-  options.device = device;
+  const dp::DistOptions options = dp::dist_options_for(env, flags.backend, device);
   // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
   // same shard) is what the batch is partitioned over and the gradients are averaged over.
   const int T = flags.tensor_parallel_size;

@@ -163,6 +163,19 @@ c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
   throw std::invalid_argument("unknown backend '" + backend + "'");
 }
 
+DistOptions dist_options_for(const WorkerEnv& env, const std::string& backend,
+                             const Device& device) {
+  DistOptions options;
+  options.rank = env.rank;
+  options.world_size = env.world_size;
+  options.local_rank = env.local_rank;
+  options.master_addr = env.master_addr;
+  options.master_port = env.master_port;
+  options.backend = backend;
+  options.device = device;
+  return options;
+}
+
 DistContext init_process_group(const DistOptions& options) {
   validate(options);
   DistContext ctx;

@@ -27,13 +27,7 @@ namespace {
 }
 
 DistContext connect(const WorkerEnv& env) {
-  DistOptions options;
-  options.rank = env.rank;
-  options.world_size = env.world_size;
-  options.local_rank = env.local_rank;
-  options.master_addr = env.master_addr;
-  options.master_port = env.master_port;
-  options.backend = "gloo";
+  DistOptions options = dist_options_for(env, "gloo");
   options.timeout = std::chrono::seconds(60);
   return init_process_group(options);
 }

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <string>
 
+#include "harness/data_parallel/launcher.h"
 #include "harness/device.h"
 
 namespace harness::data_parallel {
@@ -46,6 +47,11 @@ std::string resolve_backend(const std::string& backend, const Device& device);
 // on rank 0 (--master_port), a rendezvous that timed out (which rank waited for whom, where),
 // NCCL without a GPU (--backend gloo --device cpu).
 DistContext init_process_group(const DistOptions& options);
+
+// The options of the worker `env` describes (rank, world size, local rank, rendezvous address)
+// with `backend` and `device`; the timeout stays the default.
+DistOptions dist_options_for(const WorkerEnv& env, const std::string& backend = "auto",
+                             const Device& device = Device::cpu());
 
 // A "gloo" or "nccl" backend for `rank` of `world_size` over `store` (the rendezvous of a group),
 // with the transport options.master_addr implies (GLOO_SOCKET_IFNAME, loopback, or the default
