@@ -1,5 +1,5 @@
-// Flags and the per-epoch evaluation that run_data_parallel and run_pipeline share. Parsing
-// lives here, in the programs; the library takes plain structs.
+// Flags that run_data_parallel and run_pipeline share. Parsing lives here, in the programs; the
+// library (train/driver.h) takes plain structs.
 #pragma once
 
 #include <cxxopts.hpp>
@@ -12,10 +12,8 @@
 #include "harness/data/dataset.h"
 #include "harness/data/loader.h"
 #include "harness/device.h"
-#include "harness/train/bleu.h"
-#include "harness/train/report.h"
+#include "harness/train/driver.h"
 #include "harness/train/setup.h"
-#include "harness/train/trainer.h"
 
 namespace harness::apps {
 
@@ -38,6 +36,7 @@ struct CommonFlags {
   std::string export_dataset;
   bool progress = true;
   bool fit_vocab = false;
+  train::CheckpointOptions checkpoint;
 };
 
 inline void add_common_options(cxxopts::Options& options, int64_t default_batch_size,
@@ -63,6 +62,10 @@ inline void add_common_options(cxxopts::Options& options, int64_t default_batch_
       ("test_size", "test pairs (generation and BLEU)", cxxopts::value<size_t>()->default_value("100"))
       ("export_dataset", "write the corpus as JSON Lines to DIR and exit", cxxopts::value<std::string>()->default_value(""))
       ("fit_vocab", "size a freshly initialised model's vocabulary to the tokenizer's (no rows for ids the tokenizer never produces; a smaller LM head)")
+      ("checkpoint_every", "write a training checkpoint every N optimizer steps (0: at the end of each epoch only; epochs always end with one)", cxxopts::value<int64_t>()->default_value("0"))
+      ("checkpoint_dir", "where checkpoints go (default: <workdir>/checkpoints)", cxxopts::value<std::string>()->default_value(""))
+      ("keep_checkpoints", "complete checkpoints kept (older ones are removed once a newer one is complete)", cxxopts::value<int>()->default_value("2"))
+      ("resume", "none | auto (the newest complete checkpoint in --checkpoint_dir, falling back to older ones) | a checkpoint folder", cxxopts::value<std::string>()->default_value("none"))
       ("no_progress", "no progress display on stderr")
       ("h,help", "this help");
 }
@@ -90,6 +93,10 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.export_dataset = r["export_dataset"].as<std::string>();
   f.progress = r.count("no_progress") == 0;
   f.fit_vocab = r.count("fit_vocab") > 0;
+  f.checkpoint.every = r["checkpoint_every"].as<int64_t>();
+  f.checkpoint.dir = r["checkpoint_dir"].as<std::string>();
+  f.checkpoint.keep = r["keep_checkpoints"].as<int>();
+  f.checkpoint.resume = r["resume"].as<std::string>();
   auto positive = [](const char* flag, int64_t value) {
     if (value <= 0) {
       throw std::invalid_argument(std::string("--") + flag + " must be positive, got " +
@@ -102,6 +109,13 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   if (f.max_batches < 0) throw std::invalid_argument("--max_batches must be >= 0");
   if (f.learning_rate < 0) throw std::invalid_argument("--learning_rate must be >= 0");
   if (f.threads_per_device < 0) throw std::invalid_argument("--threads_per_device must be >= 0");
+  if (f.checkpoint.every < 0) {
+    throw std::invalid_argument("--checkpoint_every must be >= 0, got " + std::to_string(f.checkpoint.every));
+  }
+  if (f.checkpoint.keep < 1) {
+    throw std::invalid_argument("--keep_checkpoints must be at least 1, got " + std::to_string(f.checkpoint.keep));
+  }
+  if (f.checkpoint.resume.empty()) throw std::invalid_argument("--resume needs none, auto or a checkpoint folder");
   if (f.sizes.train == 0 || f.sizes.validation == 0 || f.sizes.test == 0) {
     throw std::invalid_argument("--train_size, --validation_size and --test_size must be positive");
   }
@@ -125,27 +139,22 @@ inline cxxopts::ParseResult parse_or_exit(cxxopts::Options& options, int argc, c
   }
 }
 
-// Validation loss, generations and BLEU of one epoch.
-struct EpochEvaluation {
-  double validation_loss = 0.0;
-  double bleu = 0.0;
-  std::vector<std::string> generations;
-};
-
-inline EpochEvaluation evaluate_epoch(model::GPT2LMHeadModel& model, data::BatchLoader& validation,
-                                      const data::Tokenizer& tokenizer,
-                                      const std::vector<data::TranslationExample>& test,
-                                      int64_t model_max_length, const c10::Device& device,
-                                      bool progress) {
-  EpochEvaluation out;
-  out.validation_loss = train::evaluate_loss(model, validation, device);
-  out.generations =
-      train::generate_translations(model, tokenizer, test, model_max_length, device, progress);
-  std::vector<std::string> references;
-  references.reserve(test.size());
-  for (const auto& example : test) references.push_back(example.en);
-  out.bleu = train::corpus_bleu(out.generations, references);
-  return out;
+// The driver's options that come from the common flags; each program adds its layout.
+inline train::TrainingOptions training_options(const CommonFlags& f, const std::string& program,
+                                               train::ReportStyle style) {
+  train::TrainingOptions o;
+  o.program = program;
+  o.style = style;
+  o.n_epochs = f.n_epochs;
+  o.max_batches = f.max_batches;
+  o.global_batch_size = f.batch_size;
+  o.model_max_length = f.model_max_length;
+  o.benchmark_only = f.benchmark_only;
+  o.show_progress = f.progress;
+  o.seed = f.seed;
+  o.workdir = f.workdir;
+  o.checkpoint = f.checkpoint;
+  return o;
 }
 
 }  // namespace harness::apps

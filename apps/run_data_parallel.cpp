@@ -14,6 +14,8 @@
 #include <sstream>
 #include <thread>
 
+#include <unistd.h>
+
 #include "common.h"
 #include "harness/data_parallel/checkpoint_io.h"
 #include "harness/data_parallel/grad_sync.h"
@@ -50,6 +52,7 @@ struct DataParallelFlags {
   std::string grad_sync = "bucketed";
   double bucket_cap_mb = 25.0;
   int tensor_parallel_size = 1;
+  int max_restarts = 0;
 };
 
 DataParallelFlags parse(int argc, char** argv) {
@@ -69,6 +72,7 @@ DataParallelFlags parse(int argc, char** argv) {
       ("master_port", "rendezvous port (default: $MASTER_PORT or 11868)", cxxopts::value<int>()->default_value("0"))
       ("grad_sync", "bucketed: overlapped all-reduce of gradient buckets during backward; naive: the original's per-parameter all-reduce after backward", cxxopts::value<std::string>()->default_value("bucketed"))
       ("bucket_cap_mb", "bucket size for --grad_sync bucketed", cxxopts::value<double>()->default_value("25"))
+      ("max_restarts", "as torchrun's --max-restarts: when a worker dies, restart the whole group up to N times, resuming from the newest complete checkpoint", cxxopts::value<int>()->default_value("0"))
       ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"));
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   DataParallelFlags flags;
@@ -87,6 +91,10 @@ DataParallelFlags parse(int argc, char** argv) {
     flags.grad_sync = result["grad_sync"].as<std::string>();
     flags.bucket_cap_mb = result["bucket_cap_mb"].as<double>();
     flags.tensor_parallel_size = result["tensor_parallel_size"].as<int>();
+    flags.max_restarts = result["max_restarts"].as<int>();
+    if (flags.max_restarts < 0) {
+      throw std::invalid_argument("--max_restarts must be >= 0, got " + std::to_string(flags.max_restarts));
+    }
     if (flags.world_size <= 0) {
       throw std::invalid_argument("--world_size must be positive, got " + std::to_string(flags.world_size));
     }
@@ -137,16 +145,6 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
   }
 }
 
-void save_gradients(const std::string& path, torch::nn::Module& module) {
-  std::vector<std::pair<std::string, at::Tensor>> gradients;
-  for (const auto& item : module.named_parameters()) {
-    if (item.value().grad().defined()) {
-      gradients.emplace_back(item.key(), item.value().grad().detach().to(torch::kCPU).contiguous());
-    }
-  }
-  dp::save_tensor_dict_pth(path, gradients);
-}
-
 int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   const CommonFlags& f = flags.common;
   const int rank = env.rank;
@@ -177,20 +175,23 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
                 : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
   data::Tokenizer tokenizer = train::prepare_tokenizer(f.model, config, corpus.train, tokenizer_path);
   if (f.fit_vocab) train::fit_vocabulary(config, f.model, tokenizer);
-  if (rank != 0) fs::remove(tokenizer_path);
 
   if (T > 1) tp::validate_tensor_parallel(config, T);
   model::GPT2LMHeadModel model = train::build_model(f.model, config, f.seed);
   model->to(device.torch_device());
   broadcast_parameters(world, *model);
-  // With T > 1 the unsplit model stays for evaluation and saving; the split one trains.
-  tp::TensorParallelGPT2LMHeadModel split{nullptr};
+  std::unique_ptr<dp::GradientSynchronizer> sync =
+      dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
+  std::unique_ptr<train::TrainStep> step;
   if (parallel) {
-    split = tp::TensorParallelGPT2LMHeadModel(config, parallel->tensor);
+    // The split model trains; the unsplit one is kept for evaluation and saving.
+    tp::TensorParallelGPT2LMHeadModel split(config, parallel->tensor);
     split->to(device.torch_device());
     split->load_from(*model);
+    step = std::make_unique<train::TensorParallelTrainStep>(split.ptr(), model, f.learning_rate, sync.get());
+  } else {
+    step = std::make_unique<train::GPT2TrainStep>(model, f.learning_rate, sync.get());
   }
-  torch::nn::Module& trained = split ? static_cast<torch::nn::Module&>(*split) : *model;
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
@@ -218,86 +219,51 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
   dp::ShardedLoader train_shards(dp_rank, dp_size, corpus.train, f.batch_size, collate,
                                 dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
   data::BatchLoader validation_loader(corpus.validation, collate, {device_batch, false, 0, false, 2});
-  torch::optim::AdamW optimizer(trained.parameters(), torch::optim::AdamWOptions(f.learning_rate));
-  std::unique_ptr<dp::GradientSynchronizer> sync =
-      dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
-  sync->attach(trained);
-  auto run_epoch = [&](int64_t epoch, const train::TrainEpochOptions& options) {
-    data::BatchLoader& train_loader = train_shards.set_epoch(epoch);
-    if (!split) return train::train_epoch(model, optimizer, train_loader, epoch, options);
-    return train::train_epoch(
-        *split, [&split](const at::Tensor& input_ids) { return split->forward(input_ids); },
-        optimizer, train_loader, epoch, options);
-  };
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  const c10::Device torch_device = device.torch_device();
+  const std::string track = "rank " + std::to_string(rank);
+  step->tracer = tracer.get();
+  step->trace_track = track;
+  // Rank r > 0 keeps its copy of the tokenizer until the driver has compared it with a checkpoint's.
+  struct RemoveOnExit {
+    std::string path;
+    ~RemoveOnExit() {
+      if (!path.empty()) ::unlink(path.c_str());
+    }
+  } temporary_tokenizer{rank != 0 ? tokenizer_path : std::string()};
 
   if (flags.pytest) {
     // One batch: forward, backward, averaged gradients, written before any optimizer step.
-    train::TrainEpochOptions options;
-    options.device = torch_device;
-    options.max_batches = 1;
-    options.show_progress = false;
-    std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
-    options.after_backward = [&] {
-      sync->finalize();
-      if (split) {
-        // The unsplit gradients (gathered over the tensor-parallel group), Hugging Face names.
-        const model::NamedTensors gradients = split->gather_full_gradients();
-        train::make_directories(flags.grad_dir);
-        dp::save_tensor_dict_pth(path, gradients);
-      } else {
-        train::make_directories(flags.grad_dir);
-        save_gradients(path, *model);
-      }
-    };
-    run_epoch(0, options);
+    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
+    train::write_gradients_of_one_step(*step, train_shards.set_epoch(0), path);
     std::cout << "Rank " << rank << ": wrote " << path << std::endl;
     dp::barrier(world);
     return 0;
   }
 
-  std::vector<double> times, rates;
-  const std::string track = "rank " + std::to_string(rank);
-  for (int64_t epoch = 0; epoch < f.n_epochs; ++epoch) {
-    train::TrainEpochOptions options;
-    options.device = torch_device;
-    options.max_batches = f.max_batches;
-    options.description = "rank " + std::to_string(rank) + " epoch " + std::to_string(epoch);
-    options.show_progress = f.progress && rank == 0;
-    options.tracer = tracer.get();
-    options.trace_track = track;
-    options.after_backward = [&] {
-      TraceScope scope(tracer.get(), "gradient all-reduce", track);
-      sync->finalize();
-    };
-    train::EpochTiming timing = run_epoch(epoch, options);
-    const double rate = timing.mean_batch_token_rate();
-    times.push_back(timing.seconds);
-    rates.push_back(rate);
-    std::cout << "Epoch " << epoch << " on Rank " << rank << ": Training Time = "
-              << train::format_number(timing.seconds)
-              << ", Tokens_per_sec = " << train::format_number(rate) << std::endl;
-    if (f.benchmark_only) continue;
+  train::TrainingOptions training =
+      training_options(f, "run_data_parallel", train::ReportStyle::kDataParallel);
+  training.rank = rank;
+  training.world_size = env.world_size;
+  training.tensor_parallel_size = T;
+  training.data_parallel_size = dp_size;
+  training.devices = {device.torch_device()};
+  training.show_progress = f.progress && rank == 0;
+  training.data_order = "partition of --batch_size over the data-parallel ranks from seed " +
+                       std::to_string(dp::kDefaultPartitionSeed) +
+                       (flags.reshuffle_each_epoch ? ", redrawn each epoch" : ", the same every epoch");
+  training.tokenizer_path = tokenizer_path;
+  training.save_dir = rank == 0 ? f.workdir
+                     : flags.save_every_rank ? f.workdir + "/rank" + std::to_string(rank)
+                                             : std::string();
+  training.tracer = tracer.get();
+  training.trace_track = track;
+  train::TrainingData data;
+  data.train = [&train_shards](int64_t epoch) -> data::BatchLoader& { return train_shards.set_epoch(epoch); };
+  data.validation = &validation_loader;
+  data.test = &corpus.test;
+  data.tokenizer = &tokenizer;
+  train::run_training(*step, data, training, &world);
 
-    if (split) split->copy_into(*model);  // collective over the tensor-parallel group
-    EpochEvaluation eval = evaluate_epoch(model, validation_loader, tokenizer, corpus.test,
-                                          max_length, torch_device, f.progress && rank == 0);
-    std::cout << "Epoch " << epoch << " on Rank " << rank
-              << ": Validation Loss = " << train::format_number(eval.validation_loss) << std::endl;
-    std::cout << "Epoch " << epoch << " on Rank " << rank
-              << ": BLEU = " << train::format_number(eval.bleu) << std::endl;
-    const std::string prefix = f.workdir + "/rank" + std::to_string(rank);
-    train::write_results_json(prefix + "_results_epoch" + std::to_string(epoch) + ".json",
-                              {eval.validation_loss, eval.bleu, timing.seconds, rate});
-    train::write_generations_json(prefix + "_gen_epoch" + std::to_string(epoch) + ".json",
-                                  corpus.test, eval.generations);
-  }
-  const train::MeanStd time_stats = train::mean_std(times), rate_stats = train::mean_std(rates);
-  std::cout << "Rank " << rank << " training time: avg:" << train::format_number(time_stats.mean)
-            << ", std:" << train::format_number(time_stats.std)
-            << ", tokens_per_second: avg: " << train::format_number(rate_stats.mean)
-            << ", std:" << train::format_number(rate_stats.std) << std::endl;
   if (tracer) {
     fs::path trace(f.trace);
     const std::string path = env.world_size == 1
@@ -305,12 +271,8 @@ int run_worker(const DataParallelFlags& flags, const dp::WorkerEnv& env) {
         : (trace.parent_path() / (trace.stem().string() + ".rank" + std::to_string(rank) + trace.extension().string())).string();
     tracer->write_chrome_json(path);
   }
-  if (split) split->copy_into(*model);
   if (rank == 0) {
-    model::save_pretrained(*model, f.workdir);
     std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
-  } else if (flags.save_every_rank) {
-    model::save_pretrained(*model, f.workdir + "/rank" + std::to_string(rank));
   }
   dp::barrier(world);
   return 0;
@@ -339,7 +301,7 @@ int main(int argc, char** argv) {
     // World size = data-parallel size x tensor-parallel size: checked before anything starts.
     tp::parallel_layout(flags.world_size, flags.tensor_parallel_size, 0);
     std::vector<std::string> args(argv, argv + argc);
-    return dp::launch_workers(args, flags.world_size, addr, port);
+    return dp::launch_with_restarts(args, flags.world_size, addr, port, flags.max_restarts);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: error: " << e.what() << std::endl;
     return 1;

@@ -108,42 +108,25 @@ int run(const PipelineFlags& flags) {
                                  {f.batch_size, /*shuffle=*/true, f.seed, false, 2});
   data::BatchLoader validation_loader(corpus.validation, collate,
                                       {f.batch_size, false, 0, false, 2});
-  torch::optim::AdamW optimizer(model->parameters(),
-                                torch::optim::AdamWOptions(f.learning_rate));
 
-  std::vector<double> times, rates;
-  for (int64_t epoch = 0; epoch < f.n_epochs; ++epoch) {
-    train::TrainEpochOptions options;
-    options.device = first;
-    options.max_batches = f.max_batches;
-    options.description = "epoch " + std::to_string(epoch);
-    options.show_progress = f.progress;
-    options.tracer = tracer.get();
-    train::EpochTiming timing = train::train_epoch(model, optimizer, train_loader, epoch, options);
-    const double rate = static_cast<double>(timing.tokens) / timing.seconds;
-    times.push_back(timing.seconds);
-    rates.push_back(rate);
-    std::cout << "Epoch " << epoch << ": Training Time = " << train::format_number(timing.seconds)
-              << ", Tokens_per_sec = " << train::format_number(rate) << std::endl;
-    if (f.benchmark_only) continue;
-
-    EpochEvaluation eval = evaluate_epoch(model, validation_loader, tokenizer, corpus.test,
-                                          max_length, first, f.progress);
-    std::cout << "Epoch " << epoch << ": Validation Loss = " << train::format_number(eval.validation_loss)
-              << std::endl;
-    std::cout << "Epoch " << epoch << ": BLEU = " << train::format_number(eval.bleu) << std::endl;
-    train::write_results_json(f.workdir + "/eval_results_epoch" + std::to_string(epoch) + ".json",
-                              {eval.validation_loss, eval.bleu, timing.seconds, rate});
-    train::write_generations_json(f.workdir + "/gen_epoch" + std::to_string(epoch) + ".json",
-                                  corpus.test, eval.generations);
+  train::GPT2TrainStep step(model, f.learning_rate);
+  train::TrainingOptions options =
+      training_options(f, "run_pipeline", train::ReportStyle::kPipeline);
+  for (const Device& device : devices) {
+    if (!flags.mode.empty()) options.pipeline_devices.push_back(device.str());
+    options.devices.push_back(device.torch_device());
   }
-  const train::MeanStd time_stats = train::mean_std(times), rate_stats = train::mean_std(rates);
-  std::cout << "Training time: avg:" << train::format_number(time_stats.mean)
-            << ", std:" << train::format_number(time_stats.std)
-            << ", tokens_per_second: avg: " << train::format_number(rate_stats.mean)
-            << ", std:" << train::format_number(rate_stats.std) << std::endl;
+  options.data_order = "all training pairs, shuffled each epoch from --seed " + std::to_string(f.seed);
+  options.save_dir = f.workdir;
+  options.tokenizer_path = f.workdir + "/tokenizer.model";
+  options.tracer = tracer.get();
+  train::TrainingData data;
+  data.train = [&train_loader](int64_t) -> data::BatchLoader& { return train_loader; };
+  data.validation = &validation_loader;
+  data.test = &corpus.test;
+  data.tokenizer = &tokenizer;
+  train::run_training(step, data, options);
 
-  model::save_pretrained(*model, f.workdir);
   if (tracer) tracer->write_chrome_json(f.trace);
   std::cerr << "run_pipeline: model, tokenizer and results are in " << f.workdir
             << (tracer ? ", trace in " + f.trace : std::string()) << std::endl;

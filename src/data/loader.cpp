@@ -70,9 +70,9 @@ struct BatchLoader::State {
     return rows;
   }
 
-  void produce() {
+  void produce(int64_t first_batch) {
     const int64_t total = num_batches();
-    for (int64_t k = 0; k < total; ++k) {
+    for (int64_t k = first_batch; k < total; ++k) {
       Batch batch;
       try {
         batch = collate(batch_examples(k));
@@ -139,16 +139,20 @@ BatchLoader& BatchLoader::operator=(BatchLoader&& other) noexcept {
   return *this;
 }
 
-void BatchLoader::start_epoch(int64_t epoch) {
+void BatchLoader::start_epoch(int64_t epoch, int64_t first_batch) {
   if (!state_) throw std::logic_error("BatchLoader::start_epoch on a moved-from loader");
   State& s = *state_;
+  if (first_batch < 0 || first_batch > s.num_batches()) {
+    throw std::invalid_argument("BatchLoader::start_epoch: first batch " + std::to_string(first_batch) +
+                                " is outside [0, " + std::to_string(s.num_batches()) + "]");
+  }
   s.stop_producer();
   s.order = epoch_order(s.examples.size(), s.options.shuffle, s.options.seed, epoch);
-  s.produced = 0;
-  s.consumed = 0;
+  s.produced = first_batch;
+  s.consumed = first_batch;
   s.started = true;
-  if (s.options.prefetch > 0 && s.num_batches() > 0) {
-    s.producer = std::thread([&s] { s.produce(); });
+  if (s.options.prefetch > 0 && first_batch < s.num_batches()) {
+    s.producer = std::thread([&s, first_batch] { s.produce(first_batch); });
   }
 }
 

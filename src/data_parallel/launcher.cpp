@@ -145,6 +145,12 @@ std::optional<WorkerEnv> worker_env_from(const std::map<std::string, std::string
     if (const std::string* addr = find(env, "MASTER_ADDR")) w.master_addr = *addr;
     w.master_port = parse_port(env);
     check_rank(w, "RANK", "WORLD_SIZE");
+    if (const std::string* agent = find(env, "TORCHELASTIC_USE_AGENT_STORE")) {
+      w.use_agent_store = *agent == "True" || *agent == "true" || *agent == "1";
+    }
+    if (const std::string* restarts = find(env, "TORCHELASTIC_RESTART_COUNT")) {
+      w.restart_count = parse_int_variable("TORCHELASTIC_RESTART_COUNT", *restarts, 0);
+    }
     return w;
   }
   if (const std::string* procid = find(env, "SLURM_PROCID")) {
@@ -177,7 +183,8 @@ std::optional<WorkerEnv> worker_env_from(const std::map<std::string, std::string
 std::optional<WorkerEnv> worker_env_from_environment() {
   std::map<std::string, std::string> env;
   for (const char* key : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"}) {
+                          "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "TORCHELASTIC_USE_AGENT_STORE",
+                          "TORCHELASTIC_RESTART_COUNT"}) {
     if (const char* value = std::getenv(key)) env[key] = value;
   }
   return worker_env_from(env);
@@ -358,6 +365,7 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     if (g_launcher_signal != 0 && !stopping) {
       const int sig = g_launcher_signal;
       begin_stop("the launcher received " + signal_name(sig) + "; stopped all ranks", 128 + sig);
+      result.interrupted = true;
     }
 
     for (int rank = 0; rank < world_size; ++rank) {
@@ -403,6 +411,51 @@ int launch_workers(const std::vector<std::string>& argv_of_self, int world_size,
   const LaunchResult result = run_workers(argv_of_self, world_size, master_addr, master_port);
   if (result.exit_code != 0) std::fprintf(stderr, "launcher: %s\n", result.failure.c_str());
   return result.exit_code;
+}
+
+std::vector<std::string> with_resume_auto(const std::vector<std::string>& argv_of_self) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < argv_of_self.size(); ++i) {
+    const std::string& a = argv_of_self[i];
+    if (a == "--resume") {
+      ++i;  // and its value
+      continue;
+    }
+    if (a.rfind("--resume=", 0) == 0) continue;
+    out.push_back(a);
+  }
+  out.push_back("--resume");
+  out.push_back("auto");
+  return out;
+}
+
+int launch_with_restarts(const std::vector<std::string>& argv_of_self, int world_size,
+                         const std::string& master_addr, int master_port, int max_restarts,
+                         const LaunchOptions& options) {
+  if (max_restarts < 0) {
+    throw std::invalid_argument("--max_restarts must be >= 0, got " + std::to_string(max_restarts));
+  }
+  std::vector<std::string> args = argv_of_self;
+  for (int restart = 0;; ++restart) {
+    LaunchOptions attempt = options;
+    attempt.extra_env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+    attempt.extra_env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(max_restarts));
+    const LaunchResult result = run_workers(args, world_size, master_addr, master_port, attempt);
+    if (result.exit_code == 0) return 0;
+    std::fprintf(stderr, "launcher: %s\n", result.failure.c_str());
+    if (result.interrupted || restart >= max_restarts) {
+      if (max_restarts > 0 && !result.interrupted) {
+        std::fprintf(stderr, "launcher: no restart left (--max_restarts %d); giving up\n", max_restarts);
+      }
+      return result.exit_code;
+    }
+    std::fprintf(stderr,
+                 "launcher: restarting all %d workers (restart %d of %d); they resume from the "
+                 "newest complete checkpoint (--resume auto)\n",
+                 world_size, restart + 1, max_restarts);
+    std::fflush(stderr);
+    args = with_resume_auto(argv_of_self);
+  }
 }
 
 }  // namespace harness::data_parallel

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
@@ -71,13 +72,16 @@ void validate(const DistOptions& o) {
 c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(o.master_port);
-  store_options.isServer = o.rank == 0;
+  store_options.isServer = o.rank == 0 && !o.use_agent_store;
   store_options.numWorkers = static_cast<size_t>(o.world_size);
-  store_options.waitWorkers = true;
+  store_options.waitWorkers = !o.use_agent_store;
   store_options.timeout = o.timeout;
   const std::string where = o.master_addr + ":" + std::to_string(o.master_port);
   try {
-    return c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+    auto store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+    if (!o.use_agent_store) return store;
+    return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(o.restart_count),
+                                                  store);
   } catch (const std::exception& e) {
     const std::string what = e.what();
     if (o.rank == 0 && (port_in_use(o.master_port) ||
@@ -171,6 +175,8 @@ DistOptions dist_options_for(const WorkerEnv& env, const std::string& backend,
   options.local_rank = env.local_rank;
   options.master_addr = env.master_addr;
   options.master_port = env.master_port;
+  options.use_agent_store = env.use_agent_store;
+  options.restart_count = env.restart_count;
   options.backend = backend;
   options.device = device;
   return options;

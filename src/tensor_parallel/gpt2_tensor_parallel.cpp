@@ -133,6 +133,7 @@ at::Tensor TensorParallelGPT2BlockImpl::forward(const at::Tensor& x) {
 TensorParallelGPT2ModelImpl::TensorParallelGPT2ModelImpl(const GPT2Config& config, dp::DistContext tp,
                                                          std::shared_ptr<ParallelRegionRng> rng) {
   if (!rng) rng = std::make_shared<ParallelRegionRng>(tp.rank);  // one stream for all blocks
+  rng_ = rng;
   wte = register_module("wte", torch::nn::Embedding(config.vocab_size, config.n_embd));
   wpe = register_module("wpe", torch::nn::Embedding(config.n_positions, config.n_embd));
   drop = register_module("drop", torch::nn::Dropout(config.embd_pdrop));

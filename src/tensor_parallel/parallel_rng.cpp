@@ -45,4 +45,21 @@ at::Tensor ParallelRegionRng::run(const c10::Device& device, const std::function
   return out;
 }
 
+std::map<std::string, at::Tensor> ParallelRegionRng::states() const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [key, state] : states_) {
+    const c10::Device device(static_cast<c10::DeviceType>(key.first), static_cast<c10::DeviceIndex>(key.second));
+    out[device.str()] = state.clone();
+  }
+  return out;
+}
+
+void ParallelRegionRng::set_states(const std::map<std::string, at::Tensor>& states) {
+  states_.clear();
+  for (const auto& [name, state] : states) {
+    const c10::Device device(name);
+    states_[{static_cast<int>(device.type()), static_cast<int>(device.index())}] = state.clone();
+  }
+}
+
 }  // namespace harness::tensor_parallel

@@ -54,41 +54,29 @@ void Progress::finish() {
   if (enabled_ && tty_) std::fprintf(stderr, "\n");
 }
 
-EpochTiming train_epoch(model::GPT2LMHeadModel& model, torch::optim::Optimizer& optimizer,
-                        data::BatchLoader& loader, int64_t epoch, const TrainEpochOptions& options) {
-  return train_epoch(
-      *model, [&model](const at::Tensor& input_ids) { return model->forward(input_ids); },
-      optimizer, loader, epoch, options);
+int64_t batches_in_epoch(const data::BatchLoader& loader, int64_t max_batches) {
+  return max_batches > 0 ? std::min(max_batches, loader.num_batches()) : loader.num_batches();
 }
 
-EpochTiming train_epoch(torch::nn::Module& module, const LogitsFn& forward,
-                        torch::optim::Optimizer& optimizer, data::BatchLoader& loader,
-                        int64_t epoch, const TrainEpochOptions& options) {
-  module.train();
-  EpochTiming timing;
-  const int64_t total = options.max_batches > 0
-                            ? std::min(options.max_batches, loader.num_batches())
-                            : loader.num_batches();
+EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoch,
+                        const TrainEpochOptions& options, const EpochTiming& resumed) {
+  step.set_training(true);
+  EpochTiming timing = resumed;
+  timing.batches = options.first_batch;
+  const int64_t total = batches_in_epoch(loader, options.max_batches);
   Progress progress(options.description, total, options.show_progress);
   const double epoch_start = now_seconds();
-  loader.start_epoch(epoch);
+  loader.start_epoch(epoch, std::min(options.first_batch, loader.num_batches()));
+  const c10::Device device = step.input_device();
   while (timing.batches < total) {
     std::optional<data::Batch> batch = loader.next();
     if (!batch) break;
     const double t0 = now_seconds();
-    TraceScope scope(options.tracer, "step", options.trace_track,
-                     {{"epoch", epoch}, {"batch", timing.batches}});
-    data::Batch on_device = batch->to(options.device);
-    optimizer.zero_grad();
-    torch::Tensor logits = forward(on_device.input_ids);
-    torch::Tensor loss = weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
-                                                on_device.label_token_weights.to(logits.device()));
-    loss.backward();
-    if (options.after_backward) options.after_backward();
-    optimizer.step();
-    // The loss is read for the progress display only; reading it here also waits for the step,
-    // so the per-batch time below measures finished work on every device type.
-    timing.last_loss = loss.item<double>();
+    {
+      TraceScope scope(options.tracer, "step", options.trace_track,
+                       {{"epoch", epoch}, {"batch", timing.batches}});
+      timing.last_loss = step.step(batch->to(device));
+    }
     const double batch_seconds = now_seconds() - t0;
     const int64_t tokens = batch->tokens();
     timing.tokens += tokens;
@@ -98,9 +86,17 @@ EpochTiming train_epoch(torch::nn::Module& module, const LogitsFn& forward,
     postfix << "loss=" << timing.last_loss << " tokens_per_sec="
             << static_cast<int64_t>(tokens / batch_seconds);
     progress.update(timing.batches, postfix.str());
+    if (options.after_step) {
+      const double paused = now_seconds();
+      EpochTiming so_far = timing;
+      so_far.seconds += paused - epoch_start;
+      options.after_step(so_far);
+      // A checkpoint written here is not training time.
+      timing.seconds -= now_seconds() - paused;
+    }
   }
   progress.finish();
-  timing.seconds = now_seconds() - epoch_start;
+  timing.seconds += now_seconds() - epoch_start;
   return timing;
 }
 

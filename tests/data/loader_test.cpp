@@ -50,6 +50,33 @@ TEST(LoaderTest, InOrderWithoutShuffleWithAndWithoutPrefetch) {
   }
 }
 
+// A run resumed inside an epoch skips the batches it had trained: the rest are exactly the
+// uninterrupted epoch's, in order, and the skipped ones are never collated.
+TEST(LoaderTest, StartingAtABatchGivesTheRestOfThatEpochsOrder) {
+  for (int prefetch : {0, 2}) {
+    std::atomic<int> collated{0};
+    BatchLoader loader(numbered(23), [&](const std::vector<TranslationExample>& ex) {
+      ++collated;
+      return number_collate(ex);
+    }, {4, true, 9, false, prefetch});
+    const auto whole = run_epoch(loader, 3);
+    ASSERT_EQ(whole.size(), 6u);
+    collated = 0;
+    loader.start_epoch(3, 4);
+    std::vector<std::vector<int64_t>> rest;
+    while (auto batch = loader.next()) {
+      const at::Tensor ids = batch->input_ids.flatten().contiguous();
+      rest.emplace_back(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+    }
+    EXPECT_EQ(rest, std::vector<std::vector<int64_t>>(whole.begin() + 4, whole.end())) << prefetch;
+    EXPECT_EQ(collated.load(), 2) << prefetch;
+    loader.start_epoch(3, 6);
+    EXPECT_FALSE(loader.next().has_value());
+    EXPECT_THROW(loader.start_epoch(3, 7), std::invalid_argument);
+    EXPECT_THROW(loader.start_epoch(3, -1), std::invalid_argument);
+  }
+}
+
 TEST(LoaderTest, DropLastDropsTheShortBatch) {
   BatchLoader loader(numbered(10), number_collate, LoaderOptions{4, false, 0, true, 2});
   EXPECT_EQ(loader.num_batches(), 2);

@@ -33,6 +33,28 @@ TEST(WorkerEnv, ReadsTorchrunVariables) {
   EXPECT_FALSE(worker_env_from({}).has_value());
 }
 
+TEST(WorkerEnv, ReadsTorchElasticsAgentStoreAndRestartCount) {
+  const auto w = worker_env_from({{"RANK", "1"}, {"WORLD_SIZE", "2"},
+                                  {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                  {"TORCHELASTIC_RESTART_COUNT", "3"}});
+  ASSERT_TRUE(w.has_value());
+  EXPECT_TRUE(w->use_agent_store);
+  EXPECT_EQ(w->restart_count, 3);
+  const auto plain = worker_env_from({{"RANK", "1"}, {"WORLD_SIZE", "2"},
+                                      {"TORCHELASTIC_USE_AGENT_STORE", "False"}});
+  EXPECT_FALSE(plain->use_agent_store);
+  EXPECT_EQ(plain->restart_count, 0);
+  EXPECT_THROW(worker_env_from({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_RESTART_COUNT", "x"}}),
+               std::invalid_argument);
+}
+
+TEST(Launcher, RestartsResumeAutomatically) {
+  EXPECT_EQ(with_resume_auto({"prog", "--resume", "none", "--seed", "3", "--resume=/x"}),
+            (std::vector<std::string>{"prog", "--seed", "3", "--resume", "auto"}));
+  EXPECT_EQ(with_resume_auto({"prog"}), (std::vector<std::string>{"prog", "--resume", "auto"}));
+  EXPECT_THROW(launch_with_restarts({"prog"}, 1, "localhost", 1, -1), std::invalid_argument);
+}
+
 TEST(WorkerEnv, ReadsSlurmVariables) {
   const auto w = worker_env_from({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"},
                                   {"SLURM_LOCALID", "1"}, {"MASTER_ADDR", "gpu01"}});

@@ -99,14 +99,18 @@ TEST(TrainEpochTest, LossFallsAndHookRunsOncePerBatch) {
   };
   data::BatchLoader train(f.corpus.train, collate, {16, true, 1, false, 2});
   data::BatchLoader validation(f.corpus.validation, collate, {16, false, 0, false, 2});
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  GPT2TrainStep step(model, 3e-3);
   const double before = evaluate_loss(model, validation, torch::kCPU);
-  int hook_calls = 0;
+  int hook_calls = 0, step_calls = 0;
+  step.after_backward = [&] { ++hook_calls; };
   TrainEpochOptions options;
   options.show_progress = false;
-  options.after_backward = [&] { ++hook_calls; };
+  options.after_step = [&](const EpochTiming& so_far) { EXPECT_EQ(so_far.batches, ++step_calls); };
   EpochTiming timing;
-  for (int epoch = 0; epoch < 3; ++epoch) timing = train_epoch(model, optimizer, train, epoch, options);
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    step_calls = 0;
+    timing = train_epoch(step, train, epoch, options);
+  }
   const double after = evaluate_loss(model, validation, torch::kCPU);
   EXPECT_LT(after, before - 0.5) << "before " << before << " after " << after;
   EXPECT_EQ(hook_calls, 3 * train.num_batches());
@@ -116,8 +120,44 @@ TEST(TrainEpochTest, LossFallsAndHookRunsOncePerBatch) {
   EXPECT_GT(timing.mean_batch_token_rate(), 0.0);
 
   options.max_batches = 2;
-  timing = train_epoch(model, optimizer, train, 3, options);
+  options.after_step = nullptr;
+  timing = train_epoch(step, train, 3, options);
   EXPECT_EQ(timing.batches, 2);
+}
+
+// An epoch resumed after k batches trains exactly the batches an uninterrupted epoch trains after
+// its first k, and its figures cover the whole epoch.
+TEST(TrainEpochTest, AResumedEpochTrainsTheRemainingBatchesOnly) {
+  const Fixture& f = fixture();
+  const data::Tokenizer& tokenizer = *f.tokenizer;
+  data::CollateFn collate = [&tokenizer](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, 40);
+  };
+  data::BatchLoader train(f.corpus.train, collate, {32, true, 5, false, 2});
+  std::vector<std::string> seen_whole, seen_resumed;
+  GPT2TrainStep whole(tiny_model(f.tokenizer->vocab_size()), 1e-3);
+  TrainEpochOptions options;
+  options.show_progress = false;
+  const EpochTiming all = train_epoch(whole, train, 2, options);
+
+  EpochTiming before;
+  before.batches = 3;
+  before.tokens = 3 * 32 * 40;
+  before.seconds = 100.0;
+  before.batch_token_rates = {1.0, 2.0, 3.0};
+  options.first_batch = 3;
+  int64_t first_seen = -1;
+  options.after_step = [&](const EpochTiming& so_far) {
+    if (first_seen < 0) first_seen = so_far.batches;
+  };
+  GPT2TrainStep rest(tiny_model(f.tokenizer->vocab_size()), 1e-3);
+  const EpochTiming resumed = train_epoch(rest, train, 2, options, before);
+  EXPECT_EQ(first_seen, 4);  // the first step taken is the epoch's fourth batch
+  EXPECT_EQ(resumed.batches, all.batches);
+  EXPECT_EQ(resumed.tokens, all.tokens);
+  EXPECT_EQ(resumed.batch_token_rates.size(), all.batch_token_rates.size());
+  EXPECT_EQ(resumed.batch_token_rates[1], 2.0);
+  EXPECT_GT(resumed.seconds, 100.0);
 }
 
 TEST(ReportTest, NumbersArePlainDecimalsThatReadBack) {

@@ -31,7 +31,9 @@ class BatchLoader {
   BatchLoader& operator=(BatchLoader&&) noexcept;
 
   // Starts an epoch (restarting any epoch under way). Then next() until it returns nullopt.
-  void start_epoch(int64_t epoch);
+  // first_batch > 0 skips that many batches of the epoch's order without collating them (a
+  // training run resumed inside an epoch continues with exactly the batches it had left).
+  void start_epoch(int64_t epoch, int64_t first_batch = 0);
   std::optional<Batch> next();  // rethrows a collate error here, on the caller's thread
 
   int64_t num_batches() const;

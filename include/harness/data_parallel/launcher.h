@@ -21,6 +21,11 @@ struct WorkerEnv {
   int local_rank = 0;
   std::string master_addr = "localhost";
   int master_port = 11868;
+  // torchrun's TORCHELASTIC_USE_AGENT_STORE: the agent serves the rendezvous store at
+  // MASTER_PORT for every restart, so rank 0 connects to it instead of serving one, and the keys
+  // of each attempt (TORCHELASTIC_RESTART_COUNT) get a prefix of their own, as torch does.
+  bool use_agent_store = false;
+  int restart_count = 0;
 };
 
 // From torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (RANK set: WORLD_SIZE is
@@ -52,6 +57,7 @@ struct LaunchResult {
   std::string failure;          // "rank 1 exited with status 3", "rank 1 was killed by signal 9 (SIGKILL)"
   std::vector<pid_t> pids;      // the workers' process ids, by rank (all reaped on return)
   std::vector<int> wait_status; // each worker's waitpid status, by rank
+  bool interrupted = false;     // the launcher itself received SIGINT or SIGTERM
 };
 
 // Starts world_size copies of options.executable with argv_of_self (argv[0] first) and RANK,
@@ -67,5 +73,16 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
 // run_workers with default options; prints the failure to stderr and returns the exit code.
 int launch_workers(const std::vector<std::string>& argv_of_self, int world_size,
                    const std::string& master_addr, int master_port);
+
+// torchrun's --max-restarts: runs the group; when a worker fails (not when the launcher itself is
+// interrupted), stops the group and starts it again, up to max_restarts times, the restarted
+// workers with `--resume auto` (any --resume of argv_of_self replaced) and
+// TORCHELASTIC_RESTART_COUNT set as torchrun sets it. Returns the last attempt's exit code.
+int launch_with_restarts(const std::vector<std::string>& argv_of_self, int world_size,
+                         const std::string& master_addr, int master_port, int max_restarts,
+                         const LaunchOptions& options = {});
+
+// argv with every "--resume X" / "--resume=X" replaced by one "--resume auto" at the end.
+std::vector<std::string> with_resume_auto(const std::vector<std::string>& argv_of_self);
 
 }  // namespace harness::data_parallel

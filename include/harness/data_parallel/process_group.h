@@ -27,6 +27,10 @@ struct DistOptions {
   Device device = Device::cpu();
   // How long the rendezvous and each collective may take before failing.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  // Under torchrun (see WorkerEnv): connect to the agent's store, keys under
+  // "/worker/attempt_<restart_count>/" so that a restarted group never reads a dead one's.
+  bool use_agent_store = false;
+  int restart_count = 0;
 };
 
 struct DistContext {

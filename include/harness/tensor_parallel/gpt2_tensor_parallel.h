@@ -75,6 +75,11 @@ class TensorParallelGPT2ModelImpl : public torch::nn::Module {
   torch::nn::Dropout drop{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
+  // The attention-dropout stream all blocks share (checkpoints save and restore it).
+  ParallelRegionRng& rng() { return *rng_; }
+
+ private:
+  std::shared_ptr<ParallelRegionRng> rng_;
 };
 TORCH_MODULE(TensorParallelGPT2Model);
 

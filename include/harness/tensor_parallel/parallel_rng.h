@@ -11,6 +11,7 @@
 
 #include <functional>
 #include <map>
+#include <string>
 #include <utility>
 
 namespace harness::tensor_parallel {
@@ -24,6 +25,11 @@ class ParallelRegionRng {
   // default generator (the same draw on every rank of the group, so they stay in step) plus an
   // offset and the rank.
   at::Tensor run(const c10::Device& device, const std::function<at::Tensor()>& fn);
+
+  // The streams seeded so far, by device name ("cpu", "cuda:0"), and their replacement: a
+  // resumed run continues each stream where the checkpoint left it.
+  std::map<std::string, at::Tensor> states() const;
+  void set_states(const std::map<std::string, at::Tensor>& states);
 
  private:
   int tensor_rank_;

@@ -1,6 +1,5 @@
-// The single-device pieces every program shares: one training epoch (with a hook between backward
-// and the optimizer step, where data parallelism synchronises gradients), validation loss, and
-// greedy generation with a key/value cache.
+// The pieces every layout shares: one training epoch of optimizer steps (train_step.h says what a
+// step is for each layout), validation loss, and greedy generation with a key/value cache.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,44 +13,45 @@
 #include "harness/data/loader.h"
 #include "harness/data/tokenizer.h"
 #include "harness/model/gpt2.h"
+#include "harness/train/train_step.h"
 
-namespace torch::optim {
-class Optimizer;
-}
 namespace harness {
 class Tracer;
 }
 
 namespace harness::train {
 
+struct EpochTiming;
+
 struct TrainEpochOptions {
-  c10::Device device = c10::Device(c10::kCPU);  // where batches go (the model's first device)
   int64_t max_batches = 0;                      // 0: the whole epoch
-  std::function<void()> after_backward;         // e.g. gradient averaging; may be empty
+  int64_t first_batch = 0;                      // batches of this epoch already trained (resume)
   std::string description = "train";            // progress label
   bool show_progress = true;
   Tracer* tracer = nullptr;
   std::string trace_track = "main";
+  // After each optimizer step, with the epoch's figures so far (checkpoints); its own time is not
+  // counted as training time.
+  std::function<void(const EpochTiming& so_far)> after_step;
 };
 
 struct EpochTiming {
-  double seconds = 0.0;                   // wall time of the whole epoch
+  double seconds = 0.0;                   // wall time of the epoch's batches
   std::vector<double> batch_token_rates;  // tokens / seconds of each batch
   int64_t tokens = 0;                     // sum over batches of B * T of input_ids
-  int64_t batches = 0;
+  int64_t batches = 0;                    // batches trained (the resumed part included)
   double last_loss = 0.0;
   double mean_batch_token_rate() const;
 };
 
-EpochTiming train_epoch(model::GPT2LMHeadModel& model, torch::optim::Optimizer& optimizer,
-                        data::BatchLoader& loader, int64_t epoch, const TrainEpochOptions& options);
+// The batches of one epoch, each one step of `step`, from options.first_batch up to max_batches
+// (or the end). `resumed` holds the figures of the part of the epoch trained before a resume
+// (first_batch batches); the result covers the whole epoch.
+EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoch,
+                        const TrainEpochOptions& options, const EpochTiming& resumed = {});
 
-// The same for any model that maps input_ids [B, T] to logits [B, T, V] (e.g. a tensor-parallel
-// GPT-2); `module` is what train() is called on.
-using LogitsFn = std::function<at::Tensor(const at::Tensor& input_ids)>;
-EpochTiming train_epoch(torch::nn::Module& module, const LogitsFn& forward,
-                        torch::optim::Optimizer& optimizer, data::BatchLoader& loader,
-                        int64_t epoch, const TrainEpochOptions& options);
+// Batches of the epoch train_epoch will run: min(max_batches, loader's) (all when 0).
+int64_t batches_in_epoch(const data::BatchLoader& loader, int64_t max_batches);
 
 // Mean over batches of SPEC §3's weighted loss, without gradients, in eval mode.
 double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,

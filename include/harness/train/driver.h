@@ -1,0 +1,104 @@
+// The training driver both programs call: epochs of optimizer steps (train_step.h), evaluation,
+// SPEC §7's printed lines and files, the final model, and checkpoints written atomically and
+// resumed from bit-exactly. The programs parse flags into these structs; everything else is here.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "harness/data/example.h"
+#include "harness/data/loader.h"
+#include "harness/data/tokenizer.h"
+#include "harness/train/report.h"
+#include "harness/train/train_step.h"
+
+namespace harness {
+class Tracer;
+}
+namespace harness::data_parallel {
+struct DistContext;
+}
+
+namespace harness::train {
+
+struct CheckpointOptions {
+  int64_t every = 0;             // optimizer steps between checkpoints; 0: at each epoch's end only
+  std::string dir;               // empty: <workdir>/checkpoints
+  int keep = 2;                  // complete checkpoints kept
+  std::string resume = "none";   // none | auto (newest complete in dir) | a checkpoint folder
+};
+
+// Which of SPEC §7's line and file formats: "Epoch e on Rank r: ..." and rank{r}_*.json with the
+// mean per-batch token rate, or "Epoch e: ..." and eval_results/gen_epoch*.json with the epoch's
+// tokens over its time.
+enum class ReportStyle { kDataParallel, kPipeline };
+
+struct TrainingOptions {
+  std::string program;             // "run_data_parallel" | "run_pipeline" (manifest, messages)
+  ReportStyle style = ReportStyle::kPipeline;
+  int rank = 0;                    // this process's rank in the world
+  int world_size = 1;
+  int tensor_parallel_size = 1;
+  int data_parallel_size = 1;
+  std::vector<std::string> pipeline_devices;  // the manifest's record of run_pipeline's devices
+  std::vector<c10::Device> devices;           // whose generators checkpoints keep (besides the CPU's)
+
+  int64_t n_epochs = 1;
+  int64_t max_batches = 0;         // batches per epoch, 0: all
+  int64_t global_batch_size = 0;   // checked on resume: batch positions mean nothing otherwise
+  int64_t model_max_length = 128;
+  bool benchmark_only = false;
+  bool show_progress = true;
+  uint64_t seed = 1234;
+  std::string data_order;          // how the training order is drawn (recorded, checked on resume)
+
+  std::string workdir;             // results files
+  std::string save_dir;            // where the final model goes; empty: not saved by this rank
+  std::string tokenizer_path;      // the run's tokenizer.model (copied into checkpoints)
+  CheckpointOptions checkpoint;
+
+  Tracer* tracer = nullptr;
+  std::string trace_track = "main";
+};
+
+struct TrainingData {
+  // The training loader of an epoch (called once at the start of each epoch, on every rank).
+  std::function<data::BatchLoader&(int64_t epoch)> train;
+  data::BatchLoader* validation = nullptr;
+  const std::vector<data::TranslationExample>* test = nullptr;
+  const data::Tokenizer* tokenizer = nullptr;
+};
+
+struct TrainingSummary {
+  std::vector<double> epoch_seconds, epoch_token_rates;  // every epoch, resumed ones included
+  int64_t global_step = 0;
+  std::string resumed_from;  // the checkpoint resumed, or empty
+};
+
+// Trains options.n_epochs epochs (resuming first when options.checkpoint.resume says so),
+// printing and writing SPEC §7's lines and files, and checkpointing. `world` (null for one
+// process) is the group whose ranks all call this together: the choice of checkpoint is agreed
+// over it and checkpoints gather every rank's generator states over it; rank 0 writes them.
+TrainingSummary run_training(TrainStep& step, const TrainingData& data, const TrainingOptions& options,
+                             const data_parallel::DistContext* world = nullptr);
+
+// --pytest: one step on the first batch, after which each rank writes its averaged (unsplit)
+// gradients to `path` as a torch.load-able dict, before the optimizer step.
+void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path);
+
+// Validation loss, generations and BLEU of `model` (SPEC §3).
+struct EpochEvaluation {
+  double validation_loss = 0.0;
+  double bleu = 0.0;
+  std::vector<std::string> generations;
+};
+EpochEvaluation evaluate_epoch(model::GPT2LMHeadModel& model, data::BatchLoader& validation,
+                               const data::Tokenizer& tokenizer,
+                               const std::vector<data::TranslationExample>& test,
+                               int64_t model_max_length, bool progress);
+
+}  // namespace harness::train

@@ -1,0 +1,132 @@
+// "One optimizer step on one batch", the seam between the training driver (driver.h) and a
+// parallel layout: the driver owns epochs, evaluation, reports and checkpoints; a step owns the
+// model, the optimizer and whatever the layout needs (gradient synchronisation, a tensor-parallel
+// group, a pipeline installed in the model). The driver never changes with the layout.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "harness/data/collate.h"
+#include "harness/model/gpt2.h"
+#include "harness/model/safetensors.h"
+#include "harness/train/training_state.h"
+
+namespace torch::optim {
+class Optimizer;
+class AdamW;
+}
+namespace harness {
+class Tracer;
+}
+namespace harness::data_parallel {
+class GradientSynchronizer;
+}
+namespace harness::tensor_parallel {
+class TensorParallelGPT2LMHeadModelImpl;
+}
+
+namespace harness::train {
+
+class TrainStep {
+ public:
+  virtual ~TrainStep() = default;
+
+  // zero_grad, forward, SPEC §3's loss, backward, the layout's gradient work, optimizer step.
+  // Returns the loss; the step's work is finished on return on every device type.
+  virtual double step(const data::Batch& batch) = 0;
+  // Where a batch's tensors must be before step() (the model's first device).
+  virtual c10::Device input_device() const = 0;
+  // train() or eval() on everything that trains.
+  virtual void set_training(bool training) = 0;
+
+  // The model as Hugging Face lays it out, with the current weights: evaluation, generation,
+  // saving. Tensor parallel: a collective over the tensor-parallel group (every rank calls it).
+  virtual model::GPT2LMHeadModel unsplit_model() = 0;
+
+  // Checkpoints. The AdamW state under Hugging Face names, unsplit (collective for tensor
+  // parallelism; every rank gets it).
+  virtual OptimizerState optimizer_state() = 0;
+  // Unsplit weights and optimizer state in (each rank keeps its part). Errors name the tensor.
+  virtual void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) = 0;
+  // Generator streams the layout owns besides the default generators (tensor parallelism's
+  // per-rank attention-dropout stream), as opaque bytes by name.
+  virtual GeneratorStates extra_generator_states() { return {}; }
+  virtual void restore_extra_generator_states(const GeneratorStates& states) {}
+  // The gradients of the last backward, unsplit, Hugging Face names, on the CPU (--pytest's
+  // files); parameters without a gradient are left out. Collective for tensor parallelism.
+  virtual model::NamedTensors unsplit_gradients() = 0;
+
+  // Runs after backward and the gradient synchronisation, before the optimizer step.
+  std::function<void()> after_backward;
+  Tracer* tracer = nullptr;  // records the gradient synchronisation when set
+  std::string trace_track = "main";
+};
+
+// A GPT2LMHeadModel trained by AdamW: on one device, or spread over devices by the model's own
+// placement (model parallel) or a Pipe installed as its blocks executor (pipeline). With a
+// GradientSynchronizer (data parallelism) the gradients are averaged over its group between
+// backward and the optimizer step; `after_backward` (e.g. --pytest's gradient files) runs after
+// that. The synchronizer is attached here.
+class GPT2TrainStep : public TrainStep {
+ public:
+  GPT2TrainStep(model::GPT2LMHeadModel model, double learning_rate,
+                data_parallel::GradientSynchronizer* synchronizer = nullptr);
+  ~GPT2TrainStep() override;
+
+  double step(const data::Batch& batch) override;
+  c10::Device input_device() const override;
+  void set_training(bool training) override;
+  model::GPT2LMHeadModel unsplit_model() override { return model_; }
+  OptimizerState optimizer_state() override;
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
+
+  model::NamedTensors unsplit_gradients() override;
+
+  model::GPT2LMHeadModel& model() { return model_; }
+
+ private:
+  model::GPT2LMHeadModel model_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  data_parallel::GradientSynchronizer* synchronizer_;
+};
+
+// Megatron-style tensor parallelism: the split model trains (its gradients averaged over the
+// data-parallel group by `synchronizer`, if any); `full` is an unsplit replica of the same
+// config, refreshed from the split weights by unsplit_model() for evaluation and saving.
+class TensorParallelTrainStep : public TrainStep {
+ public:
+  TensorParallelTrainStep(std::shared_ptr<tensor_parallel::TensorParallelGPT2LMHeadModelImpl> split,
+                          model::GPT2LMHeadModel full, double learning_rate,
+                          data_parallel::GradientSynchronizer* synchronizer = nullptr);
+  ~TensorParallelTrainStep() override;
+
+  double step(const data::Batch& batch) override;
+  c10::Device input_device() const override;
+  void set_training(bool training) override;
+  model::GPT2LMHeadModel unsplit_model() override;
+  OptimizerState optimizer_state() override;
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
+  GeneratorStates extra_generator_states() override;
+  void restore_extra_generator_states(const GeneratorStates& states) override;
+
+  model::NamedTensors unsplit_gradients() override;
+
+  tensor_parallel::TensorParallelGPT2LMHeadModelImpl& split() { return *split_; }
+
+ private:
+  std::shared_ptr<tensor_parallel::TensorParallelGPT2LMHeadModelImpl> split_;
+  model::GPT2LMHeadModel full_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  data_parallel::GradientSynchronizer* synchronizer_;
+};
+
+// The parameters of `module` as (name, tensor), in registration order.
+NamedParameters named_parameters_of(torch::nn::Module& module);
+
+}  // namespace harness::train

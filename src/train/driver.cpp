@@ -1,0 +1,450 @@
+// The training driver (see driver.h): the epoch loop, evaluation and SPEC §7's reports, and
+// checkpoints: what they hold, when they are written, how a run resumes from one.
+#include "harness/train/driver.h"
+
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "harness/data_parallel/checkpoint_io.h"
+#include "harness/data_parallel/process_group.h"
+#include "harness/model/safetensors.h"
+#include "harness/trace.h"
+#include "harness/train/bleu.h"
+#include "harness/train/checkpoint_store.h"
+#include "harness/train/setup.h"
+#include "harness/train/trainer.h"
+
+namespace harness::train {
+namespace {
+
+namespace fs = std::filesystem;
+namespace dp = harness::data_parallel;
+using json = nlohmann::json;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+// ----- the figures of each rank, kept across a resume ------------------------------------------
+
+struct RankProgress {
+  std::vector<double> seconds, rates;  // completed epochs
+  EpochTiming partial;                 // the part of the epoch under way trained so far
+};
+
+json timing_to_json(const EpochTiming& t) {
+  return {{"seconds", t.seconds}, {"tokens", t.tokens}, {"batches", t.batches},
+          {"batch_token_rates", t.batch_token_rates}};
+}
+
+EpochTiming timing_from_json(const json& j) {
+  EpochTiming t;
+  t.seconds = j.at("seconds").get<double>();
+  t.tokens = j.at("tokens").get<int64_t>();
+  t.batches = j.at("batches").get<int64_t>();
+  t.batch_token_rates = j.at("batch_token_rates").get<std::vector<double>>();
+  return t;
+}
+
+// ----- collectives the driver issues (every rank, the same order) -------------------------------
+
+std::vector<std::string> all_gather_strings(const std::string& mine, const dp::DistContext* world) {
+  if (world == nullptr || world->world_size == 1) return {mine};
+  const c10::Device device = world->device.torch_device();
+  auto gather = [&](const at::Tensor& local) {
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < world->world_size; ++r) out[0].push_back(torch::empty_like(local));
+    std::vector<at::Tensor> in{local};
+    world->group->allgather(out, in)->wait();
+    return out[0];
+  };
+  const std::vector<at::Tensor> lengths =
+      gather(torch::full({1}, static_cast<int64_t>(mine.size()), torch::kLong).to(device));
+  int64_t longest = 0;
+  for (const at::Tensor& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  at::Tensor local = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kUInt8);
+  std::memcpy(local.data_ptr<uint8_t>(), mine.data(), mine.size());
+  const std::vector<at::Tensor> all = gather(local.to(device));
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r) {
+    out.push_back(tensor_to_bytes(all[r].to(torch::kCPU).narrow(0, 0, lengths[r].item<int64_t>())));
+  }
+  return out;
+}
+
+// The smallest and largest of every rank's value.
+std::pair<int64_t, int64_t> min_max(int64_t value, const dp::DistContext* world) {
+  if (world == nullptr || world->world_size == 1) return {value, value};
+  at::Tensor t = torch::tensor({value, -value}, torch::kLong).to(world->device.torch_device());
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  world->group->allreduce(tensors, options)->wait();
+  const at::Tensor out = tensors[0].to(torch::kCPU);
+  return {-out[1].item<int64_t>(), out[0].item<int64_t>()};
+}
+
+// ----- writing a checkpoint ---------------------------------------------------------------------
+
+struct Position {
+  int64_t epoch = 0;           // the epoch under way (or the next one, batch 0)
+  int64_t batch_in_epoch = 0;  // its batches trained
+  int64_t global_step = 0;
+};
+
+std::string checkpoint_root(const TrainingOptions& o) {
+  return o.checkpoint.dir.empty() ? (fs::path(o.workdir) / "checkpoints").string() : o.checkpoint.dir;
+}
+
+void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& at,
+                     const RankProgress& progress, const dp::DistContext* world) {
+  const bool writer = o.rank == 0;
+  const bool collective = o.tensor_parallel_size > 1;  // unsplitting gathers over each TP group
+  const double start = now_seconds();
+  model::GPT2LMHeadModel model{nullptr};
+  OptimizerState optimizer;
+  if (writer || collective) {
+    model = step.unsplit_model();
+    optimizer = step.optimizer_state();
+  }
+  GeneratorStates generators = capture_generator_states(o.devices);
+  for (auto& [name, bytes] : step.extra_generator_states()) generators[name] = bytes;
+  json mine = {{"rank", o.rank}, {"generators", json::object()},
+               {"epoch_seconds", progress.seconds}, {"epoch_token_rates", progress.rates},
+               {"partial_epoch", timing_to_json(progress.partial)}};
+  for (const auto& [name, bytes] : generators) mine["generators"][name] = to_hex(bytes);
+  const std::vector<std::string> ranks = all_gather_strings(mine.dump(), world);
+  if (!writer) return;  // the others go on; they wait for rank 0 at the next collective
+
+  const std::string root = checkpoint_root(o);
+  make_directories(root);
+  CheckpointWriter files(root, at.global_step);
+  model::save_pretrained(*model, files.temp_path());
+  files.add_file("config.json");
+  files.add_file("model.safetensors");
+  write_optimizer_state(files.path_for("optimizer.safetensors"), optimizer);
+  files.add_file("optimizer.safetensors");
+  files.add_bytes("tokenizer.model", read_bytes(o.tokenizer_path));
+  const json trainer_state = {
+      {"epoch", at.epoch}, {"batch_in_epoch", at.batch_in_epoch}, {"global_step", at.global_step},
+      {"n_epochs", o.n_epochs}, {"max_batches", o.max_batches},
+      {"global_batch_size", o.global_batch_size}, {"seed", o.seed}, {"data_order", o.data_order},
+      {"optimizer", "AdamW"}};
+  files.add_bytes("trainer_state.json", trainer_state.dump(2) + "\n");
+  json rank_states = {{"ranks", json::array()}};
+  for (const std::string& r : ranks) rank_states["ranks"].push_back(json::parse(r));
+  files.add_bytes("rank_states.json", rank_states.dump() + "\n");
+  if (const char* stall = std::getenv("HARNESS_TEST_CHECKPOINT_STALL_MS")) {
+    // Test hook: a window in which the checkpoint is half written, announced on stderr.
+    std::cerr << "checkpoint: writing " << files.temp_path() << std::endl;
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(stall)));
+  }
+
+  CheckpointManifest manifest;
+  manifest.program = o.program;
+  manifest.world_size = o.world_size;
+  manifest.tensor_parallel_size = o.tensor_parallel_size;
+  manifest.data_parallel_size = o.data_parallel_size;
+  manifest.pipeline_devices = o.pipeline_devices;
+  manifest.model_config = json::parse(model->config().to_json_string());
+  manifest.global_step = at.global_step;
+  manifest.epoch = at.epoch;
+  manifest.batch_in_epoch = at.batch_in_epoch;
+  const std::string path = files.commit(manifest);
+  prune_checkpoints(root, std::max(1, o.checkpoint.keep));
+  uint64_t bytes = 0;
+  for (const auto& f : read_manifest(path).files) bytes += f.size;
+  std::cerr << "checkpoint: saved " << path << " (step " << at.global_step << ", epoch " << at.epoch
+            << ", batch " << at.batch_in_epoch << ", " << std::fixed << std::setprecision(1)
+            << bytes / 1e6 << " MB in " << std::setprecision(3) << now_seconds() - start << " s)"
+            << std::defaultfloat << std::endl;
+}
+
+// ----- choosing and loading a checkpoint ---------------------------------------------------------
+
+struct Resumption {
+  std::string path;
+  CheckpointManifest manifest;
+  json trainer_state;
+  json rank_states;
+};
+
+// Throws naming what differs when the checkpoint cannot continue this run.
+Resumption check_checkpoint(const std::string& path, const TrainingOptions& o,
+                            const model::GPT2Config& config) {
+  Resumption r;
+  r.path = path;
+  r.manifest = verify_checkpoint(path);  // sizes and hashes of every file
+  const json ours = json::parse(config.to_json_string());
+  for (const char* key : {"n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "n_inner"}) {
+    const json theirs = r.manifest.model_config.value(key, json());
+    const json here = ours.value(key, json());
+    if (theirs != here) {
+      throw std::runtime_error(path + ": the model differs: " + key + " is " + theirs.dump() +
+                               " in the checkpoint and " + here.dump() + " in this run");
+    }
+  }
+  const std::string tokenizer = (fs::path(path) / "tokenizer.model").string();
+  if (sha256_file(tokenizer) != sha256_file(o.tokenizer_path)) {
+    throw std::runtime_error(tokenizer + " differs from this run's tokenizer " + o.tokenizer_path +
+                             " (another corpus, --train_size or vocabulary)");
+  }
+  r.trainer_state = json::parse(read_bytes((fs::path(path) / "trainer_state.json").string()));
+  r.rank_states = json::parse(read_bytes((fs::path(path) / "rank_states.json").string()));
+  const int64_t batch = r.trainer_state.at("global_batch_size").get<int64_t>();
+  if (batch != o.global_batch_size) {
+    throw std::runtime_error(path + ": trained with --batch_size " + std::to_string(batch) +
+                             ", this run has " + std::to_string(o.global_batch_size) +
+                             " (a position inside an epoch means nothing with another batch)");
+  }
+  if (r.rank_states.at("ranks").empty()) throw std::runtime_error(path + ": rank_states.json lists no rank");
+  return r;
+}
+
+std::optional<Resumption> choose_checkpoint(const TrainingOptions& o, const model::GPT2Config& config) {
+  const std::string& resume = o.checkpoint.resume;
+  if (resume == "none") return std::nullopt;
+  const bool automatic = resume == "auto";
+  const std::string root = checkpoint_root(o);
+  std::vector<std::string> candidates;
+  if (automatic) {
+    const std::vector<CheckpointInfo> found = list_checkpoints(root);
+    for (auto it = found.rbegin(); it != found.rend(); ++it) candidates.push_back(it->path);
+  } else {
+    candidates.push_back(resume);
+  }
+  const bool talk = o.rank == 0;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    try {
+      return check_checkpoint(candidates[i], o, config);
+    } catch (const std::exception& e) {
+      if (!automatic) throw std::runtime_error(std::string("--resume: ") + e.what());
+      if (talk) {
+        std::cerr << "resume: refused " << candidates[i] << ": " << e.what()
+                  << (i + 1 < candidates.size() ? "; falling back to the previous complete checkpoint"
+                                                : "")
+                  << std::endl;
+      }
+    }
+  }
+  if (talk) {
+    std::cerr << "resume: no usable complete checkpoint in " << root << "; starting fresh" << std::endl;
+  }
+  return std::nullopt;
+}
+
+void apply_checkpoint(const Resumption& r, TrainStep& step, const TrainingOptions& o,
+                      RankProgress& progress, Position& at) {
+  const model::NamedTensors weights =
+      model::read_safetensors((fs::path(r.path) / "model.safetensors").string());
+  const OptimizerState optimizer =
+      read_optimizer_state((fs::path(r.path) / "optimizer.safetensors").string());
+  try {
+    step.load_state(weights, optimizer);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(r.path + ": " + e.what());
+  }
+  at.epoch = r.trainer_state.at("epoch").get<int64_t>();
+  at.batch_in_epoch = r.trainer_state.at("batch_in_epoch").get<int64_t>();
+  at.global_step = r.trainer_state.at("global_step").get<int64_t>();
+
+  const json& ranks = r.rank_states.at("ranks");
+  const json* mine = nullptr;
+  for (const json& entry : ranks) {
+    if (entry.at("rank").get<int>() == o.rank) mine = &entry;
+  }
+  const bool same_layout = r.manifest.world_size == o.world_size &&
+                           r.manifest.tensor_parallel_size == o.tensor_parallel_size;
+  // Reported figures: this rank's, or rank 0's when the checkpoint had fewer ranks.
+  const json& figures = mine ? *mine : ranks.at(0);
+  progress.seconds = figures.at("epoch_seconds").get<std::vector<double>>();
+  progress.rates = figures.at("epoch_token_rates").get<std::vector<double>>();
+  progress.partial = timing_from_json(figures.at("partial_epoch"));
+  if (mine) {
+    GeneratorStates defaults, extra;
+    for (const auto& [name, hex] : mine->at("generators").items()) {
+      std::string bytes = from_hex(hex.get<std::string>(), r.path + "/rank_states.json: " + name);
+      if (name.find(':') != std::string::npos && name.rfind("cuda:", 0) != 0) {
+        extra[name] = std::move(bytes);
+      } else {
+        defaults[name] = std::move(bytes);
+      }
+    }
+    restore_generator_states(defaults);
+    if (same_layout) step.restore_extra_generator_states(extra);
+  } else {
+    // A rank the checkpoint did not have: a dropout stream of its own, reproducible from the seed.
+    torch::manual_seed(o.seed + static_cast<uint64_t>(o.rank) + 1000003ull * static_cast<uint64_t>(at.global_step));
+  }
+  if (o.rank == 0) {
+    std::cerr << "resume: continuing from " << r.path << " (step " << at.global_step << ", epoch "
+              << at.epoch << ", batch " << at.batch_in_epoch << ")";
+    if (!same_layout) {
+      std::cerr << "; it was written by " << r.manifest.program << " with world size "
+                << r.manifest.world_size << " and tensor-parallel size "
+                << r.manifest.tensor_parallel_size << ", this run has " << o.world_size << " and "
+                << o.tensor_parallel_size << ": weights and optimizer state carry over, the "
+                << "interrupted epoch continues at batch " << at.batch_in_epoch
+                << " of this layout's data order";
+    }
+    const std::string order = r.trainer_state.value("data_order", std::string());
+    if (order != o.data_order) {
+      std::cerr << "; the data order differs (checkpoint: " << order << "; this run: " << o.data_order << ")";
+    }
+    std::cerr << std::endl;
+  }
+}
+
+std::string line_prefix(const TrainingOptions& o, int64_t epoch) {
+  return o.style == ReportStyle::kDataParallel
+             ? "Epoch " + std::to_string(epoch) + " on Rank " + std::to_string(o.rank) + ": "
+             : "Epoch " + std::to_string(epoch) + ": ";
+}
+
+}  // namespace
+
+EpochEvaluation evaluate_epoch(model::GPT2LMHeadModel& model, data::BatchLoader& validation,
+                               const data::Tokenizer& tokenizer,
+                               const std::vector<data::TranslationExample>& test,
+                               int64_t model_max_length, bool progress) {
+  const c10::Device device = model->transformer->wte->weight.device();
+  EpochEvaluation out;
+  out.validation_loss = evaluate_loss(model, validation, device);
+  out.generations = generate_translations(model, tokenizer, test, model_max_length, device, progress);
+  std::vector<std::string> references;
+  references.reserve(test.size());
+  for (const auto& example : test) references.push_back(example.en);
+  out.bleu = corpus_bleu(out.generations, references);
+  return out;
+}
+
+TrainingSummary run_training(TrainStep& step, const TrainingData& data, const TrainingOptions& o,
+                             const dp::DistContext* world) {
+  if (o.checkpoint.every < 0) throw std::invalid_argument("--checkpoint_every must be >= 0");
+  if (o.checkpoint.keep < 1) throw std::invalid_argument("--keep_checkpoints must be at least 1");
+  RankProgress progress;
+  Position at;
+  TrainingSummary summary;
+
+  // Which checkpoint, if any: every rank decides alone, then all must agree before anything
+  // that depends on it (collectives included) happens.
+  const double load_start = now_seconds();
+  std::optional<Resumption> resumption = choose_checkpoint(o, step.unsplit_model()->config());
+  const auto [lowest, highest] = min_max(resumption ? resumption->manifest.global_step : -1, world);
+  if (lowest != highest) {
+    throw std::runtime_error("ranks disagree on the checkpoint to resume (steps " + std::to_string(lowest) +
+                             " and " + std::to_string(highest) + "): is " + checkpoint_root(o) +
+                             " the same folder on every machine?");
+  }
+  if (resumption) {
+    apply_checkpoint(*resumption, step, o, progress, at);
+    summary.resumed_from = resumption->path;
+    if (o.rank == 0) {
+      uint64_t bytes = 0;
+      for (const auto& f : resumption->manifest.files) bytes += f.size;
+      std::cerr << "resume: verified and loaded " << std::fixed << std::setprecision(1) << bytes / 1e6
+                << " MB in " << std::setprecision(3) << now_seconds() - load_start << " s"
+                << std::defaultfloat << std::endl;
+    }
+  }
+
+  for (int64_t epoch = at.epoch; epoch < o.n_epochs; ++epoch) {
+    data::BatchLoader& loader = data.train(epoch);
+    const int64_t total = batches_in_epoch(loader, o.max_batches);
+    TrainEpochOptions options;
+    options.max_batches = o.max_batches;
+    options.first_batch = epoch == at.epoch ? at.batch_in_epoch : 0;
+    options.description = (o.style == ReportStyle::kDataParallel ? "rank " + std::to_string(o.rank) + " " : "") +
+                          "epoch " + std::to_string(epoch);
+    options.show_progress = o.show_progress;
+    options.tracer = o.tracer;
+    options.trace_track = o.trace_track;
+    options.after_step = [&](const EpochTiming& so_far) {
+      ++at.global_step;
+      // The last batch of an epoch is checkpointed after its evaluation, below.
+      if (o.checkpoint.every > 0 && at.global_step % o.checkpoint.every == 0 && so_far.batches < total) {
+        progress.partial = so_far;
+        save_checkpoint(step, o, {epoch, so_far.batches, at.global_step}, progress, world);
+      }
+    };
+    const EpochTiming resumed = epoch == at.epoch ? progress.partial : EpochTiming{};
+    const EpochTiming timing = train_epoch(step, loader, epoch, options, resumed);
+    progress.partial = EpochTiming{};
+    const double rate = o.style == ReportStyle::kDataParallel
+                            ? timing.mean_batch_token_rate()
+                            : static_cast<double>(timing.tokens) / timing.seconds;
+    progress.seconds.push_back(timing.seconds);
+    progress.rates.push_back(rate);
+    const std::string prefix = line_prefix(o, epoch);
+    std::cout << prefix << "Training Time = " << format_number(timing.seconds)
+              << ", Tokens_per_sec = " << format_number(rate) << std::endl;
+
+    if (!o.benchmark_only) {
+      model::GPT2LMHeadModel model = step.unsplit_model();  // collective for tensor parallelism
+      const EpochEvaluation eval = evaluate_epoch(model, *data.validation, *data.tokenizer, *data.test,
+                                                  o.model_max_length, o.show_progress);
+      std::cout << prefix << "Validation Loss = " << format_number(eval.validation_loss) << std::endl;
+      std::cout << prefix << "BLEU = " << format_number(eval.bleu) << std::endl;
+      const std::string e = std::to_string(epoch);
+      const std::string base = o.style == ReportStyle::kDataParallel
+                                   ? (fs::path(o.workdir) / ("rank" + std::to_string(o.rank))).string()
+                                   : (fs::path(o.workdir) / "").string();
+      const std::string results = o.style == ReportStyle::kDataParallel ? base + "_results_epoch" + e + ".json"
+                                                                        : base + "eval_results_epoch" + e + ".json";
+      const std::string gens = o.style == ReportStyle::kDataParallel ? base + "_gen_epoch" + e + ".json"
+                                                                     : base + "gen_epoch" + e + ".json";
+      write_results_json(results, {eval.validation_loss, eval.bleu, timing.seconds, rate});
+      write_generations_json(gens, *data.test, eval.generations);
+    }
+    save_checkpoint(step, o, {epoch + 1, 0, at.global_step}, progress, world);
+  }
+
+  const MeanStd time_stats = mean_std(progress.seconds), rate_stats = mean_std(progress.rates);
+  std::cout << (o.style == ReportStyle::kDataParallel ? "Rank " + std::to_string(o.rank) + " training time"
+                                                      : std::string("Training time"))
+            << ": avg:" << format_number(time_stats.mean) << ", std:" << format_number(time_stats.std)
+            << ", tokens_per_second: avg: " << format_number(rate_stats.mean)
+            << ", std:" << format_number(rate_stats.std) << std::endl;
+
+  model::GPT2LMHeadModel model = step.unsplit_model();  // collective for tensor parallelism
+  if (!o.save_dir.empty()) model::save_pretrained(*model, o.save_dir);
+  summary.epoch_seconds = progress.seconds;
+  summary.epoch_token_rates = progress.rates;
+  summary.global_step = at.global_step;
+  return summary;
+}
+
+void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path) {
+  loader.start_epoch(0);
+  std::optional<data::Batch> batch = loader.next();
+  if (!batch) throw std::runtime_error("--pytest: the training loader gave no batch");
+  step.after_backward = [&] {
+    const model::NamedTensors gradients = step.unsplit_gradients();  // collective for TP
+    const fs::path file(path);
+    if (file.has_parent_path()) make_directories(file.parent_path().string());
+    dp::save_tensor_dict_pth(path, gradients);
+  };
+  step.set_training(true);
+  step.step(batch->to(step.input_device()));
+  step.after_backward = nullptr;
+}
+
+}  // namespace harness::train
