@@ -12,31 +12,13 @@
 #include "harness/data/dataset.h"
 #include "harness/data/loader.h"
 #include "harness/device.h"
-#include "harness/train/driver.h"
-#include "harness/train/setup.h"
+#include "harness/train/programs.h"
 
 namespace harness::apps {
 
 // Flags of both programs (SPEC §7); each program adds its own and the defaults that differ.
-struct CommonFlags {
-  int64_t batch_size = 0;
-  int64_t n_epochs = 0;
-  double learning_rate = 1e-4;
-  int64_t model_max_length = 128;
-  std::string dataset;
-  bool benchmark_only = false;
-  int64_t max_batches = 0;
-  train::ModelSource model;
-  std::string workdir = "./workdir";
-  uint64_t seed = 1234;
-  std::string devices;  // empty: the program's default
-  int threads_per_device = 0;  // 0: cores / devices
-  std::string trace;
-  data::SplitSizes sizes;
+struct CommonFlags : train::RunConfig {
   std::string export_dataset;
-  bool progress = true;
-  bool fit_vocab = false;
-  train::CheckpointOptions checkpoint;
 };
 
 inline void add_common_options(cxxopts::Options& options, int64_t default_batch_size,
@@ -137,24 +119,6 @@ inline cxxopts::ParseResult parse_or_exit(cxxopts::Options& options, int argc, c
     std::cerr << options.program() << ": " << e.what() << "\n(see --help)" << std::endl;
     std::exit(2);
   }
-}
-
-// The driver's options that come from the common flags; each program adds its layout.
-inline train::TrainingOptions training_options(const CommonFlags& f, const std::string& program,
-                                               train::ReportStyle style) {
-  train::TrainingOptions o;
-  o.program = program;
-  o.style = style;
-  o.n_epochs = f.n_epochs;
-  o.max_batches = f.max_batches;
-  o.global_batch_size = f.batch_size;
-  o.model_max_length = f.model_max_length;
-  o.benchmark_only = f.benchmark_only;
-  o.show_progress = f.progress;
-  o.seed = f.seed;
-  o.workdir = f.workdir;
-  o.checkpoint = f.checkpoint;
-  return o;
 }
 
 }  // namespace harness::apps

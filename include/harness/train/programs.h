@@ -1,0 +1,68 @@
+// The two programs' work as library calls: a plain config in (the programs fill it from their
+// flags), SPEC §7's lines and files out. run_pipeline trains on one device, in model parallel or
+// through a pipeline; run_data_parallel_worker is one rank of a data-parallel (and optionally
+// tensor-parallel) group, started by the program's launcher, torchrun or Slurm.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "harness/data/dataset.h"
+#include "harness/data_parallel/launcher.h"
+#include "harness/data_parallel/ring_all_reduce.h"
+#include "harness/train/driver.h"
+#include "harness/train/setup.h"
+
+namespace harness::train {
+
+// What both programs take (SPEC §7).
+struct RunConfig {
+  int64_t batch_size = 0;
+  int64_t n_epochs = 0;
+  double learning_rate = 1e-4;
+  int64_t model_max_length = 128;
+  std::string dataset;
+  bool benchmark_only = false;
+  int64_t max_batches = 0;
+  ModelSource model;
+  std::string workdir = "./workdir";
+  uint64_t seed = 1234;
+  std::string devices;         // empty: the program's default
+  int threads_per_device = 0;  // 0: cores / devices
+  std::string trace;
+  data::SplitSizes sizes;
+  bool progress = true;
+  bool fit_vocab = false;
+  CheckpointOptions checkpoint;
+};
+
+// The driver's options that come from a RunConfig; each program adds its layout.
+TrainingOptions training_options(const RunConfig& config, const std::string& program, ReportStyle style);
+
+struct PipelineConfig {
+  RunConfig run;
+  std::string mode;  // "", "model_parallel", "pipeline_parallel"
+  int64_t n_chunk = 4;
+};
+int run_pipeline(const PipelineConfig& config);
+
+struct DataParallelConfig {
+  RunConfig run;
+  int world_size = 2;
+  bool pytest = false;
+  bool save_every_rank = false;
+  data_parallel::AllReduceAlgorithm allreduce = data_parallel::AllReduceAlgorithm::kBuiltin;
+  bool reshuffle_each_epoch = false;
+  std::string grad_dir = "tests";
+  std::string backend = "auto";
+  std::string device = "auto";
+  std::string master_addr;
+  int master_port = 0;
+  std::string grad_sync = "bucketed";
+  double bucket_cap_mb = 25.0;
+  int tensor_parallel_size = 1;
+  int max_restarts = 0;
+};
+int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
+
+}  // namespace harness::train

@@ -1,0 +1,194 @@
+// run_data_parallel's worker (see programs.h): one rank's process group, data partition, model
+// (whole, or its tensor-parallel shard) and gradient synchronisation, trained by the driver.
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "harness/data_parallel/grad_sync.h"
+#include "harness/data_parallel/partition.h"
+#include "harness/data_parallel/process_group.h"
+#include "harness/data_parallel/sharded_loader.h"
+#include "harness/model/safetensors.h"
+#include "harness/tensor_parallel/gpt2_tensor_parallel.h"
+#include "harness/tensor_parallel/parallel_context.h"
+#include "harness/trace.h"
+#include "harness/train/programs.h"
+
+namespace harness::train {
+namespace {
+
+namespace dp = harness::data_parallel;
+namespace tp = harness::tensor_parallel;
+namespace fs = std::filesystem;
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::string(value) : fallback;
+}
+
+// Rank r's device: GPU local_rank under CUDA, else a CPU lane.
+Device worker_device(const DataParallelConfig& flags, int local_rank) {
+  const bool gpus = torch::cuda::is_available();
+  if (flags.device == "cuda" || (flags.device == "auto" && gpus)) {
+    if (!gpus) throw std::invalid_argument("--device cuda but no GPU is present (use --device cpu)");
+    const int count = static_cast<int>(torch::cuda::device_count());
+    if (local_rank >= count) {
+      throw std::invalid_argument("local rank " + std::to_string(local_rank) + " needs GPU " +
+                                  std::to_string(local_rank) + " but only " + std::to_string(count) +
+                                  " are present: lower --world_size or use --device cpu");
+    }
+    return Device::cuda(local_rank);
+  }
+  return Device::cpu(local_rank);
+}
+
+// Every rank starts from rank 0's weights, as DDP does.
+void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor& p : module.parameters()) {
+    std::vector<at::Tensor> tensors{p};
+    ctx.group->broadcast(tensors)->wait();
+  }
+}
+
+}  // namespace
+
+int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEnv& env) {
+  const RunConfig& f = flags.run;
+  const int rank = env.rank;
+  const Device device = worker_device(flags, env.local_rank);
+  const int local_world = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
+  const int threads = f.threads_per_device > 0 ? f.threads_per_device : default_threads_per_device(local_world);
+  at::set_num_threads(threads);
+
+  const dp::DistOptions options = dp::dist_options_for(env, flags.backend, device);
+  // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
+  // same shard) is what the batch is partitioned over and the gradients are averaged over.
+  const int T = flags.tensor_parallel_size;
+  const tp::ParallelLayout layout = tp::parallel_layout(env.world_size, T, rank);
+  const dp::DistContext world = dp::init_process_group(options);
+  std::optional<tp::ParallelContext> parallel;
+  if (T > 1) parallel = tp::make_parallel_context(world, options, T);
+  const dp::DistContext& ctx = parallel ? parallel->data : world;
+  const int dp_rank = layout.data_rank, dp_size = layout.data_parallel_size;
+  const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
+
+  make_directories(f.workdir);
+  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed);
+  model::GPT2Config config = resolve_config(f.model);
+  // Every rank trains the same tokenizer (deterministic); only rank 0 keeps the file, so the
+  // ranks need no shared folder when they span machines.
+  const std::string tokenizer_path =
+      rank == 0 ? f.workdir + "/tokenizer.model"
+                : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
+  data::Tokenizer tokenizer = prepare_tokenizer(f.model, config, corpus.train, tokenizer_path);
+  if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
+
+  if (T > 1) tp::validate_tensor_parallel(config, T);
+  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
+  model->to(device.torch_device());
+  broadcast_parameters(world, *model);
+  std::unique_ptr<dp::GradientSynchronizer> sync =
+      dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
+  std::unique_ptr<TrainStep> step;
+  if (parallel) {
+    // The split model trains; the unsplit one is kept for evaluation and saving.
+    tp::TensorParallelGPT2LMHeadModel split(config, parallel->tensor);
+    split->to(device.torch_device());
+    split->load_from(*model);
+    step = std::make_unique<TensorParallelTrainStep>(split.ptr(), model, f.learning_rate, sync.get());
+  } else {
+    step = std::make_unique<GPT2TrainStep>(model, f.learning_rate, sync.get());
+  }
+  // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
+  // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
+  // masks on the activations they all hold (Megatron does the same for its replicated regions;
+  // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
+  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank));
+
+  if (rank == 0) {
+    std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << ctx.backend
+              << " device=" << device.str() << " threads_per_rank=" << threads << " model="
+              << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
+              << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
+              << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
+              << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
+              << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false");
+    if (T > 1) {
+      std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
+    }
+    std::cerr << std::endl;
+  }
+
+  const int64_t max_length = f.model_max_length;
+  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, max_length);
+  };
+  dp::ShardedLoader train_shards(dp_rank, dp_size, corpus.train, f.batch_size, collate,
+                                dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
+  data::BatchLoader validation_loader(corpus.validation, collate, {device_batch, false, 0, false, 2});
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  const std::string track = "rank " + std::to_string(rank);
+  step->tracer = tracer.get();
+  step->trace_track = track;
+  // Rank r > 0 keeps its copy of the tokenizer until the driver has compared it with a checkpoint's.
+  struct RemoveOnExit {
+    std::string path;
+    ~RemoveOnExit() {
+      if (!path.empty()) ::unlink(path.c_str());
+    }
+  } temporary_tokenizer{rank != 0 ? tokenizer_path : std::string()};
+
+  if (flags.pytest) {
+    // One batch: forward, backward, averaged gradients, written before any optimizer step.
+    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
+    write_gradients_of_one_step(*step, train_shards.set_epoch(0), path);
+    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
+    dp::barrier(world);
+    return 0;
+  }
+
+  TrainingOptions training =
+      training_options(f, "run_data_parallel", ReportStyle::kDataParallel);
+  training.rank = rank;
+  training.world_size = env.world_size;
+  training.tensor_parallel_size = T;
+  training.data_parallel_size = dp_size;
+  training.devices = {device.torch_device()};
+  training.show_progress = f.progress && rank == 0;
+  training.data_order = "partition of --batch_size over the data-parallel ranks from seed " +
+                       std::to_string(dp::kDefaultPartitionSeed) +
+                       (flags.reshuffle_each_epoch ? ", redrawn each epoch" : ", the same every epoch");
+  training.tokenizer_path = tokenizer_path;
+  training.save_dir = rank == 0 ? f.workdir
+                     : flags.save_every_rank ? f.workdir + "/rank" + std::to_string(rank)
+                                             : std::string();
+  training.tracer = tracer.get();
+  training.trace_track = track;
+  TrainingData data;
+  data.train = [&train_shards](int64_t epoch) -> data::BatchLoader& { return train_shards.set_epoch(epoch); };
+  data.validation = &validation_loader;
+  data.test = &corpus.test;
+  data.tokenizer = &tokenizer;
+  run_training(*step, data, training, &world);
+
+  if (tracer) {
+    fs::path trace(f.trace);
+    const std::string path = env.world_size == 1
+        ? f.trace
+        : (trace.parent_path() / (trace.stem().string() + ".rank" + std::to_string(rank) + trace.extension().string())).string();
+    tracer->write_chrome_json(path);
+  }
+  if (rank == 0) {
+    std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+  }
+  dp::barrier(world);
+  return 0;
+}
+
+}  // namespace harness::train

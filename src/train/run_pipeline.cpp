@@ -1,0 +1,109 @@
+// run_pipeline's work (see programs.h): one device, model parallel, or a GPipe pipeline over
+// devices (GPUs or CPU lanes), trained by the driver.
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <iostream>
+#include <memory>
+
+#include "harness/model/safetensors.h"
+#include "harness/pipeline/gpt2_pipeline.h"
+#include "harness/trace.h"
+#include "harness/train/programs.h"
+
+namespace harness::train {
+
+TrainingOptions training_options(const RunConfig& f, const std::string& program, ReportStyle style) {
+  TrainingOptions o;
+  o.program = program;
+  o.style = style;
+  o.n_epochs = f.n_epochs;
+  o.max_batches = f.max_batches;
+  o.global_batch_size = f.batch_size;
+  o.model_max_length = f.model_max_length;
+  o.benchmark_only = f.benchmark_only;
+  o.show_progress = f.progress;
+  o.seed = f.seed;
+  o.workdir = f.workdir;
+  o.checkpoint = f.checkpoint;
+  return o;
+}
+
+int run_pipeline(const PipelineConfig& pipeline) {
+  const RunConfig& f = pipeline.run;
+  make_directories(f.workdir);
+  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed);
+
+  std::vector<Device> devices = f.devices.empty() ? default_devices() : parse_device_list(f.devices);
+  if (pipeline.mode.empty()) devices.resize(1);  // one device: the first listed
+  const int threads = f.threads_per_device > 0
+                          ? f.threads_per_device
+                          : default_threads_per_device(static_cast<int>(devices.size()));
+  at::set_num_threads(threads);  // the main thread works for the first device
+
+  model::GPT2Config config = resolve_config(f.model);
+  data::Tokenizer tokenizer =
+      prepare_tokenizer(f.model, config, corpus.train, f.workdir + "/tokenizer.model");
+  if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
+  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
+
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  std::shared_ptr<pipeline::Pipe> pipe;
+  const c10::Device first = devices.front().torch_device();
+  if (pipeline.mode.empty()) {
+    model->to(first);
+  } else {
+    const int64_t split_size = pipeline.mode == "pipeline_parallel"
+                                   ? (f.batch_size + pipeline.n_chunk - 1) / pipeline.n_chunk
+                                   : f.batch_size;
+    pipeline::PipeOptions options;
+    options.threads_per_device = threads;
+    options.tracer = tracer.get();
+    pipe = pipeline::enable_pipeline(model, devices, split_size, options);
+  }
+
+  std::cerr << "run_pipeline: mode=" << (pipeline.mode.empty() ? "single_device" : pipeline.mode)
+            << " devices=";
+  for (size_t i = 0; i < devices.size(); ++i) std::cerr << (i ? "," : "") << devices[i].str();
+  std::cerr << " threads_per_device=" << threads << " model="
+            << (f.model.path.empty() ? f.model.preset : f.model.path) << " (" << config.n_layer
+            << " layers, n_embd " << config.n_embd << ", "
+            << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
+            << " batch_size=" << f.batch_size << " n_chunk=" << pipeline.n_chunk
+            << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size()
+            << "/" << corpus.test.size() << std::endl;
+
+  const int64_t max_length = f.model_max_length;
+  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, max_length);
+  };
+  data::BatchLoader train_loader(corpus.train, collate,
+                                 {f.batch_size, /*shuffle=*/true, f.seed, false, 2});
+  data::BatchLoader validation_loader(corpus.validation, collate,
+                                      {f.batch_size, false, 0, false, 2});
+
+  GPT2TrainStep step(model, f.learning_rate);
+  TrainingOptions options =
+      training_options(f, "run_pipeline", ReportStyle::kPipeline);
+  for (const Device& device : devices) {
+    if (!pipeline.mode.empty()) options.pipeline_devices.push_back(device.str());
+    options.devices.push_back(device.torch_device());
+  }
+  options.data_order = "all training pairs, shuffled each epoch from --seed " + std::to_string(f.seed);
+  options.save_dir = f.workdir;
+  options.tokenizer_path = f.workdir + "/tokenizer.model";
+  options.tracer = tracer.get();
+  TrainingData data;
+  data.train = [&train_loader](int64_t) -> data::BatchLoader& { return train_loader; };
+  data.validation = &validation_loader;
+  data.test = &corpus.test;
+  data.tokenizer = &tokenizer;
+  run_training(step, data, options);
+
+  if (tracer) tracer->write_chrome_json(f.trace);
+  std::cerr << "run_pipeline: model, tokenizer and results are in " << f.workdir
+            << (tracer ? ", trace in " + f.trace : std::string()) << std::endl;
+  return 0;
+}
+
+}  // namespace harness::train
