@@ -71,7 +71,23 @@ int64_t accepted_vocab_size(const std::string& message) {
   return -1;
 }
 
+// SentencePiece says "Vocabulary size is smaller than required_chars. 64 vs 291." when the
+// corpus has more distinct characters than the vocabulary may hold; returns 291, or -1.
+int64_t required_vocab_size(const std::string& message) {
+  static const std::regex kRequired(R"(required_chars\. *[0-9]+ *vs *([0-9]+))");
+  std::smatch match;
+  if (std::regex_search(message, match, kRequired)) return std::stoll(match[1].str());
+  return -1;
+}
+
 }  // namespace
+
+VocabularyTooSmall::VocabularyTooSmall(int64_t required, int64_t cap)
+    : std::invalid_argument("the training pairs need a vocabulary of at least " + std::to_string(required) +
+                            " pieces (their distinct characters and the special pieces), more than the cap of " +
+                            std::to_string(cap)),
+      required(required),
+      cap(cap) {}
 
 Tokenizer::Tokenizer() : processor_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {}
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
@@ -100,6 +116,8 @@ Tokenizer Tokenizer::train(const std::vector<TranslationExample>& examples, int6
       vocab_size = accepted;
       continue;
     }
+    const int64_t required = required_vocab_size(status.ToString());
+    if (required > 0) throw VocabularyTooSmall(required, vocab_size);
     throw std::runtime_error("Tokenizer::train: SentencePiece failed with vocab_size " +
                              std::to_string(vocab_size) + " (max_vocab_size " +
                              std::to_string(max_vocab_size) + "): " + status.ToString());

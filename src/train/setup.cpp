@@ -52,7 +52,16 @@ data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Co
       fs::copy_file(shipped, save_path, fs::copy_options::overwrite_existing);
     }
   } else {
-    tokenizer.emplace(data::Tokenizer::train(train, config.vocab_size, save_path));
+    try {
+      tokenizer.emplace(data::Tokenizer::train(train, config.vocab_size, save_path));
+    } catch (const data::VocabularyTooSmall& e) {
+      throw std::invalid_argument(
+          "the model's vocab_size is " + std::to_string(config.vocab_size) + " but the " +
+          std::to_string(train.size()) + " training pairs need at least " + std::to_string(e.required) +
+          " pieces (their distinct characters and the specials): use a model with a larger vocab_size (--model " +
+          "gpt2-tiny has 1024, gpt2-mini 4096, gpt2 50257, or a --model_path whose config.json has one), or " +
+          "fewer training pairs (--train_size)");
+    }
   }
   if (config.vocab_size < tokenizer->vocab_size()) {
     throw std::runtime_error("the model's vocab_size " + std::to_string(config.vocab_size) +

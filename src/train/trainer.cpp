@@ -121,6 +121,30 @@ double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
   return sum / static_cast<double>(count);
 }
 
+std::vector<int64_t> greedy_continuation(model::GPT2LMHeadModel& model, const std::vector<int64_t>& prompt,
+                                         int64_t model_max_length, int64_t stop_id, int64_t vocabulary,
+                                         const c10::Device& device) {
+  if (vocabulary < 1 || vocabulary > model->config().vocab_size) {
+    throw std::invalid_argument("greedy_continuation: the tokenizer's " + std::to_string(vocabulary) +
+                                " ids do not fit the model's vocab_size " +
+                                std::to_string(model->config().vocab_size));
+  }
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> ids = prompt;
+  model::KVCache cache;
+  torch::Tensor step_input = torch::tensor(ids, torch::kLong).unsqueeze(0).to(device);
+  while (static_cast<int64_t>(ids.size()) <= model_max_length) {
+    torch::Tensor logits = model->forward_cached(step_input, cache);
+    // Rows of the head past the tokenizer's ids (a model vocabulary larger than the tokenizer's)
+    // are never chosen: they have no text.
+    const int64_t next = logits.index({0, -1}).narrow(0, 0, vocabulary).argmax().item<int64_t>();
+    if (next == stop_id) break;
+    ids.push_back(next);
+    step_input = torch::full({1, 1}, next, torch::TensorOptions().dtype(torch::kLong).device(device));
+  }
+  return std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(prompt.size()), ids.end());
+}
+
 std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
                                                const data::Tokenizer& tokenizer,
                                                const std::vector<data::TranslationExample>& examples,
@@ -137,21 +161,10 @@ std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
   std::vector<std::string> generations;
   generations.reserve(examples.size());
   Progress progress("generate", static_cast<int64_t>(examples.size()), show_progress);
-  const int64_t stop_id = tokenizer.eos_en_id();
   for (const data::TranslationExample& example : examples) {
-    std::vector<int64_t> ids = tokenizer.encode(example.de + data::Tokenizer::kEosDe);
-    const size_t source_length = ids.size();
-    model::KVCache cache;
-    torch::Tensor step_input = torch::tensor(ids, torch::kLong).unsqueeze(0).to(device);
-    while (static_cast<int64_t>(ids.size()) <= model_max_length) {
-      torch::Tensor logits = model->forward_cached(step_input, cache);
-      const int64_t next = logits.index({0, -1}).argmax().item<int64_t>();
-      if (next == stop_id) break;
-      ids.push_back(next);
-      step_input = torch::full({1, 1}, next, torch::TensorOptions().dtype(torch::kLong).device(device));
-    }
-    generations.push_back(tokenizer.decode(
-        std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(source_length), ids.end())));
+    const std::vector<int64_t> prompt = tokenizer.encode(example.de + data::Tokenizer::kEosDe);
+    generations.push_back(tokenizer.decode(greedy_continuation(
+        model, prompt, model_max_length, tokenizer.eos_en_id(), tokenizer.vocab_size(), device)));
     progress.update(static_cast<int64_t>(generations.size()), "");
   }
   progress.finish();

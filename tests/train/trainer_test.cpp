@@ -12,6 +12,7 @@
 #include "harness/data/tokenizer.h"
 #include "harness/train/loss.h"
 #include "harness/train/report.h"
+#include "harness/train/setup.h"
 #include "harness/train/trainer.h"
 
 namespace harness::train {
@@ -88,6 +89,55 @@ TEST(GenerateTest, RejectsAMaxLengthBeyondThePositions) {
   EXPECT_THROW(generate_translations(model, *f.tokenizer, f.corpus.test,
                                      model->config().n_positions, torch::kCPU, false),
                std::invalid_argument);
+}
+
+// A head larger than the tokenizer (a preset's vocab_size above what the corpus fills, or real
+// weights with a new tokenizer): even when the extra rows win the arg-max everywhere, generation
+// only ever picks the tokenizer's ids, and decoding never fails.
+TEST(GenerateTest, NeverPicksIdsBeyondTheTokenizer) {
+  const Fixture& f = fixture();
+  const int64_t tokenizer_ids = f.tokenizer->vocab_size();
+  model::GPT2LMHeadModel model = tiny_model(tokenizer_ids + 16);
+  {
+    torch::NoGradGuard no_grad;
+    auto& transformer = model->transformer_module();
+    const at::Tensor v = torch::randn({transformer.ln_f->weight.size(0)});
+    transformer.ln_f->weight.zero_();
+    transformer.ln_f->bias.copy_(v);  // every position's hidden state is v
+    transformer.wte->weight.narrow(0, tokenizer_ids, 16).copy_(100.0 * v.expand({16, -1}));
+  }
+  const std::vector<int64_t> prompt = f.tokenizer->encode(f.corpus.test[0].de + data::Tokenizer::kEosDe);
+  const std::vector<int64_t> unrestricted =
+      greedy_continuation(model, prompt, 40, f.tokenizer->eos_en_id(), tokenizer_ids + 16, torch::kCPU);
+  ASSERT_FALSE(unrestricted.empty());
+  EXPECT_GE(unrestricted.front(), tokenizer_ids) << "the extra rows should win without the limit";
+  const std::vector<int64_t> ids =
+      greedy_continuation(model, prompt, 40, f.tokenizer->eos_en_id(), tokenizer_ids, torch::kCPU);
+  for (int64_t id : ids) EXPECT_LT(id, tokenizer_ids);
+  std::vector<std::string> out;
+  EXPECT_NO_THROW(out = generate_translations(model, *f.tokenizer, f.corpus.test, 40, torch::kCPU, false));
+  EXPECT_EQ(out.size(), f.corpus.test.size());
+  EXPECT_THROW(greedy_continuation(model, prompt, 40, 0, tokenizer_ids + 17, torch::kCPU),
+               std::invalid_argument);
+}
+
+// A vocabulary smaller than the corpus's characters is refused in the programs' terms (the flag to
+// change), not with SentencePiece's text about its own options.
+TEST(SetupTest, AVocabularyTooSmallForTheCorpusNamesWhatToChange) {
+  const Fixture& f = fixture();
+  model::GPT2Config config = model::GPT2Config::preset("gpt2-tiny");
+  config.vocab_size = 64;
+  const std::string path = std::filesystem::temp_directory_path().string() + "/small_vocab_" +
+                           std::to_string(::getpid()) + ".model";
+  try {
+    prepare_tokenizer({}, config, f.corpus.train, path);
+    FAIL() << "a 64-piece vocabulary was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("vocab_size is 64"), std::string::npos) << what;
+    EXPECT_NE(what.find("--model"), std::string::npos) << what;
+    EXPECT_EQ(what.find("character_coverage"), std::string::npos) << what;
+  }
 }
 
 TEST(TrainEpochTest, LossFallsAndHookRunsOncePerBatch) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,13 @@ class SentencePieceProcessor;
 }
 
 namespace harness::data {
+
+// Tokenizer::train's error when the corpus has more distinct characters than the vocabulary
+// cap allows: `required` pieces at least, `cap` allowed.
+struct VocabularyTooSmall : std::invalid_argument {
+  VocabularyTooSmall(int64_t required, int64_t cap);
+  int64_t required, cap;
+};
 
 class Tokenizer {
  public:

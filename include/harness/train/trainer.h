@@ -57,6 +57,13 @@ int64_t batches_in_epoch(const data::BatchLoader& loader, int64_t max_batches);
 double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
                      const c10::Device& device, int64_t max_batches = 0);
 
+// The greedy continuation of `prompt` (SPEC §3): the arg-max over the first `vocabulary` ids
+// (the tokenizer's; rows of a larger head are never chosen) appended while the sequence has at
+// most model_max_length tokens, stopping at stop_id (not appended). One position per new token.
+std::vector<int64_t> greedy_continuation(model::GPT2LMHeadModel& model, const std::vector<int64_t>& prompt,
+                                         int64_t model_max_length, int64_t stop_id, int64_t vocabulary,
+                                         const c10::Device& device);
+
 // Greedy generation of SPEC §3 for each example's de side: start from encode(de + <eos_de>),
 // append the arg-max token while the sequence has at most model_max_length tokens, stop at
 // <eos_en>. Returns the decoded continuations. One position per new token (KV cache).
