@@ -4,6 +4,7 @@
 
 #include <cxxopts.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <iostream>
 #include <string>
@@ -104,9 +105,28 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   return f;
 }
 
+// The original's spelling of a boolean flag (argparse type=bool): "--pytest True" / "--pytest
+// False" become "--pytest=true" / "--pytest=false"; a bare "--pytest" stays as it is.
+inline std::vector<std::string> join_boolean_values(int argc, char** argv,
+                                                    const std::vector<std::string>& flags) {
+  std::vector<std::string> out(argv, argv + argc);
+  for (size_t i = 1; i + 1 < out.size(); ++i) {
+    const bool boolean_flag = std::find(flags.begin(), flags.end(), out[i]) != flags.end();
+    const std::string& v = out[i + 1];
+    if (boolean_flag && (v == "True" || v == "False" || v == "true" || v == "false" || v == "1" || v == "0")) {
+      out[i] += "=" + std::string(v == "True" || v == "true" || v == "1" ? "true" : "false");
+      out.erase(out.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+    }
+  }
+  return out;
+}
+
 inline cxxopts::ParseResult parse_or_exit(cxxopts::Options& options, int argc, char** argv) {
   try {
-    cxxopts::ParseResult result = options.parse(argc, argv);
+    std::vector<std::string> joined = join_boolean_values(argc, argv, {"--pytest"});
+    std::vector<char*> args;
+    for (std::string& a : joined) args.push_back(a.data());
+    cxxopts::ParseResult result = options.parse(static_cast<int>(args.size()), args.data());
     if (result.count("help")) {
       std::cout << options.help() << std::endl;
       std::exit(0);

@@ -1,42 +1,90 @@
-// pipeline_schedule: prints GPipe's forward and backward clock tables for S stages and M
-// micro-batches, the Gantt chart of one training step and its bubble ratio, all from the schedule
-// Pipe executes (harness/pipeline/schedule.h).
+// pipeline_schedule: prints a pipeline training schedule for S stages and M micro-batches. GPipe:
+// the forward and backward clock tables Pipe executes (harness/pipeline/schedule.h), the Gantt
+// chart of one step and its bubble ratio. All schedules (GPipe, 1F1B, interleaved 1F1B with V
+// chunks per device; harness/pipeline/training_schedule.h): each device's actions, the unit-time
+// Gantt chart, the bubble and the peak in-flight micro-batches per device.
 #include <cxxopts.hpp>
 
 #include <cstdio>
 #include <iostream>
+#include <stdexcept>
+#include <string>
 
 #include "harness/pipeline/schedule.h"
+#include "harness/pipeline/training_schedule.h"
 
-int main(int argc, char** argv) {
-  using namespace harness::pipeline;
-  cxxopts::Options options("pipeline_schedule",
-                           "GPipe clock tables, Gantt chart and bubble ratio for S stages, M micro-batches");
-  options.add_options()
-      ("stages", "pipeline stages (partitions) S", cxxopts::value<int>()->default_value("4"))
-      ("micro_batches", "micro-batches per batch M", cxxopts::value<int>()->default_value("6"))
-      ("h,help", "this help");
-  int s = 0, m = 0;
+namespace {
+
+using namespace harness::pipeline;
+
+struct Config {
+  std::string schedule = "gpipe";
+  int stages = 4;
+  int micro_batches = 6;
+  int virtual_stages = 1;
+};
+
+// Flags are read as text so that a bad number names its flag, which cxxopts' own message does not.
+int parse_int_flag(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  int value = 0;
   try {
-    const cxxopts::ParseResult result = options.parse(argc, argv);
-    if (result.count("help")) {
-      std::cout << options.help() << std::endl;
-      return 0;
-    }
-    if (!result.unmatched().empty()) {
-      throw std::invalid_argument("unexpected argument '" + result.unmatched().front() + "'");
-    }
-    s = result["stages"].as<int>();
-    m = result["micro_batches"].as<int>();
-    if (s < 1) throw std::invalid_argument("--stages " + std::to_string(s) + " must be at least 1");
-    if (m < 1) {
-      throw std::invalid_argument("--micro_batches " + std::to_string(m) + " must be at least 1");
-    }
-  } catch (const std::exception& e) {
-    std::cerr << "pipeline_schedule: " << e.what() << "\n(see --help)" << std::endl;
-    return 2;
+    value = std::stoi(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
   }
+  if (used == 0 || used != text.size()) {
+    throw std::invalid_argument("--" + flag + " '" + text + "' is not an integer");
+  }
+  return value;
+}
 
+Config parse_config(const cxxopts::ParseResult& result) {
+  if (!result.unmatched().empty()) {
+    throw std::invalid_argument("unexpected argument '" + result.unmatched().front() + "'");
+  }
+  Config config;
+  config.schedule = result["schedule"].as<std::string>();
+  if (config.schedule != "gpipe" && config.schedule != "1f1b" && config.schedule != "interleaved") {
+    throw std::invalid_argument("--schedule '" + config.schedule +
+                                "' is not one of gpipe, 1f1b, interleaved");
+  }
+  config.stages = parse_int_flag("stages", result["stages"].as<std::string>());
+  config.micro_batches = parse_int_flag("micro_batches", result["micro_batches"].as<std::string>());
+  const bool interleaved = config.schedule == "interleaved";
+  config.virtual_stages =
+      result.count("virtual_stages")
+          ? parse_int_flag("virtual_stages", result["virtual_stages"].as<std::string>())
+          : (interleaved ? 2 : 1);
+  if (config.stages < 1) {
+    throw std::invalid_argument("--stages " + std::to_string(config.stages) +
+                                " must be at least 1");
+  }
+  if (config.micro_batches < 1) {
+    throw std::invalid_argument("--micro_batches " + std::to_string(config.micro_batches) +
+                                " must be at least 1");
+  }
+  if (config.virtual_stages < 1) {
+    throw std::invalid_argument("--virtual_stages " + std::to_string(config.virtual_stages) +
+                                " must be at least 1");
+  }
+  if (!interleaved && config.virtual_stages != 1) {
+    throw std::invalid_argument("--virtual_stages " + std::to_string(config.virtual_stages) +
+                                " needs --schedule interleaved; " + config.schedule +
+                                " runs one stage per device");
+  }
+  if (interleaved && config.micro_batches % config.stages != 0) {
+    throw std::invalid_argument(
+        "--micro_batches " + std::to_string(config.micro_batches) +
+        " is not divisible by --stages " + std::to_string(config.stages) +
+        ", as the interleaved schedule needs (e.g. --micro_batches " +
+        std::to_string((config.micro_batches / config.stages + 1) * config.stages) + ")");
+  }
+  return config;
+}
+
+// Today's GPipe report, unchanged: the clock tables Pipe executes, their Gantt chart and bubble.
+void print_gpipe_clock_schedule(int s, int m) {
   const ScheduleTable schedule = schedule_table(m, s);
   std::cout << "GPipe schedule: S=" << s << " stages, M=" << m << " micro-batches, "
             << m + s - 1 << " clock ticks forward and as many backward\n\n";
@@ -53,5 +101,87 @@ int main(int argc, char** argv) {
                 static_cast<long long>(schedule.total_slots()), 100.0 * schedule.bubble_ratio(),
                 s - 1, m + s - 1, static_cast<double>(s) * m / (m + s - 1));
   std::cout << line;
+}
+
+// The per-device view every schedule shares: action lists, unit-time Gantt chart, bubble, peaks.
+void print_training_schedule(const TrainingSchedule& schedule) {
+  const Timeline timeline = simulate_unit_time(schedule);  // validates the schedule first
+  const int s = schedule.devices;
+  const int m = schedule.micro_batches;
+  const int v = schedule.virtual_stages;
+  const bool chunks = v > 1;
+  std::cout << "Actions per device, in order (" << (chunks ? "F<i>.<c> / B<i>.<c>" : "F<i> / B<i>")
+            << " forward / backward of micro-batch i"
+            << (chunks ? " on the device's chunk c, stage c*S + device" : "") << "):\n"
+            << format_actions(schedule) << "\n";
+  std::cout << "Unit-time Gantt chart (every action one tick; a device starts its next action in "
+               "the tick after its inputs are ready, . = idle):\n"
+            << format_timeline(timeline) << "\n";
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "Unit-time bubble ratio: %lld idle of %lld slots = %.1f%% "
+                "(for reference (S-1)/(%sM+S-1) = %d/%d)\n",
+                static_cast<long long>(timeline.idle_slots()),
+                static_cast<long long>(timeline.total_slots()), 100.0 * timeline.bubble,
+                chunks ? "V*" : "", s - 1, v * m + s - 1);
+  std::cout << line;
+  std::cout << (chunks ? "Peak in-flight (micro-batch, chunk) activations per device:"
+                       : "Peak in-flight micro-batches per device:");
+  for (int peak : timeline.peak_in_flight) std::cout << " " << peak;
+  std::cout << " (forwarded, not yet backwarded; the schedule's bound is "
+            << schedule.in_flight_bound << ")\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cxxopts::Options options("pipeline_schedule",
+                           "Pipeline training schedules (GPipe, 1F1B, interleaved 1F1B) for S "
+                           "stages and M micro-batches: per-device actions, Gantt chart, bubble");
+  options.add_options()
+      ("schedule", "gpipe, 1f1b or interleaved",
+       cxxopts::value<std::string>()->default_value("gpipe"))
+      ("stages", "pipeline stages (devices) S", cxxopts::value<std::string>()->default_value("4"))
+      ("micro_batches", "micro-batches per batch M",
+       cxxopts::value<std::string>()->default_value("6"))
+      ("virtual_stages", "model chunks per device V (interleaved only; default 2 there, else 1)",
+       cxxopts::value<std::string>())
+      ("h,help", "this help");
+  Config config;
+  try {
+    const cxxopts::ParseResult result = options.parse(argc, argv);
+    if (result.count("help")) {
+      std::cout << options.help() << std::endl;
+      return 0;
+    }
+    config = parse_config(result);
+  } catch (const std::exception& e) {
+    std::cerr << "pipeline_schedule: " << e.what() << " (see --help)" << std::endl;
+    return 2;
+  }
+
+  const int s = config.stages;
+  const int m = config.micro_batches;
+  const int v = config.virtual_stages;
+  try {
+    if (config.schedule == "gpipe") {
+      print_gpipe_clock_schedule(s, m);
+      std::cout << "\nThe same step as per-device action lists (unit time):\n\n";
+      print_training_schedule(gpipe_schedule(m, s));
+    } else if (config.schedule == "1f1b") {
+      std::cout << "1F1B schedule: S=" << s << " devices, M=" << m
+                << " micro-batches; device d runs min(S-d-1, M) warm-up forwards, then one "
+                   "forward one backward\n\n";
+      print_training_schedule(one_f_one_b_schedule(m, s));
+    } else {
+      std::cout << "Interleaved 1F1B schedule: S=" << s << " devices x V=" << v
+                << " chunks = " << s * v << " virtual stages, M=" << m
+                << " micro-batches; device d holds chunks d, d+S, ...\n\n";
+      print_training_schedule(interleaved_schedule(m, s, v));
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "pipeline_schedule: " << e.what() << std::endl;
+    return 1;
+  }
   return 0;
 }

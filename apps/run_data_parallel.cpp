@@ -29,7 +29,7 @@ DataParallelFlags parse(int argc, char** argv) {
   add_common_options(options, /*default_batch_size=*/128, /*default_epochs=*/10);
   options.add_options()
       ("world_size", "number of ranks (worker processes started here)", cxxopts::value<int>()->default_value("2"))
-      ("pytest", "train one batch and write each rank's gradients to --grad_dir/model{rank}_gradients.pth")
+      ("pytest", "train one batch and write each rank's gradients to --grad_dir/model{rank}_gradients.pth (also --pytest True / --pytest False, the original's spelling)", cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
       ("allreduce", "builtin: the process group's all-reduce; ring: ring all-reduce on point-to-point send/recv (with either --grad_sync)", cxxopts::value<std::string>()->default_value("builtin"))
       ("reshuffle_each_epoch", "a new seeded partition of the training set every epoch (seed + epoch, as DistributedSampler.set_epoch); default: the original's fixed partition")
       ("save_every_rank", "besides rank 0's model in --workdir, rank r > 0 writes its replica to --workdir/rank{r}/ (to check that replicas agree)")
@@ -41,6 +41,7 @@ DataParallelFlags parse(int argc, char** argv) {
       ("grad_sync", "bucketed: overlapped all-reduce of gradient buckets during backward; naive: the original's per-parameter all-reduce after backward", cxxopts::value<std::string>()->default_value("bucketed"))
       ("bucket_cap_mb", "bucket size for --grad_sync bucketed", cxxopts::value<double>()->default_value("25"))
       ("max_restarts", "as torchrun's --max-restarts: when a worker dies, restart the whole group up to N times, resuming from the newest complete checkpoint", cxxopts::value<int>()->default_value("0"))
+      ("dist_timeout_s", "seconds the rendezvous and each collective may take before the run fails", cxxopts::value<int>()->default_value("300"))
       ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"));
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   DataParallelFlags flags;
@@ -50,7 +51,7 @@ DataParallelFlags parse(int argc, char** argv) {
     train::DataParallelConfig& c = flags.config;
     c.run = common;
     c.world_size = result["world_size"].as<int>();
-    c.pytest = result.count("pytest") > 0;
+    c.pytest = result["pytest"].as<bool>();
     c.save_every_rank = result.count("save_every_rank") > 0;
     c.allreduce = dp::parse_allreduce_algorithm(result["allreduce"].as<std::string>());
     c.reshuffle_each_epoch = result.count("reshuffle_each_epoch") > 0;
@@ -63,6 +64,10 @@ DataParallelFlags parse(int argc, char** argv) {
     c.bucket_cap_mb = result["bucket_cap_mb"].as<double>();
     c.tensor_parallel_size = result["tensor_parallel_size"].as<int>();
     c.max_restarts = result["max_restarts"].as<int>();
+    c.dist_timeout_s = result["dist_timeout_s"].as<int>();
+    if (c.dist_timeout_s < 1) {
+      throw std::invalid_argument("--dist_timeout_s must be at least 1, got " + std::to_string(c.dist_timeout_s));
+    }
     if (c.max_restarts < 0) {
       throw std::invalid_argument("--max_restarts must be >= 0, got " + std::to_string(c.max_restarts));
     }

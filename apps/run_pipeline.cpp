@@ -18,7 +18,8 @@ PipelineFlags parse(int argc, char** argv) {
   add_common_options(options, /*default_batch_size=*/32, /*default_epochs=*/2);
   options.add_options()
       ("model_parallel_mode", "model_parallel | pipeline_parallel (absent: one device)", cxxopts::value<std::string>()->default_value(""))
-      ("n_chunk", "micro-batches per batch in pipeline_parallel mode", cxxopts::value<int64_t>()->default_value("4"));
+      ("n_chunk", "micro-batches per batch in pipeline_parallel mode", cxxopts::value<int64_t>()->default_value("4"))
+      ("shuffle", "reshuffle the training pairs every epoch (from --seed); default: in order, as the original (shuffle=False)");
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   PipelineFlags flags;
   try {
@@ -28,6 +29,7 @@ PipelineFlags parse(int argc, char** argv) {
     train::PipelineConfig& c = flags.config;
     c.mode = result["model_parallel_mode"].as<std::string>();
     c.n_chunk = result["n_chunk"].as<int64_t>();
+    c.shuffle = result.count("shuffle") > 0;
     if (!c.mode.empty() && c.mode != "model_parallel" && c.mode != "pipeline_parallel") {
       throw std::invalid_argument("--model_parallel_mode '" + c.mode +
                                   "': expected model_parallel or pipeline_parallel");

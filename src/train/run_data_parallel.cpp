@@ -66,7 +66,8 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   const int threads = f.threads_per_device > 0 ? f.threads_per_device : default_threads_per_device(local_world);
   at::set_num_threads(threads);
 
-  const dp::DistOptions options = dp::dist_options_for(env, flags.backend, device);
+  dp::DistOptions options = dp::dist_options_for(env, flags.backend, device);
+  options.timeout = std::chrono::seconds(flags.dist_timeout_s);
   // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
   // same shard) is what the batch is partitioned over and the gradients are averaged over.
   const int T = flags.tensor_parallel_size;
@@ -88,6 +89,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
                 : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
   data::Tokenizer tokenizer = prepare_tokenizer(f.model, config, corpus.train, tokenizer_path);
   if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
+  if (rank == 0) config.save_json_file(f.workdir + "/config.json");  // as the original, at start
 
   if (T > 1) tp::validate_tensor_parallel(config, T);
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
@@ -131,7 +133,8 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   };
   dp::ShardedLoader train_shards(dp_rank, dp_size, corpus.train, f.batch_size, collate,
                                 dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
-  data::BatchLoader validation_loader(corpus.validation, collate, {device_batch, false, 0, false, 2});
+  // Validation in batches of the global --batch_size, as the original's validation loader.
+  data::BatchLoader validation_loader(corpus.validation, collate, {f.batch_size, false, 0, false, 2});
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const std::string track = "rank " + std::to_string(rank);
   step->tracer = tracer.get();

@@ -45,6 +45,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
   data::Tokenizer tokenizer =
       prepare_tokenizer(f.model, config, corpus.train, f.workdir + "/tokenizer.model");
   if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
+  config.save_json_file(f.workdir + "/config.json");  // as the original, at start
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
 
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
@@ -78,7 +79,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
     return data::collate(ex, tokenizer, max_length);
   };
   data::BatchLoader train_loader(corpus.train, collate,
-                                 {f.batch_size, /*shuffle=*/true, f.seed, false, 2});
+                                 {f.batch_size, pipeline.shuffle, f.seed, false, 2});
   data::BatchLoader validation_loader(corpus.validation, collate,
                                       {f.batch_size, false, 0, false, 2});
 
@@ -89,7 +90,9 @@ int run_pipeline(const PipelineConfig& pipeline) {
     if (!pipeline.mode.empty()) options.pipeline_devices.push_back(device.str());
     options.devices.push_back(device.torch_device());
   }
-  options.data_order = "all training pairs, shuffled each epoch from --seed " + std::to_string(f.seed);
+  options.data_order = pipeline.shuffle
+                           ? "all training pairs, shuffled each epoch from --seed " + std::to_string(f.seed)
+                           : "all training pairs in order";
   options.save_dir = f.workdir;
   options.tokenizer_path = f.workdir + "/tokenizer.model";
   options.tracer = tracer.get();

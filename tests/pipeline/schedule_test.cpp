@@ -19,9 +19,17 @@ TEST(Schedule, a5_2_1_ClockCyclesMatchesTheSpecTable) {
   EXPECT_EQ(clock_cycles(3, 3), expected);
 }
 
-TEST(Schedule, a5_2_1_ClockCyclesMatchesTheOriginalsSecondTable) {
+TEST(Schedule, a5_2_1_ClockCyclesThreeMicroBatchesTwoPartitions) {
   const std::vector<Cycle> expected = {{{0, 0}}, {{1, 0}, {0, 1}}, {{2, 0}, {1, 1}}, {{2, 1}}};
   EXPECT_EQ(clock_cycles(3, 2), expected);
+}
+
+// The original's test_clock_cycles_0: m = 6 micro-batches, n = 2 partitions, as a literal table.
+TEST(Schedule, a5_2_1_test_clock_cycles_0) {
+  const std::vector<Cycle> expected = {{{0, 0}},         {{1, 0}, {0, 1}}, {{2, 0}, {1, 1}},
+                                       {{3, 0}, {2, 1}}, {{4, 0}, {3, 1}}, {{5, 0}, {4, 1}},
+                                       {{5, 1}}};
+  EXPECT_EQ(clock_cycles(6, 2), expected);
 }
 
 TEST(Schedule, a5_2_1_EveryShapeUpTo8x8FollowsTheDefinition) {

@@ -74,6 +74,25 @@ class DataParallelProgram(unittest.TestCase):
             check = run([sys.executable, os.path.join(SOURCE, "scripts", "check_gradients.py"), grads])
             self.assertEqual(check.returncode, 0)
 
+    def test_a5_1_2_original_spelling_pytest_true_writes_config_at_start(self):
+        torch = torch_module()
+        with tempfile.TemporaryDirectory() as tmp:
+            grads, work = os.path.join(tmp, "grads"), os.path.join(tmp, "work")
+            run([DP, "--world_size", "2", "--pytest", "True", "--grad_dir", grads, "--batch_size", "16",
+                 "--workdir", work, "--master_port", str(free_port())] + TINY)
+            g0 = torch.load(os.path.join(grads, "model0_gradients.pth"))
+            g1 = torch.load(os.path.join(grads, "model1_gradients.pth"))
+            for name in g0:
+                self.assertTrue(torch.equal(g0[name], g1[name]), name)
+            with open(os.path.join(work, "config.json")) as f:  # written at start, as the original
+                self.assertEqual(json.load(f)["n_layer"], 2)
+            off = os.path.join(tmp, "off")
+            proc = run([DP, "--world_size", "1", "--pytest", "False", "--grad_dir", off, "--n_epochs", "1",
+                        "--max_batches", "1", "--batch_size", "8", "--benchmark_only", "--workdir", os.path.join(tmp, "w2"),
+                        "--master_port", str(free_port())] + TINY)
+            self.assertFalse(os.path.exists(off), "--pytest False must train normally")
+            self.assertEqual(len(matching(DP_TRAIN, proc.stdout)), 1)
+
     def test_spec_lines_files_and_a_model_that_transformers_loads(self):
         with tempfile.TemporaryDirectory() as work:
             proc = run([DP, "--world_size", "2", "--n_epochs", "2", "--batch_size", "16", "--workdir", work,

@@ -43,6 +43,7 @@ struct PipelineConfig {
   RunConfig run;
   std::string mode;  // "", "model_parallel", "pipeline_parallel"
   int64_t n_chunk = 4;
+  bool shuffle = false;  // the original trains in order (shuffle=False)
 };
 int run_pipeline(const PipelineConfig& config);
 
@@ -62,6 +63,7 @@ struct DataParallelConfig {
   double bucket_cap_mb = 25.0;
   int tensor_parallel_size = 1;
   int max_restarts = 0;
+  int dist_timeout_s = 300;  // rendezvous and collectives
 };
 int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
 

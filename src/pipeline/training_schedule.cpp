@@ -1,0 +1,383 @@
+// GPipe, 1F1B and interleaved 1F1B as per-device action lists; their validator, unit-time simulator
+// and Gantt chart.
+#include "harness/pipeline/training_schedule.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace harness::pipeline {
+namespace {
+
+void check_counts(const char* function, int micro_batches, int devices, int virtual_stages) {
+  if (micro_batches < 1 || devices < 1 || virtual_stages < 1) {
+    throw std::invalid_argument(std::string(function) +
+                                ": need at least one micro-batch, device and virtual stage, got "
+                                "micro_batches=" +
+                                std::to_string(micro_batches) +
+                                ", devices=" + std::to_string(devices) +
+                                ", virtual_stages=" + std::to_string(virtual_stages));
+  }
+}
+
+TrainingSchedule empty_schedule(std::string name, int micro_batches, int devices,
+                                int virtual_stages) {
+  TrainingSchedule schedule;
+  schedule.name = std::move(name);
+  schedule.devices = devices;
+  schedule.virtual_stages = virtual_stages;
+  schedule.micro_batches = micro_batches;
+  schedule.per_device.resize(static_cast<size_t>(devices));
+  return schedule;
+}
+
+std::string describe(const Action& action) {
+  return std::string(action.kind == Action::Kind::kForward ? "forward" : "backward") +
+         " of micro-batch " + std::to_string(action.micro_batch) + " on stage " +
+         std::to_string(action.stage);
+}
+
+std::string context(const TrainingSchedule& schedule) {
+  return "validate_schedule(" + schedule.name + ", M=" + std::to_string(schedule.micro_batches) +
+         ", D=" + std::to_string(schedule.devices) +
+         ", V=" + std::to_string(schedule.virtual_stages) + ")";
+}
+
+std::string at(const TrainingSchedule& schedule, size_t device, size_t index) {
+  return context(schedule) + ": device " + std::to_string(device) + ", action " +
+         std::to_string(index) + " (" + describe(schedule.per_device[device][index]) + ")";
+}
+
+// Per (kind, micro-batch, stage) value, e.g. the tick an action finished or where it was listed.
+class ActionMap {
+ public:
+  ActionMap(int micro_batches, int stages, int initial)
+      : stages_(stages), values_(2 * static_cast<size_t>(micro_batches) * stages, initial) {}
+
+  int& operator[](const Action& action) {
+    const size_t kind = action.kind == Action::Kind::kForward ? 0 : 1;
+    return values_[(kind * values_.size() / 2) + static_cast<size_t>(action.micro_batch) * stages_ +
+                   action.stage];
+  }
+
+ private:
+  size_t stages_;
+  std::vector<int> values_;
+};
+
+// The actions `action` waits for, per the dependency rules in the header.
+std::vector<Action> dependencies(const Action& action, int stages) {
+  if (action.kind == Action::Kind::kForward) {
+    if (action.stage == 0) return {};
+    return {Action::forward(action.micro_batch, action.stage - 1)};
+  }
+  std::vector<Action> needs = {Action::forward(action.micro_batch, action.stage)};
+  if (action.stage + 1 < stages) {
+    needs.push_back(Action::backward(action.micro_batch, action.stage + 1));
+  }
+  return needs;
+}
+
+// Ranges, ownership and exactly-once.
+void check_actions(const TrainingSchedule& schedule) {
+  const int stages = schedule.stages();
+  ActionMap listed_at(schedule.micro_batches, stages, -1);
+  for (size_t d = 0; d < schedule.per_device.size(); ++d) {
+    const auto& actions = schedule.per_device[d];
+    for (size_t k = 0; k < actions.size(); ++k) {
+      const Action& action = actions[k];
+      if (action.micro_batch < 0 || action.micro_batch >= schedule.micro_batches) {
+        throw std::invalid_argument(at(schedule, d, k) + ": micro-batch outside [0, " +
+                                    std::to_string(schedule.micro_batches) + ")");
+      }
+      if (action.stage < 0 || action.stage >= stages) {
+        throw std::invalid_argument(at(schedule, d, k) + ": stage outside [0, " +
+                                    std::to_string(stages) + ")");
+      }
+      const int owner = device_of_stage(action.stage, schedule.devices);
+      if (owner != static_cast<int>(d)) {
+        throw std::invalid_argument(at(schedule, d, k) + ": stage " + std::to_string(action.stage) +
+                                    " belongs to device " + std::to_string(owner));
+      }
+      int& first = listed_at[action];
+      if (first != -1) {
+        throw std::invalid_argument(at(schedule, d, k) + ": already listed as action " +
+                                    std::to_string(first));
+      }
+      first = static_cast<int>(k);
+    }
+  }
+  for (const Action::Kind kind : {Action::Kind::kForward, Action::Kind::kBackward}) {
+    for (int s = 0; s < stages; ++s) {
+      for (int i = 0; i < schedule.micro_batches; ++i) {
+        const Action action{kind, i, s};
+        if (listed_at[action] == -1) {
+          throw std::invalid_argument(context(schedule) + ": device " +
+                                      std::to_string(device_of_stage(s, schedule.devices)) +
+                                      " never runs the " + describe(action));
+        }
+      }
+    }
+  }
+}
+
+// Runs every device's list with unit time. Returns the slots; on a deadlock (no device can start
+// its next action and some have actions left) throws, naming each stuck device and what it waits
+// for. Assumes check_actions passed, so every dependency is listed exactly once somewhere.
+std::vector<std::vector<std::optional<Action>>> run_unit_time(const TrainingSchedule& schedule) {
+  const int stages = schedule.stages();
+  const size_t devices = schedule.per_device.size();
+  ActionMap finished_at(schedule.micro_batches, stages, -1);
+  std::vector<size_t> next(devices, 0);
+  std::vector<std::vector<std::optional<Action>>> slots(devices);
+  size_t remaining = 0;
+  for (const auto& actions : schedule.per_device) remaining += actions.size();
+
+  for (int tick = 0; remaining > 0; ++tick) {
+    bool progressed = false;
+    std::string stuck;
+    for (size_t d = 0; d < devices; ++d) {
+      std::optional<Action> ran;
+      if (next[d] < schedule.per_device[d].size()) {
+        const Action& action = schedule.per_device[d][next[d]];
+        std::optional<Action> missing;
+        for (const Action& need : dependencies(action, stages)) {
+          if (finished_at[need] == -1) {
+            missing = need;
+            break;
+          }
+        }
+        if (!missing) {
+          ran = action;
+          ++next[d];
+          --remaining;
+          progressed = true;
+        } else {
+          stuck += std::string(stuck.empty() ? "" : "; ") + "device " + std::to_string(d) +
+                   " waits at action " + std::to_string(next[d]) + " (" + describe(action) +
+                   ") for the " + describe(*missing);
+        }
+      }
+      slots[d].push_back(ran);
+    }
+    // Recorded once every device has chosen, so nothing waits on an action of the same tick.
+    for (size_t d = 0; d < devices; ++d) {
+      if (slots[d].back()) finished_at[*slots[d].back()] = tick;
+    }
+    if (!progressed) {
+      throw std::invalid_argument(context(schedule) + ": deadlock at tick " + std::to_string(tick) +
+                                  ": " + stuck);
+    }
+  }
+  return slots;
+}
+
+// Activations each device holds at most, from its own order alone (timing cannot change it).
+// Throws at the first action that takes a device above in_flight_bound.
+std::vector<int> peak_in_flight(const TrainingSchedule& schedule) {
+  std::vector<int> peaks;
+  for (size_t d = 0; d < schedule.per_device.size(); ++d) {
+    const auto& actions = schedule.per_device[d];
+    int held = 0;
+    int peak = 0;
+    for (size_t k = 0; k < actions.size(); ++k) {
+      held += actions[k].kind == Action::Kind::kForward ? 1 : -1;
+      if (held > schedule.in_flight_bound) {
+        throw std::invalid_argument(at(schedule, d, k) + ": " + std::to_string(held) +
+                                    " activations forwarded and not yet backwarded, above the "
+                                    "schedule's in_flight_bound " +
+                                    std::to_string(schedule.in_flight_bound));
+      }
+      peak = std::max(peak, held);
+    }
+    peaks.push_back(peak);
+  }
+  return peaks;
+}
+
+std::string pad_right(std::string text, size_t width) {
+  if (text.size() < width) text.append(width - text.size(), ' ');
+  return text;
+}
+
+std::string rtrim(std::string line) {
+  line.erase(line.find_last_not_of(' ') + 1);
+  return line;
+}
+
+}  // namespace
+
+bool operator==(const Action& a, const Action& b) {
+  return a.kind == b.kind && a.micro_batch == b.micro_batch && a.stage == b.stage;
+}
+
+bool operator!=(const Action& a, const Action& b) { return !(a == b); }
+
+int device_of_stage(int stage, int devices) { return stage % devices; }
+
+int chunk_of_stage(int stage, int devices) { return stage / devices; }
+
+TrainingSchedule gpipe_schedule(int micro_batches, int devices) {
+  check_counts("gpipe_schedule", micro_batches, devices, 1);
+  TrainingSchedule schedule = empty_schedule("gpipe", micro_batches, devices, 1);
+  for (int d = 0; d < devices; ++d) {
+    auto& actions = schedule.per_device[static_cast<size_t>(d)];
+    for (int i = 0; i < micro_batches; ++i) actions.push_back(Action::forward(i, d));
+    for (int i = micro_batches - 1; i >= 0; --i) actions.push_back(Action::backward(i, d));
+  }
+  schedule.in_flight_bound = micro_batches;
+  return schedule;
+}
+
+TrainingSchedule one_f_one_b_schedule(int micro_batches, int devices) {
+  check_counts("one_f_one_b_schedule", micro_batches, devices, 1);
+  TrainingSchedule schedule = empty_schedule("1f1b", micro_batches, devices, 1);
+  for (int d = 0; d < devices; ++d) {
+    auto& actions = schedule.per_device[static_cast<size_t>(d)];
+    // Enough forwards in flight that the first backward arrives from the last device just as the
+    // warm-up ends; the last device needs none.
+    const int warmup = std::min(devices - d - 1, micro_batches);
+    for (int i = 0; i < warmup; ++i) actions.push_back(Action::forward(i, d));
+    for (int i = 0; i < micro_batches - warmup; ++i) {
+      actions.push_back(Action::forward(warmup + i, d));
+      actions.push_back(Action::backward(i, d));
+    }
+    for (int i = micro_batches - warmup; i < micro_batches; ++i) {
+      actions.push_back(Action::backward(i, d));
+    }
+  }
+  schedule.in_flight_bound = std::min(devices, micro_batches);
+  return schedule;
+}
+
+TrainingSchedule interleaved_schedule(int micro_batches, int devices, int virtual_stages) {
+  check_counts("interleaved_schedule", micro_batches, devices, virtual_stages);
+  if (micro_batches % devices != 0) {
+    throw std::invalid_argument(
+        "interleaved_schedule: micro_batches=" + std::to_string(micro_batches) +
+        " is not divisible by devices=" + std::to_string(devices) +
+        "; micro-batches go through the chunks in groups of one per device");
+  }
+  TrainingSchedule schedule = empty_schedule("interleaved", micro_batches, devices, virtual_stages);
+  const int group = devices * virtual_stages;
+  const int steps = micro_batches * virtual_stages;
+  // Megatron's step numbering: within each group of D * V steps, D micro-batches through chunk 0,
+  // the same D through chunk 1, ...; backwards walk the chunks in reverse.
+  auto step_action = [&](int k, Action::Kind kind, int d) {
+    const int micro_batch = (k / group) * devices + k % devices;
+    int chunk = (k % group) / devices;
+    if (kind == Action::Kind::kBackward) chunk = virtual_stages - 1 - chunk;
+    return Action{kind, micro_batch, chunk * devices + d};
+  };
+  for (int d = 0; d < devices; ++d) {
+    auto& actions = schedule.per_device[static_cast<size_t>(d)];
+    // (V - 1) D forwards take the first D micro-batches up to this device's last chunk;
+    // 2 (D - d - 1) more cover the trip on to the last device and the gradient's trip back, so the
+    // first backward's input is due as warm-up ends. Megatron core v0.7: with M == D every step is
+    // warm-up; later versions drop that special case, which changes devices d > 0 only.
+    const int warmup =
+        micro_batches == devices
+            ? steps
+            : std::min(2 * (devices - d - 1) + (virtual_stages - 1) * devices, steps);
+    for (int k = 0; k < warmup; ++k) actions.push_back(step_action(k, Action::Kind::kForward, d));
+    for (int k = 0; k < steps - warmup; ++k) {
+      actions.push_back(step_action(warmup + k, Action::Kind::kForward, d));
+      actions.push_back(step_action(k, Action::Kind::kBackward, d));
+    }
+    for (int k = steps - warmup; k < steps; ++k) {
+      actions.push_back(step_action(k, Action::Kind::kBackward, d));
+    }
+  }
+  schedule.in_flight_bound = std::min(steps, (virtual_stages + 1) * devices - 1);
+  return schedule;
+}
+
+void validate_schedule(const TrainingSchedule& schedule) {
+  if (schedule.micro_batches < 1 || schedule.devices < 1 || schedule.virtual_stages < 1) {
+    throw std::invalid_argument(context(schedule) +
+                                ": need at least one micro-batch, device and virtual stage");
+  }
+  if (schedule.per_device.size() != static_cast<size_t>(schedule.devices)) {
+    throw std::invalid_argument(
+        context(schedule) + ": per_device has " + std::to_string(schedule.per_device.size()) +
+        " lists, expected one per device (" + std::to_string(schedule.devices) + ")");
+  }
+  check_actions(schedule);
+  run_unit_time(schedule);
+  peak_in_flight(schedule);
+}
+
+int64_t Timeline::total_slots() const { return static_cast<int64_t>(slots.size()) * ticks; }
+
+int64_t Timeline::idle_slots() const {
+  int64_t idle = 0;
+  for (const auto& row : slots) {
+    idle += std::count_if(row.begin(), row.end(), [](const auto& slot) { return !slot; });
+  }
+  return idle;
+}
+
+Timeline simulate_unit_time(const TrainingSchedule& schedule) {
+  validate_schedule(schedule);
+  Timeline timeline;
+  timeline.virtual_stages = schedule.virtual_stages;
+  timeline.slots = run_unit_time(schedule);
+  timeline.ticks = timeline.slots.empty() ? 0 : static_cast<int>(timeline.slots[0].size());
+  const int64_t total = timeline.total_slots();
+  timeline.bubble =
+      total == 0 ? 0.0 : static_cast<double>(timeline.idle_slots()) / static_cast<double>(total);
+  timeline.peak_in_flight = peak_in_flight(schedule);
+  return timeline;
+}
+
+std::string action_label(const Action& action, int devices, int virtual_stages) {
+  std::string label =
+      (action.kind == Action::Kind::kForward ? "F" : "B") + std::to_string(action.micro_batch);
+  if (virtual_stages > 1) label += "." + std::to_string(chunk_of_stage(action.stage, devices));
+  return label;
+}
+
+std::string format_actions(const TrainingSchedule& schedule) {
+  std::string out;
+  for (size_t d = 0; d < schedule.per_device.size(); ++d) {
+    out += "device " + std::to_string(d) + ":";
+    for (const Action& action : schedule.per_device[d]) {
+      out += " " + action_label(action, schedule.devices, schedule.virtual_stages);
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+std::string format_timeline(const Timeline& timeline) {
+  const int devices = static_cast<int>(timeline.slots.size());
+  std::vector<std::string> header;
+  for (int k = 0; k < timeline.ticks; ++k) header.push_back(std::to_string(k));
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& row : timeline.slots) {
+    rows.emplace_back();
+    for (const auto& slot : row) {
+      rows.back().push_back(slot ? action_label(*slot, devices, timeline.virtual_stages) : ".");
+    }
+  }
+  // gantt_chart's layout: every cell padded to one width (at least 2), labels to the longest.
+  size_t width = 2;
+  for (const auto& cell : header) width = std::max(width, cell.size());
+  for (const auto& row : rows) {
+    for (const auto& cell : row) width = std::max(width, cell.size());
+  }
+  const std::string header_label = "clock";
+  const size_t label_width =
+      std::max(header_label.size(), ("device " + std::to_string(std::max(devices - 1, 0))).size());
+  auto line = [&](const std::string& label, const std::vector<std::string>& cells) {
+    std::string text = pad_right(label, label_width) + " ";
+    for (const auto& cell : cells) text += " " + pad_right(cell, width);
+    return rtrim(text) + "\n";
+  };
+  std::string out = line(header_label, header);
+  for (size_t d = 0; d < rows.size(); ++d) out += line("device " + std::to_string(d), rows[d]);
+  return out;
+}
+
+}  // namespace harness::pipeline
