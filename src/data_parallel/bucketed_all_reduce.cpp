@@ -148,23 +148,46 @@ void BucketedAllReduce::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(ctx_.group, "BucketedAllReduce: the DistContext has no process group");
   launched_during_backward_ = launched_in_step_;
-  // Every rank issues the same sequence: the buckets not yet launched, then the stale ones, in
-  // bucket order.
+  // Every rank issues the same sequence: the buckets not yet launched, in bucket order; then,
+  // once they are all done, one agreement (below); then the buckets some rank saw change again.
   for (; next_to_launch_ < buckets_.size(); ++next_to_launch_) launch_locked(buckets_[next_to_launch_]);
-  for (auto& bucket : buckets_) {
-    if (!bucket.stale) continue;
-    bucket.work->wait();
-    launch_locked(bucket);
+  for (auto& bucket : buckets_) bucket.work->wait();
+
+  // What each rank decided alone, agreed by a MAX all-reduce of one flag per bucket ("a gradient
+  // changed after its launch here") and one per parameter ("it has a gradient here"), as DDP does
+  // with find_unused_parameters: a bucket stale on one rank is reduced again on all of them, and a
+  // parameter that got a gradient on any rank gets the average on every rank (a rank that did not
+  // use it contributed zeros), so that ranks never issue different collectives nor step different
+  // parameters.
+  const size_t n_buckets = buckets_.size();
+  at::Tensor flags = torch::zeros({static_cast<int64_t>(n_buckets + parameters_.size())}, torch::kInt);
+  {
+    auto f = flags.accessor<int, 1>();
+    for (size_t b = 0; b < n_buckets; ++b) f[static_cast<int64_t>(b)] = buckets_[b].stale ? 1 : 0;
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      f[static_cast<int64_t>(n_buckets + i)] = parameters_[i].grad().defined() ? 1 : 0;
+    }
+  }
+  std::vector<at::Tensor> agreement{flags.to(ctx_.device.torch_device())};
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp::MAX;
+  ctx_.group->allreduce(agreement, max)->wait();
+  flags = agreement[0].to(torch::kCPU);
+  const auto agreed = flags.accessor<int, 1>();
+  for (size_t b = 0; b < n_buckets; ++b) {
+    if (agreed[static_cast<int64_t>(b)] == 0) continue;
+    launch_locked(buckets_[b]);
+    buckets_[b].work->wait();
   }
   torch::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
-    bucket.work->wait();
     bucket.buffer.div_(static_cast<double>(ctx_.world_size));
     int64_t offset = 0;
     for (size_t index : bucket.params) {
       at::Tensor& p = parameters_[index];
       const int64_t n = p.numel();
       at::Tensor& g = p.mutable_grad();
+      if (!g.defined() && agreed[static_cast<int64_t>(n_buckets + index)] != 0) g = torch::zeros_like(p);
       if (g.defined()) g.copy_(bucket.buffer.slice(0, offset, offset + n).view_as(g));
       offset += n;
     }

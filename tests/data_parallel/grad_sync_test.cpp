@@ -55,5 +55,17 @@ TEST(GradSync, BucketedEqualsNaiveAcrossTwoProcesses) {
   EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
 }
 
+// A parameter used on one rank only (and used again after being presumed unused): the ranks
+// agree instead of issuing different collectives, and all hold the average.
+TEST(GradSync, BucketedAgreesWhenRanksUseDifferentParameters) {
+  const auto run = testing::launch_scenario("bucketed_unused_on_one_rank", 2);
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(run.joined().find("scenario bucketed_unused_on_one_rank passed on rank " + std::to_string(rank)),
+              std::string::npos)
+        << run.joined();
+  }
+}
+
 }  // namespace
 }  // namespace harness::data_parallel

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstddef>
+#include <iosfwd>
 #include <string>
+#include <vector>
 
 #include "harness/data/example.h"
 
@@ -21,9 +23,19 @@ enum class DatasetLayout { kJsonLines, kFairseq };
 // Which layout `dir` holds; throws naming what was looked for when it is neither.
 DatasetLayout detect_layout(const std::string& dir);
 
-// Loads the first N pairs of each split. Errors name the file and the line (missing file,
-// malformed JSON, missing or non-string key, misaligned fairseq files, empty split).
+// Loads the first N pairs of each split. Errors are one line naming the file and the line
+// (missing file, malformed or too deeply nested JSON, missing or non-string key, text that is
+// not UTF-8, misaligned fairseq files, empty split). A UTF-8 byte-order mark and CRLF line ends
+// are accepted in both layouts.
 TranslationCorpus load_dataset(const std::string& dir, const SplitSizes& sizes = {});
+
+// The two readers behind load_dataset, on streams (the fuzz targets feed them bytes): the first
+// `limit` pairs of one split. `origin` (a file name) starts every error message.
+std::vector<TranslationExample> read_jsonl_split(std::istream& in, const std::string& origin,
+                                                 size_t limit);
+std::vector<TranslationExample> read_fairseq_split(std::istream& de, const std::string& de_origin,
+                                                   std::istream& en, const std::string& en_origin,
+                                                   size_t limit);
 
 // Writes train.jsonl, validation.jsonl, test.jsonl ({"translation": {"de", "en"}} per line) into
 // `dir`, creating it; load_dataset(dir) reads them back unchanged.

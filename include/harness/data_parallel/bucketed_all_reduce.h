@@ -44,9 +44,13 @@ class BucketedAllReduce : public GradientSynchronizer {
   // Called by the accumulator hooks; public so that a caller without hooks could drive it.
   void add(size_t index) override;
   // Launches what backward did not (unused parameters count as zero), waits for every bucket,
-  // averages. Parameters unused in one step are taken as ready from the start of the next, so
-  // they do not delay their bucket (every rank must use the same parameters, as with DDP). A gradient accumulated again after its bucket was launched (several backward calls
-  // per step) makes that bucket be reduced again here, in bucket order on every rank.
+  // then agrees with the other ranks (one small MAX all-reduce) on the buckets to reduce again
+  // and the parameters that have a gradient anywhere, and averages. Ranks may use different
+  // parameters in a step (as DDP's find_unused_parameters allows): a parameter used on any rank
+  // gets the average everywhere. Parameters unused in one step are taken as ready from the start
+  // of the next, so they do not delay their bucket; a gradient accumulated after its bucket was
+  // launched (several backward calls per step, or a parameter used again) makes that bucket be
+  // reduced again here, in bucket order on every rank.
   void finalize() override;
   std::string name() const override {
     return allreduce_ == AllReduceAlgorithm::kRing ? "bucketed+ring" : "bucketed";
