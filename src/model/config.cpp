@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -40,13 +41,31 @@ const std::vector<std::pair<std::string, GPT2Config>>& presets() {
 
 std::string type_name(const json& v) { return v.type_name(); }
 
+// A value for a one-line error message: its type and, for a scalar, its JSON cut after 60 bytes.
+// Containers are described by size: dump() would copy a whole (maybe huge) subtree.
+std::string shown(const json& v) {
+  if (v.is_object()) return "object with " + std::to_string(v.size()) + " key(s)";
+  if (v.is_array()) return "array of " + std::to_string(v.size()) + " element(s)";
+  std::string text = v.dump();
+  constexpr size_t kShownBytes = 60;
+  if (text.size() > kShownBytes) {
+    size_t end = kShownBytes;
+    while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+    text = text.substr(0, end) + "...";
+  }
+  return type_name(v) + " " + text;
+}
+
 // Reads key into out when present (and not null, which Hugging Face writes for "unset").
 void read_int(const json& j, const char* key, int64_t& out, const std::string& origin) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return;
   if (!it->is_number_integer()) {
-    throw std::runtime_error(origin + ": key \"" + key + "\" must be an integer, got " +
-                             type_name(*it) + " " + it->dump());
+    throw std::runtime_error(origin + ": key \"" + key + "\" must be an integer, got " + shown(*it));
+  }
+  if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+    throw std::runtime_error(origin + ": key \"" + key + "\" = " + it->dump() +
+                             " is out of range (expected at most " + std::to_string(INT64_MAX) + ")");
   }
   out = it->get<int64_t>();
 }
@@ -55,8 +74,7 @@ void read_double(const json& j, const char* key, double& out, const std::string&
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return;
   if (!it->is_number()) {
-    throw std::runtime_error(origin + ": key \"" + key + "\" must be a number, got " +
-                             type_name(*it) + " " + it->dump());
+    throw std::runtime_error(origin + ": key \"" + key + "\" must be a number, got " + shown(*it));
   }
   out = it->get<double>();
 }
@@ -70,18 +88,28 @@ void require_value(const json& j, const char* key, const json& expected, const s
   for (const auto& ok : also_ok) {
     if (*it == ok) return;
   }
-  throw std::runtime_error(origin + ": key \"" + key + "\" = " + it->dump() +
-                           " is not supported (expected " + expected.dump() + ")");
+  throw std::runtime_error(origin + ": key \"" + key + "\" = " + shown(*it) +
+                           " is not supported (expected " + shown(expected) + ")");
 }
 
 }  // namespace
 
 void GPT2Config::validate() const {
-  auto positive = [](const char* name, int64_t v) {
+  // Far above any real model, and low enough that inner_dim() (4 * n_embd) and the products of
+  // two sizes (a weight's element count) cannot overflow int64.
+  constexpr int64_t kMaxSize = INT32_MAX;
+  auto at_most = [&](const char* name, int64_t v) {
+    if (v > kMaxSize) {
+      throw std::invalid_argument(std::string("GPT2Config: ") + name + " must be at most " +
+                                  std::to_string(kMaxSize) + ", got " + std::to_string(v));
+    }
+  };
+  auto positive = [&](const char* name, int64_t v) {
     if (v <= 0) {
       throw std::invalid_argument(std::string("GPT2Config: ") + name + " must be positive, got " +
                                   std::to_string(v));
     }
+    at_most(name, v);
   };
   positive("vocab_size", vocab_size);
   positive("n_positions", n_positions);
@@ -92,6 +120,7 @@ void GPT2Config::validate() const {
     throw std::invalid_argument("GPT2Config: n_inner must be >= 0 (0 = 4 * n_embd), got " +
                                 std::to_string(n_inner));
   }
+  at_most("n_inner", n_inner);
   if (n_embd % n_head != 0) {
     throw std::invalid_argument("GPT2Config: n_embd " + std::to_string(n_embd) +
                                 " is not divisible by n_head " + std::to_string(n_head));
@@ -131,18 +160,18 @@ GPT2Config GPT2Config::from_json_string(const std::string& text, const std::stri
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     throw std::runtime_error(origin + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) {
-    throw std::runtime_error(origin + ": expected a JSON object, got " + type_name(j));
+    throw std::runtime_error(origin + ": expected a JSON object, got " + shown(j));
   }
   if (auto it = j.find("model_type"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) {
-      throw std::runtime_error(origin + ": key \"model_type\" must be a string, got " + it->dump());
+      throw std::runtime_error(origin + ": key \"model_type\" must be a string, got " + shown(*it));
     }
     if (it->get<std::string>() != "gpt2") {
-      throw std::runtime_error(origin + ": key \"model_type\" is " + it->dump() +
+      throw std::runtime_error(origin + ": key \"model_type\" is " + shown(*it) +
                                ", only \"gpt2\" is supported");
     }
   }

@@ -1,5 +1,5 @@
-// Internal to src/model: a nesting-depth check run before nlohmann::json sees untrusted text,
-// whose copy and destruction recurse once per level (a deeply nested file overflows the stack).
+// Internal to the readers of src/model and src/data: a nesting-depth check run before nlohmann::json
+// sees untrusted text, whose copy and destruction recurse once per level (deep files overflow the stack).
 #pragma once
 
 #include <cstddef>

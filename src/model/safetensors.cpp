@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -92,12 +93,77 @@ uint64_t check_header_length(uint64_t header_len, uint64_t file_size, const std:
   return header_len;
 }
 
+// Cuts `text` after max_bytes (at a UTF-8 character boundary), marking the cut with "...".
+std::string cut(std::string text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  size_t end = max_bytes;
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return text.substr(0, end) + "...";
+}
+
+// A JSON value for a one-line error message: scalars as JSON, containers by their size, since
+// dump() would copy a whole (maybe huge) subtree into the message.
+std::string shown(const json& v) {
+  if (v.is_object()) return "an object with " + std::to_string(v.size()) + " key(s)";
+  if (v.is_array()) return "an array of " + std::to_string(v.size()) + " element(s)";
+  return cut(v.dump(-1, ' ', false, json::error_handler_t::replace), 60);
+}
+
+// A tensor name or key from the file, for a one-line message: control characters escaped.
+std::string printable(const std::string& name) {
+  std::string out;
+  for (const char c : cut(name, 200)) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned char>(c));
+      out += escaped;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 uint64_t read_offset(const json& v, const std::string& origin, const std::string& tensor) {
   if (!v.is_number_unsigned()) {
-    fail(origin, "tensor " + tensor + ": data_offsets must hold non-negative integers, got " +
-                     v.dump(-1, ' ', false, json::error_handler_t::replace));
+    fail(origin, "tensor " + tensor + ": data_offsets must hold non-negative integers, got " + shown(v));
   }
   return v.get<uint64_t>();
+}
+
+std::string range_str(const Entry& e) {
+  return "[" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "]";
+}
+
+// The format requires the tensors' data (sorted by offset) to tile the data section: the first
+// begins at 0, each begins where the previous ends, the last ends at the end of the file. An
+// overlap would alias two tensors' bytes and a gap would hide bytes that no tensor owns.
+void check_tiling(const std::vector<Entry>& sorted, uint64_t data_size, const std::string& origin) {
+  uint64_t expected_begin = 0;
+  const Entry* previous = nullptr;
+  for (const Entry& e : sorted) {
+    if (e.begin != expected_begin) {
+      const std::string where = "tensor " + printable(e.name) + ": data_offsets " + range_str(e);
+      if (previous == nullptr) {
+        fail(origin, where + " leave bytes [0, " + std::to_string(e.begin) +
+                         ") of the data section unused; expected the first tensor to begin at 0");
+      }
+      if (e.begin < expected_begin) {
+        fail(origin, where + " overlap tensor " + printable(previous->name) + "'s " + range_str(*previous) +
+                         "; expected it to begin at " + std::to_string(expected_begin));
+      }
+      fail(origin, where + " leave a gap of " + std::to_string(e.begin - expected_begin) +
+                       " byte(s) after tensor " + printable(previous->name) + "'s " + range_str(*previous) +
+                       "; expected it to begin at " + std::to_string(expected_begin));
+    }
+    expected_begin = e.end;
+    previous = &e;
+  }
+  if (expected_begin != data_size) {
+    fail(origin, "the data section is " + std::to_string(data_size) + " bytes but the tensors' data ends at " +
+                     std::to_string(expected_begin) + "; expected no bytes after the last tensor" +
+                     (previous ? " (" + printable(previous->name) + ")" : std::string(" (there are no tensors)")));
+  }
 }
 
 Header parse_header(const char* text, size_t length, uint64_t data_size, const std::string& origin) {
@@ -108,7 +174,7 @@ Header parse_header(const char* text, size_t length, uint64_t data_size, const s
   auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
     if (event == json::parse_event_t::key && depth == 1 &&
         !top_level_keys.insert(parsed.get<std::string>()).second) {
-      fail(origin, "tensor " + parsed.get<std::string>() + " appears twice in the header");
+      fail(origin, "tensor " + printable(parsed.get<std::string>()) + " appears twice in the header");
     }
     return true;
   };
@@ -120,26 +186,24 @@ Header parse_header(const char* text, size_t length, uint64_t data_size, const s
   }
   if (!j.is_object()) fail(origin, std::string("header must be a JSON object, got ") + j.type_name());
 
-  auto dump = [](const json& v) {
-    return v.dump(-1, ' ', false, json::error_handler_t::replace);
-  };
   Header header;
   for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string& name = it.key();
+    const std::string name = printable(it.key());  // for messages; the entry keeps the key itself
     const json& value = it.value();
-    if (name == "__metadata__") {
-      if (!value.is_object()) fail(origin, "__metadata__ must be an object of strings, got " + dump(value));
+    if (it.key() == "__metadata__") {
+      if (!value.is_object()) fail(origin, "__metadata__ must be an object of strings, got " + shown(value));
       for (auto m = value.begin(); m != value.end(); ++m) {
         if (!m.value().is_string()) {
-          fail(origin, "__metadata__ key \"" + m.key() + "\" must be a string, got " + dump(m.value()));
+          fail(origin, "__metadata__ key \"" + printable(m.key()) + "\" must be a string, got " +
+                           shown(m.value()));
         }
         header.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
-    if (!value.is_object()) fail(origin, "tensor " + name + ": entry must be an object, got " + dump(value));
+    if (!value.is_object()) fail(origin, "tensor " + name + ": entry must be an object, got " + shown(value));
     Entry e;
-    e.name = name;
+    e.name = it.key();
 
     auto dtype = value.find("dtype");
     if (dtype == value.end() || !dtype->is_string()) fail(origin, "tensor " + name + ": missing string \"dtype\"");
@@ -149,14 +213,17 @@ Header parse_header(const char* text, size_t length, uint64_t data_size, const s
     if (shape == value.end() || !shape->is_array()) fail(origin, "tensor " + name + ": missing array \"shape\"");
     // Product of the dimensions (zeros counted as one) must fit int64, or torch would overflow.
     uint64_t bounded = 1, numel = 1;
-    for (const auto& d : *shape) {
+    for (size_t i = 0; i < shape->size(); ++i) {
+      const json& d = (*shape)[i];
       if (!d.is_number_unsigned()) {
-        fail(origin, "tensor " + name + ": shape must hold non-negative integers, got " + dump(*shape));
+        fail(origin, "tensor " + name + ": shape must hold non-negative integers, got " + shown(d) +
+                         " at index " + std::to_string(i));
       }
       const uint64_t dim = d.get<uint64_t>();
       if (__builtin_mul_overflow(bounded, dim == 0 ? 1 : dim, &bounded) ||
           bounded > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        fail(origin, "tensor " + name + ": shape " + dump(*shape) + " is too large");
+        fail(origin, "tensor " + name + ": shape is too large: dimension " + std::to_string(i) +
+                         " = " + std::to_string(dim) + " takes the element count past 2^63 - 1");
       }
       numel *= dim;
       e.shape.push_back(static_cast<int64_t>(dim));
@@ -187,6 +254,7 @@ Header parse_header(const char* text, size_t length, uint64_t data_size, const s
   std::stable_sort(header.entries.begin(), header.entries.end(), [](const Entry& a, const Entry& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
+  check_tiling(header.entries, data_size, origin);
   return header;
 }
 
@@ -220,11 +288,16 @@ SafetensorsContents read_safetensors_with_metadata(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, "cannot open safetensors file");
   in.seekg(0, std::ios::end);
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  const std::streamoff end = in.tellg();  // -1 when the file cannot seek (a pipe, /proc)
+  if (end < 0) {
+    fail(path, "cannot determine the file size (not a regular file: a pipe or a special file?); "
+               "expected a seekable safetensors file");
+  }
+  const uint64_t size = static_cast<uint64_t>(end);
   in.seekg(0);
   if (size < 8) fail(path, "file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   uint8_t prefix[8];
-  in.read(reinterpret_cast<char*>(prefix), 8);
+  if (!in.read(reinterpret_cast<char*>(prefix), 8)) fail(path, "cannot read the 8-byte header length");
   const uint64_t header_len = check_header_length(read_u64_le(prefix), size, path);
   std::string text(header_len, '\0');
   if (!in.read(text.data(), static_cast<std::streamsize>(header_len))) fail(path, "cannot read the header");
@@ -237,7 +310,7 @@ SafetensorsContents read_safetensors_with_metadata(const std::string& path) {
     if (e.end > e.begin) {
       in.seekg(static_cast<std::streamoff>(8 + header_len + e.begin));
       if (!in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin))) {
-        fail(path, "tensor " + e.name + ": read of its data failed (file changed or truncated?)");
+        fail(path, "tensor " + printable(e.name) + ": read of its data failed (file changed or truncated?)");
       }
     }
     contents.tensors.push_back(named(e.name, std::move(t)));
@@ -276,7 +349,12 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     offset += nbytes;
     cpu.push_back(std::move(t));
   }
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::exception& e) {  // type_error 316: a name or metadata that is not UTF-8
+    fail(path, std::string("cannot encode the header: ") + e.what());
+  }
   text.append((8 - text.size() % 8) % 8, ' ');
 
   const std::string tmp = path + ".tmp";
@@ -320,10 +398,10 @@ void load_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
     const std::string name = raw_name.rfind("transformer.", 0) == 0 ? raw_name : "transformer." + raw_name;
     auto p = params.find(name);
     if (p == params.end()) {
-      fail(origin, "tensor " + raw_name + " is not a parameter of this model (n_layer " +
+      fail(origin, "tensor " + printable(raw_name) + " is not a parameter of this model (n_layer " +
                        std::to_string(model.config().n_layer) + "; config.json and weights disagree?)");
     }
-    if (loaded.count(name)) fail(origin, "tensor " + name + " is given twice (with and without \"transformer.\")");
+    if (loaded.count(name)) fail(origin, "tensor " + printable(name) + " is given twice (with and without \"transformer.\")");
     if (raw.sizes() != p->second.sizes()) {
       fail(origin, "tensor " + name + " has shape " + shape_str(raw.sizes()) + ", expected " +
                        shape_str(p->second.sizes()));

@@ -58,6 +58,19 @@ inline CapturedLaunch launch_scenario(const std::string& scenario, int world_siz
   };
   captured->result = data_parallel::run_workers(
       {"tensor_parallel_tests", "--gtest_filter=TpWorker.Run"}, world_size, "localhost", free_port(), options);
+  // Exit code 0 alone would also pass a worker whose filter matched no test: every rank must
+  // also say that it played the scenario through.
+  if (captured->result.exit_code == 0) {
+    const std::string all = captured->joined();
+    for (int rank = 0; rank < world_size; ++rank) {
+      const std::string line = "scenario " + scenario + " passed on rank " + std::to_string(rank);
+      if (all.find(line) == std::string::npos) {
+        captured->result.exit_code = 1;
+        captured->result.failure = "rank " + std::to_string(rank) + " exited 0 without \"" + line + "\"";
+        break;
+      }
+    }
+  }
   return *captured;
 }
 

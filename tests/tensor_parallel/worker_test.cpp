@@ -2,6 +2,8 @@
 // tensor_parallel_test.cpp's launcher with HARNESS_TEST_WORKER=<scenario>, it plays that scenario
 // and compares the split computation with the unsplit one it also computes locally.
 #include <gtest/gtest.h>
+
+#include <cstdio>
 #include <torch/torch.h>
 
 #include <ATen/Parallel.h>
@@ -340,6 +342,10 @@ TEST(TpWorker, Run) {
     training_step_scenario(world, options, 2);
   } else {
     FAIL() << "unknown scenario " << scenario;
+  }
+  if (!::testing::Test::HasFailure()) {
+    std::printf("scenario %s passed on rank %d\n", scenario.c_str(), env->rank);
+    std::fflush(stdout);
   }
 }
 
