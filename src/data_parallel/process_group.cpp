@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <sstream>
+#include <thread>
 #include <stdexcept>
 
 #ifdef HARNESS_WITH_GLOO
@@ -69,39 +70,65 @@ void validate(const DistOptions& o) {
   if (o.timeout.count() <= 0) throw std::invalid_argument("the process-group timeout must be > 0");
 }
 
+// Rank 0 waits for every rank's "joined" key itself (rather than inside TCPStore), so that a
+// rendezvous that times out can say which ranks never arrived.
+void wait_for_every_rank(c10d::Store& store, const DistOptions& o, const std::string& where) {
+  const std::string prefix = "harness/joined/";
+  store.set(prefix + std::to_string(o.rank), std::vector<uint8_t>{1});
+  if (o.rank != 0) return;
+  const auto deadline = std::chrono::steady_clock::now() + o.timeout;
+  for (;;) {
+    std::vector<int> missing;
+    for (int r = 1; r < o.world_size; ++r) {
+      if (!store.check({prefix + std::to_string(r)})) missing.push_back(r);
+    }
+    if (missing.empty()) return;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::ostringstream msg;
+      msg << "rank 0 waited " << seconds_text(o.timeout) << " at " << where << " for the other "
+          << o.world_size - 1 << " rank(s) to join the rendezvous; missing: rank"
+          << (missing.size() > 1 ? "s " : " ");
+      for (size_t i = 0; i < missing.size() && i < 16; ++i) msg << (i ? ", " : "") << missing[i];
+      if (missing.size() > 16) msg << ", ...";
+      msg << " of --world_size " << o.world_size << "; are they running with the same "
+          << "--master_addr/--master_port?";
+      throw std::runtime_error(msg.str());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
 c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(o.master_port);
   store_options.isServer = o.rank == 0 && !o.use_agent_store;
   store_options.numWorkers = static_cast<size_t>(o.world_size);
-  store_options.waitWorkers = !o.use_agent_store;
+  store_options.waitWorkers = false;  // wait_for_every_rank below names who is missing
   store_options.timeout = o.timeout;
   const std::string where = o.master_addr + ":" + std::to_string(o.master_port);
+  c10::intrusive_ptr<c10d::Store> store;
   try {
-    auto store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
-    if (!o.use_agent_store) return store;
-    return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(o.restart_count),
-                                                  store);
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+    store = o.use_agent_store
+                ? c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::PrefixStore>(
+                      "/worker/attempt_" + std::to_string(o.restart_count), tcp))
+                : c10::intrusive_ptr<c10d::Store>(tcp);
   } catch (const std::exception& e) {
     const std::string what = e.what();
-    if (o.rank == 0 && (port_in_use(o.master_port) ||
-                        what.find("EADDRINUSE") != std::string::npos)) {
+    if (o.rank == 0 && !o.use_agent_store &&
+        (port_in_use(o.master_port) || what.find("EADDRINUSE") != std::string::npos)) {
       throw std::runtime_error("MASTER_PORT " + std::to_string(o.master_port) + " on " +
                                o.master_addr + " is in use: pick another with --master_port");
     }
     std::ostringstream msg;
-    if (o.rank == 0) {
-      msg << "rank 0 waited " << seconds_text(o.timeout) << " at " << where << " for the other "
-          << o.world_size - 1 << " rank(s) to join the rendezvous; are they running with the same "
-          << "--master_addr/--master_port and --world_size " << o.world_size << "?";
-    } else {
-      msg << "rank " << o.rank << " waited " << seconds_text(o.timeout) << " for rank 0 at "
-          << where << " (MASTER_ADDR:MASTER_PORT) and could not rendezvous; is rank 0 running, "
-          << "and is --master_addr/--master_port the same on every rank?";
-    }
-    msg << " (c10d: " << what.substr(0, what.find('\n')) << ")";
+    msg << "rank " << o.rank << " waited " << seconds_text(o.timeout) << " for rank 0 at " << where
+        << " (MASTER_ADDR:MASTER_PORT) and could not rendezvous; is rank 0 running, "
+        << "and is --master_addr/--master_port the same on every rank?"
+        << " (c10d: " << what.substr(0, what.find('\n')) << ")";
     throw std::runtime_error(msg.str());
   }
+  wait_for_every_rank(*store, o, where);
+  return store;
 }
 
 }  // namespace

@@ -3,6 +3,9 @@
 #include "harness/data_parallel/process_group.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <thread>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -107,6 +110,30 @@ TEST(ProcessGroup, RankZeroTimeoutSaysItWaitedForTheOthers) {
                        " for the other 2 rank(s)"),
             std::string::npos)
       << error;
+}
+
+// Rank 1 of three joins, rank 2 never does: rank 0's error names rank 2, not only a count.
+TEST(ProcessGroup, RankZeroTimeoutNamesTheMissingRanks) {
+  DistOptions o;
+  o.world_size = 3;
+  o.master_port = free_port();
+  o.timeout = std::chrono::milliseconds(3000);
+  std::thread rank1([port = o.master_port] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    c10d::TCPStoreOptions client;
+    client.port = static_cast<uint16_t>(port);
+    client.isServer = false;
+    client.timeout = std::chrono::seconds(5);
+    try {
+      c10d::TCPStore store("localhost", client);
+      store.set("harness/joined/1", std::vector<uint8_t>{1});
+    } catch (...) {
+    }
+  });
+  const std::string error = error_of(o);
+  rank1.join();
+  EXPECT_NE(error.find("for the other 2 rank(s)"), std::string::npos) << error;
+  EXPECT_NE(error.find("missing: rank 2 of --world_size 3"), std::string::npos) << error;
 }
 
 TEST(ProcessGroup, SingleRankGlooGroupWorksInProcess) {
