@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <chrono>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -43,10 +45,14 @@ struct CapturedLaunch {
   }
 };
 
-// Runs `world_size` copies of this test binary in scenario `scenario`.
-inline CapturedLaunch launch_scenario(const std::string& scenario, int world_size,
-                                      std::vector<std::pair<std::string, std::string>> env = {},
-                                      std::chrono::milliseconds kill_grace = std::chrono::seconds(5)) {
+// Runs `world_size` copies of test binary `binary` (this one, re-executed) with its
+// --gtest_filter set to `worker_test`, playing `scenario`. Exit code 0 alone would also pass a
+// worker whose filter matched no test: every rank must also report that it played the scenario
+// through ("scenario <name> passed on rank <r>"), else the result is a failure.
+inline CapturedLaunch launch_test_workers(const std::string& binary, const std::string& worker_test,
+                                          const std::string& scenario, int world_size,
+                                          std::vector<std::pair<std::string, std::string>> env = {},
+                                          std::chrono::milliseconds kill_grace = std::chrono::seconds(5)) {
   auto captured = std::make_shared<CapturedLaunch>();
   auto mutex = std::make_shared<std::mutex>();
   LaunchOptions options;
@@ -57,10 +63,8 @@ inline CapturedLaunch launch_scenario(const std::string& scenario, int world_siz
     std::lock_guard<std::mutex> lock(*mutex);
     captured->lines.push_back((is_stderr ? "err: " : "out: ") + line);
   };
-  captured->result = run_workers({"data_parallel_tests", "--gtest_filter=DpWorker.Run"}, world_size,
-                                 "localhost", free_port(), options);
-  // Exit code 0 alone would also pass a worker whose filter matched no test: every rank must
-  // also say that it played the scenario through.
+  captured->result = run_workers({binary, "--gtest_filter=" + worker_test}, world_size, "localhost",
+                                 free_port(), options);
   if (captured->result.exit_code == 0) {
     const std::string all = captured->joined();
     for (int rank = 0; rank < world_size; ++rank) {
@@ -73,6 +77,14 @@ inline CapturedLaunch launch_scenario(const std::string& scenario, int world_siz
     }
   }
   return *captured;
+}
+
+// Runs `world_size` copies of this test binary in scenario `scenario` (DpWorker.Run).
+inline CapturedLaunch launch_scenario(const std::string& scenario, int world_size,
+                                      std::vector<std::pair<std::string, std::string>> env = {},
+                                      std::chrono::milliseconds kill_grace = std::chrono::seconds(5)) {
+  return launch_test_workers("data_parallel_tests", "DpWorker.Run", scenario, world_size,
+                             std::move(env), kill_grace);
 }
 
 // std::filesystem::remove_all must not be used here: libtorch.so exports its own copy of the
