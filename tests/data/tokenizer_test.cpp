@@ -87,12 +87,16 @@ TEST(TokenizerTest, VocabularyIsCappedOrSmallerWhenTheCorpusCannotFillIt) {
   EXPECT_NE(log.find("using " + std::to_string(smaller.vocab_size())), std::string::npos) << log;
   for (const TranslationExample& example : few) ASSERT_EQ(smaller.decode(smaller.encode(example.en)), example.en);
 
-  // Too small for the bytes and specials: a clear error, not a silent change.
+  // Too small for the corpus's characters and the specials: a clear error with both numbers, not
+  // a silent change and not SentencePiece's text about its own options.
   try {
     Tokenizer::train(few, 100, temp_path("tiny.model").string());
     FAIL() << "expected an error";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("vocab_size 100"), std::string::npos) << e.what();
+  } catch (const VocabularyTooSmall& e) {
+    EXPECT_EQ(e.cap, 100);
+    EXPECT_GT(e.required, 100);
+    EXPECT_NE(std::string(e.what()).find("cap of 100"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("character_coverage"), std::string::npos) << e.what();
   }
 }
 
