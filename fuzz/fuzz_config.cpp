@@ -1,5 +1,5 @@
-// libFuzzer target for config.json (GPT2Config::from_json_string): any input parses to a valid
-// config or is rejected with std::runtime_error; a parsed config survives to_json_string.
+// libFuzzer target for GPT2Config::from_json_string (config.json): a valid config or a
+// runtime_error; a parsed config survives to_json_string and its derived sizes do not overflow.
 #include <cstddef>
 #include <cstdint>
 #include <string>

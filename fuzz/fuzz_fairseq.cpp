@@ -1,7 +1,5 @@
-// libFuzzer target for the fairseq dataset reader: the input is the .de file, a NUL byte, then
-// the .en file (without a NUL both files hold the whole input). Any input is read or rejected
-// with std::runtime_error; every pair read can be exported as JSON Lines; and the Windows
-// spelling of the same files (a byte-order mark, CRLF line ends) reads the same.
+// libFuzzer target for the fairseq reader (input: the .de file, NUL, the .en file; without a NUL
+// both hold it all): read or refused with runtime_error, exportable, the same with a BOM or CRLF.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -1,6 +1,5 @@
-// libFuzzer target for the JSON Lines dataset reader (one split file): any input is read or
-// rejected with std::runtime_error; what is read survives export_jsonl's format unchanged; and
-// the Windows spelling of the same file (a byte-order mark, CRLF line ends) reads the same.
+// libFuzzer target for the JSON Lines reader: every input is read or refused with runtime_error,
+// reads back unchanged after export_jsonl's format, and reads the same with a BOM or CRLF ends.
 #include <cstddef>
 #include <cstdint>
 #include <limits>

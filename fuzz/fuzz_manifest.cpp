@@ -1,6 +1,5 @@
-// libFuzzer target for the checkpoint manifest (train::read_manifest on the input written as a
-// scratch folder's manifest.json): any bytes read as a manifest or are rejected with
-// std::runtime_error; what is read is written back (as CheckpointWriter::commit does) unchanged.
+// libFuzzer target for train::read_manifest (the input as a scratch folder's manifest.json): a
+// manifest or a runtime_error; a manifest read is written back (as commit() does) unchanged.
 #include <cstddef>
 #include <cstdint>
 #include <string>

@@ -1,6 +1,5 @@
-// libFuzzer target for the tokenizer-model loader (data::Tokenizer::load on the input written to
-// a scratch file): any bytes load as a model with the three specials or are rejected with
-// std::runtime_error; a loaded model encodes and decodes a sentence with specials.
+// libFuzzer target for data::Tokenizer::load (the input written to a scratch file): a model with
+// the three specials or a runtime_error; a loaded model encodes and decodes a sentence.
 #include <cstddef>
 #include <cstdint>
 #include <string>

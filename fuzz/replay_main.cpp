@@ -1,6 +1,5 @@
-// Replays fuzz inputs without libFuzzer, so that every seed and every input a fuzzer ever
-// crashed on runs as an ordinary test: calls LLVMFuzzerTestOneInput on each file named on the
-// command line and on each file inside each folder named (not recursively).
+// Replays fuzz inputs without libFuzzer (seeds and past crashes as ordinary tests): calls
+// LLVMFuzzerTestOneInput on each file named, and on each file directly inside each folder named.
 #include <dirent.h>
 #include <sys/stat.h>
 

@@ -133,5 +133,43 @@ TEST(GPT2ConfigTest, WrongTypesNameTheFileAndKey) {
   EXPECT_NE(msg.find("/nonexistent/config.json"), std::string::npos) << msg;
 }
 
+// Defect: a number too large for a double is nlohmann's out_of_range, not a parse_error; it escaped
+// from from_json_string as a json exception that named neither the file nor the key.
+TEST(GPT2ConfigTest, NumberOverflowIsARuntimeErrorNamingTheFile) {
+  try {
+    GPT2Config::from_json_string(R"({"n_layer": 2, "layer_norm_epsilon": 1e999})", "big/config.json");
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("big/config.json: not valid JSON"), std::string::npos) << e.what();
+  }
+}
+
+// Defect: sizes were only checked to be positive, so n_embd = 2^62 passed and inner_dim()
+// (4 * n_embd) overflowed (found by fuzz_config under UBSan); integers above INT64_MAX wrapped
+// to negative ids silently.
+TEST(GPT2ConfigTest, HugeValuesAreRejected) {
+  std::string msg = error_of([] { GPT2Config::from_json_string(R"({"n_embd": 4611686018427387904, "n_head": 1})", "c.json"); });
+  EXPECT_NE(msg.find("c.json: GPT2Config: n_embd must be at most 2147483647, got 4611686018427387904"),
+            std::string::npos) << msg;
+  msg = error_of([] { GPT2Config::from_json_string(R"({"n_inner": 4294967296})", "c.json"); });
+  EXPECT_NE(msg.find("n_inner must be at most"), std::string::npos) << msg;
+  msg = error_of([] { GPT2Config::from_json_string(R"({"bos_token_id": 18446744073709551615})", "c.json"); });
+  EXPECT_NE(msg.find("c.json: key \"bos_token_id\" = 18446744073709551615 is out of range"), std::string::npos) << msg;
+  EXPECT_NO_THROW(GPT2Config::from_json_string(R"({"n_embd": 2048, "n_head": 16, "n_inner": 8192})"));
+}
+
+// Messages describe a container value instead of copying it: one short line.
+TEST(GPT2ConfigTest, ErrorsAreOneShortLine) {
+  std::string big = "[0";
+  for (int i = 1; i < 10000; ++i) big += "," + std::to_string(i);
+  big += "]";
+  for (const std::string key : {"n_layer", "attn_pdrop", "activation_function", "model_type"}) {
+    const std::string msg = error_of([&] { GPT2Config::from_json_string("{\"" + key + "\": " + big + "}", "c.json"); });
+    EXPECT_NE(msg.find("c.json: key \"" + key + "\""), std::string::npos) << msg.substr(0, 300);
+    EXPECT_NE(msg.find("array of 10000 element(s)"), std::string::npos) << msg.substr(0, 300);
+    EXPECT_LT(msg.size(), 200u) << msg.substr(0, 300);
+  }
+}
+
 }  // namespace
 }  // namespace harness::model

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fcntl.h>
 #include <ftw.h>
 #include <unistd.h>
 
@@ -139,6 +140,77 @@ TEST_F(SafetensorsTest, MalformedFilesGiveClearErrors) {
     EXPECT_CONTAINS(read_error(path("short")), "shorter than");
   }
   EXPECT_CONTAINS(read_error(path("does_not_exist")), "cannot open");
+}
+
+// Defect: the reader accepted data offsets that overlap (two tensors aliasing the same bytes) or
+// leave gaps; the format requires them to tile the data section, as the reference reader checks.
+TEST_F(SafetensorsTest, DataOffsetsMustTileTheDataSection) {
+  auto f32 = [](const std::string& name, int n, int begin) {
+    return "\"" + name + "\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(n) + "],\"data_offsets\":[" +
+           std::to_string(begin) + "," + std::to_string(begin + 4 * n) + "]}";
+  };
+  struct Case { const char* what; std::string header; size_t data_bytes; const char* expect; };
+  const Case cases[] = {
+      {"overlap", "{" + f32("a", 2, 0) + "," + f32("b", 2, 4) + "}", 12,
+       "tensor b: data_offsets [4, 12] overlap tensor a's [0, 8]; expected it to begin at 8"},
+      {"aliased", "{" + f32("a", 2, 0) + "," + f32("b", 2, 0) + "}", 8,
+       "tensor b: data_offsets [0, 8] overlap tensor a's [0, 8]"},
+      {"gap", "{" + f32("a", 2, 0) + "," + f32("b", 1, 12) + "}", 16,
+       "tensor b: data_offsets [12, 16] leave a gap of 4 byte(s) after tensor a's [0, 8]"},
+      {"leading gap", "{" + f32("a", 2, 4) + "}", 12,
+       "tensor a: data_offsets [4, 12] leave bytes [0, 4) of the data section unused"},
+      {"trailing bytes", "{" + f32("a", 1, 0) + "}", 12,
+       "the data section is 12 bytes but the tensors' data ends at 4"},
+      {"no tensors, some data", "{\"__metadata__\":{}}", 4, "the data section is 4 bytes but the tensors' data ends at 0"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string p = write_raw(c.header, std::string(c.data_bytes, '\0'));
+    const std::string msg = read_error(p);
+    EXPECT_CONTAINS(msg, p + ": ");
+    EXPECT_CONTAINS(msg, c.expect);
+    std::ifstream in(p, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_THROW(parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), std::runtime_error);
+  }
+  // Empty tensors may sit anywhere along the tiling, as the reference writer puts them.
+  const std::string ok = "{" + f32("a", 1, 0) + ",\"e\":{\"dtype\":\"F16\",\"shape\":[0],\"data_offsets\":[4,4]}," +
+                         f32("b", 1, 4) + "}";
+  EXPECT_EQ(read_safetensors(write_raw(ok, std::string(8, '\0'))).size(), 3u);
+}
+
+// Defect: the file size came from tellg() cast to an unsigned size, so a file that cannot seek
+// (a pipe, /proc) became an 18-exabyte file and the reader went on with an unread header length.
+TEST_F(SafetensorsTest, AFileThatCannotSeekIsAnError) {
+  const std::string proc = "/proc/self/status";  // a seq_file: lseek(SEEK_END) fails with EINVAL
+  const int fd = ::open(proc.c_str(), O_RDONLY);
+  if (fd < 0) GTEST_SKIP() << "no " << proc;
+  const off_t end = ::lseek(fd, 0, SEEK_END);
+  ::close(fd);
+  if (end >= 0) GTEST_SKIP() << proc << " can seek to its end on this kernel";
+  const std::string msg = read_error(proc);
+  EXPECT_CONTAINS(msg, proc + ": cannot determine the file size");
+}
+
+// Messages are one line however odd the file: names with control characters are escaped, and a
+// value is described (an array of N elements) rather than copied into the message.
+TEST_F(SafetensorsTest, ErrorsAreOneShortLine) {
+  std::string long_shape = "[1";
+  for (int i = 0; i < 5000; ++i) long_shape += ",1";
+  long_shape += ",-1]";
+  const std::pair<std::string, std::string> cases[] = {
+      {R"({"a\nb":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", "tensor a\\u000ab has dtype"},
+      {R"({"w":{"dtype":"F32","shape":)" + long_shape + R"(,"data_offsets":[0,8]}})",
+       "tensor w: shape must hold non-negative integers, got -1 at index 5001"},
+      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[[0],8]}})",
+       "data_offsets must hold non-negative integers, got an array of 1 element(s)"},
+  };
+  for (const auto& [header, expect] : cases) {
+    const std::string msg = read_error(write_raw(header, std::string(8, '\0')));
+    EXPECT_CONTAINS(msg, expect);
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_LT(msg.size(), 300u) << msg.substr(0, 300);
+  }
 }
 
 TEST_F(SafetensorsTest, EveryTruncationOfARealFileIsAnErrorNotACrash) {
