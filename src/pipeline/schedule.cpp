@@ -18,15 +18,16 @@ std::string rtrim(std::string line) {
   return line;
 }
 
-// Rows "label  cell cell ..." with a header row; every cell padded to one width (at least 2).
+}  // namespace
+
 std::string format_rows(const std::string& header_label, const std::vector<std::string>& header,
-                        const std::vector<std::vector<std::string>>& rows) {
+                        const std::vector<std::vector<std::string>>& rows, const std::string& row_label) {
   size_t width = 2;
   for (const auto& cell : header) width = std::max(width, cell.size());
   for (const auto& row : rows) {
     for (const auto& cell : row) width = std::max(width, cell.size());
   }
-  const std::string last_label = "stage " + std::to_string(rows.empty() ? 0 : rows.size() - 1);
+  const std::string last_label = row_label + std::to_string(rows.empty() ? 0 : rows.size() - 1);
   const size_t label_width = std::max(header_label.size(), last_label.size());
   auto line = [&](const std::string& label, const std::vector<std::string>& cells) {
     std::string text = pad_right(label, label_width) + " ";
@@ -34,9 +35,11 @@ std::string format_rows(const std::string& header_label, const std::vector<std::
     return rtrim(text) + "\n";
   };
   std::string out = line(header_label, header);
-  for (size_t j = 0; j < rows.size(); ++j) out += line("stage " + std::to_string(j), rows[j]);
+  for (size_t j = 0; j < rows.size(); ++j) out += line(row_label + std::to_string(j), rows[j]);
   return out;
 }
+
+namespace {
 
 std::vector<std::string> tick_labels(size_t from, size_t count) {
   std::vector<std::string> labels;

@@ -2,6 +2,8 @@
 // and Gantt chart.
 #include "harness/pipeline/training_schedule.h"
 
+#include "harness/pipeline/schedule.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -196,16 +198,6 @@ std::vector<int> peak_in_flight(const TrainingSchedule& schedule) {
   return peaks;
 }
 
-std::string pad_right(std::string text, size_t width) {
-  if (text.size() < width) text.append(width - text.size(), ' ');
-  return text;
-}
-
-std::string rtrim(std::string line) {
-  line.erase(line.find_last_not_of(' ') + 1);
-  return line;
-}
-
 }  // namespace
 
 bool operator==(const Action& a, const Action& b) {
@@ -361,23 +353,7 @@ std::string format_timeline(const Timeline& timeline) {
       rows.back().push_back(slot ? action_label(*slot, devices, timeline.virtual_stages) : ".");
     }
   }
-  // gantt_chart's layout: every cell padded to one width (at least 2), labels to the longest.
-  size_t width = 2;
-  for (const auto& cell : header) width = std::max(width, cell.size());
-  for (const auto& row : rows) {
-    for (const auto& cell : row) width = std::max(width, cell.size());
-  }
-  const std::string header_label = "clock";
-  const size_t label_width =
-      std::max(header_label.size(), ("device " + std::to_string(std::max(devices - 1, 0))).size());
-  auto line = [&](const std::string& label, const std::vector<std::string>& cells) {
-    std::string text = pad_right(label, label_width) + " ";
-    for (const auto& cell : cells) text += " " + pad_right(cell, width);
-    return rtrim(text) + "\n";
-  };
-  std::string out = line(header_label, header);
-  for (size_t d = 0; d < rows.size(); ++d) out += line("device " + std::to_string(d), rows[d]);
-  return out;
+  return format_rows("clock", header, rows, "device ");
 }
 
 }  // namespace harness::pipeline

@@ -61,6 +61,13 @@ ScheduleTable schedule_table(int m, int n);
 //   stage 1  .  0  1  2
 std::string format_clock_table(const ClockTable& table);
 
+// Rows "<row_label>j  cell cell ..." under a header row "<header_label>  h h ...", every cell
+// padded to one width (at least 2) and the labels to the longest: the layout of every table and
+// chart printed here and in training_schedule.h.
+std::string format_rows(const std::string& header_label, const std::vector<std::string>& header,
+                        const std::vector<std::vector<std::string>>& rows,
+                        const std::string& row_label = "stage ");
+
 // Forward then backward on one time line, F<i> / B<i> per slot, "." idle. For m = 3, n = 2:
 //   clock    0  1  2  3  4  5  6  7
 //   stage 0  F0 F1 F2 .  .  B2 B1 B0
