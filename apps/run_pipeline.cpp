@@ -1,5 +1,5 @@
-// run_pipeline: GPT-2 translation training on one device, in model parallel, or as a GPipe
-// pipeline over several devices (GPUs, or CPU lanes cpu:0, cpu:1, ...). SPEC §6, §7.
+// run_pipeline: GPT-2 translation training on one device, in model parallel, or as a pipeline
+// (GPipe, 1F1B or interleaved 1F1B) over several devices (GPUs, or CPU lanes cpu:0, cpu:1, ...). SPEC §6, §7.
 #include <iostream>
 
 #include "common.h"
@@ -19,6 +19,10 @@ PipelineFlags parse(int argc, char** argv) {
   options.add_options()
       ("model_parallel_mode", "model_parallel | pipeline_parallel (absent: one device)", cxxopts::value<std::string>()->default_value(""))
       ("n_chunk", "micro-batches per batch in pipeline_parallel mode", cxxopts::value<int64_t>()->default_value("4"))
+      ("pipeline_schedule", "gpipe | 1f1b | interleaved: the order of each device's forwards and backwards (pipeline_parallel)", cxxopts::value<std::string>()->default_value("1f1b"))
+      ("virtual_stages", "stages per device for --pipeline_schedule interleaved", cxxopts::value<int>()->default_value("1"))
+      ("activation_checkpointing", "always | except_last | never: recompute a stage's forward in its backward instead of keeping its activations (torchgpipe's modes)", cxxopts::value<std::string>()->default_value("never"))
+      ("balance", "blocks per stage: auto (timed, torchgpipe's balance_by_time) or N,N,... (default: runs of ceil(n_layer / stages))", cxxopts::value<std::string>()->default_value(""))
       ("shuffle", "reshuffle the training pairs every epoch (from --seed); default: in order, as the original (shuffle=False)");
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   PipelineFlags flags;
@@ -30,6 +34,10 @@ PipelineFlags parse(int argc, char** argv) {
     c.mode = result["model_parallel_mode"].as<std::string>();
     c.n_chunk = result["n_chunk"].as<int64_t>();
     c.shuffle = result.count("shuffle") > 0;
+    c.schedule = result["pipeline_schedule"].as<std::string>();
+    c.virtual_stages = result["virtual_stages"].as<int>();
+    c.activation_checkpointing = result["activation_checkpointing"].as<std::string>();
+    c.balance = result["balance"].as<std::string>();
     if (!c.mode.empty() && c.mode != "model_parallel" && c.mode != "pipeline_parallel") {
       throw std::invalid_argument("--model_parallel_mode '" + c.mode +
                                   "': expected model_parallel or pipeline_parallel");

@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <unordered_set>
 
+#include "harness/model/dropout.h"
+
 namespace harness::model {
 namespace {
 
@@ -88,10 +90,13 @@ torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* c
                .tril(/*diagonal=*/past);
   }
   const double dropout_p = attn_dropout->is_training() ? attn_dropout->options.p() : 0.0;
-  auto y = at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal,
-                                            1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  std::optional<at::Generator> stream = current_dropout_generator();
+  auto y = stream && dropout_p > 0.0
+               ? attention_with_dropout(q, k, v, mask, is_causal, dropout_p, scale, *stream)
+               : at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale);
   y = y.transpose(1, 2).reshape({B, T, C});
-  return resid_dropout(c_proj(y));
+  return model::dropout(c_proj(y), resid_dropout);
 }
 
 // ----- MLP and block ------------------------------------------------------------------------
@@ -104,7 +109,7 @@ GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config) {
 
 torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x) {
   // Hugging Face's "gelu_new" is the tanh approximation.
-  return dropout(c_proj(torch::gelu(c_fc(x), "tanh")));
+  return model::dropout(c_proj(torch::gelu(c_fc(x), "tanh")), dropout);
 }
 
 GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config) {
@@ -191,7 +196,8 @@ torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t
   auto positions = torch::arange(past_length, past_length + T,
                                  torch::TensorOptions().dtype(torch::kLong).device(ids.device()))
                        .unsqueeze(0);
-  return transformer->drop(wte(ids) + transformer->wpe(positions.to(transformer->wpe->weight.device())));
+  return model::dropout(wte(ids) + transformer->wpe(positions.to(transformer->wpe->weight.device())),
+                        transformer->drop);
 }
 
 torch::Tensor GPT2LMHeadModelImpl::head(const torch::Tensor& hidden) {
@@ -243,15 +249,24 @@ void GPT2LMHeadModelImpl::parallelize(const std::vector<Device>& devices) {
         ") = " + std::to_string(run) + " blocks, which leaves " + devices[used].str() +
         " (and any after it) without a block; use at most " + std::to_string(used) + " devices");
   }
-  first_device_ = devices.front();
-  last_device_ = devices.back();
+  std::vector<Device> block_devices;
+  for (int64_t i = 0; i < n_layer; ++i) block_devices.push_back(devices[static_cast<size_t>(i / run)]);
+  place(block_devices);
+}
+
+void GPT2LMHeadModelImpl::place(const std::vector<Device>& block_devices) {
+  if (block_devices.size() != transformer->h->size()) {
+    throw std::invalid_argument("place: " + std::to_string(block_devices.size()) +
+                                " devices given for " + std::to_string(transformer->h->size()) +
+                                " blocks");
+  }
+  first_device_ = block_devices.front();
+  last_device_ = block_devices.back();
   transformer->wte->to(first_device_.torch_device());
   transformer->wpe->to(first_device_.torch_device());
-  block_devices_.clear();
-  for (int64_t i = 0; i < n_layer; ++i) {
-    const Device& d = devices[static_cast<size_t>(i / run)];
-    block_devices_.push_back(d);
-    transformer->h->ptr(static_cast<size_t>(i))->to(d.torch_device());
+  block_devices_ = block_devices;
+  for (size_t i = 0; i < block_devices.size(); ++i) {
+    transformer->h->ptr(i)->to(block_devices[i].torch_device());
   }
   transformer->ln_f->to(last_device_.torch_device());
 }

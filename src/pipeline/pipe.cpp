@@ -122,6 +122,16 @@ Pipe::Pipe(torch::nn::Sequential module, int64_t split_size, PipeOptions options
   register_module("module", module_);
 
   std::set<Device> distinct(devices_.begin(), devices_.end());
+  if (options_.pipelined_backward) {
+    for (const Device& d : distinct) {
+      if (d.is_cuda()) {
+        throw std::invalid_argument(
+            "Pipe: pipelined_backward is for CPU lanes only; on " + d.str() +
+            " its autograd node would block the engine thread the workers' backward needs (use "
+            "pipeline::ScheduleExecutor to train with the backward on the workers)");
+      }
+    }
+  }
   int cpu_lanes = 0;
   for (const Device& d : distinct) cpu_lanes += d.is_cpu() ? 1 : 0;
   if (options_.threads_per_device < 0) {

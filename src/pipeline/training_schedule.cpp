@@ -211,14 +211,22 @@ int device_of_stage(int stage, int devices) { return stage % devices; }
 int chunk_of_stage(int stage, int devices) { return stage / devices; }
 
 TrainingSchedule gpipe_schedule(int micro_batches, int devices) {
-  check_counts("gpipe_schedule", micro_batches, devices, 1);
-  TrainingSchedule schedule = empty_schedule("gpipe", micro_batches, devices, 1);
+  return gpipe_schedule(micro_batches, devices, 1);
+}
+
+TrainingSchedule gpipe_schedule(int micro_batches, int devices, int virtual_stages) {
+  check_counts("gpipe_schedule", micro_batches, devices, virtual_stages);
+  TrainingSchedule schedule = empty_schedule("gpipe", micro_batches, devices, virtual_stages);
   for (int d = 0; d < devices; ++d) {
     auto& actions = schedule.per_device[static_cast<size_t>(d)];
-    for (int i = 0; i < micro_batches; ++i) actions.push_back(Action::forward(i, d));
-    for (int i = micro_batches - 1; i >= 0; --i) actions.push_back(Action::backward(i, d));
+    for (int c = 0; c < virtual_stages; ++c) {
+      for (int i = 0; i < micro_batches; ++i) actions.push_back(Action::forward(i, c * devices + d));
+    }
+    for (int c = virtual_stages - 1; c >= 0; --c) {
+      for (int i = micro_batches - 1; i >= 0; --i) actions.push_back(Action::backward(i, c * devices + d));
+    }
   }
-  schedule.in_flight_bound = micro_batches;
+  schedule.in_flight_bound = micro_batches * virtual_stages;
   return schedule;
 }
 

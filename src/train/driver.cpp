@@ -377,6 +377,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
     }
   }
 
+  step.set_global_step(at.global_step);
   for (int64_t epoch = at.epoch; epoch < o.n_epochs; ++epoch) {
     data::BatchLoader& loader = data.train(epoch);
     const int64_t total = batches_in_epoch(loader, o.max_batches);

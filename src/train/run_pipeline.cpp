@@ -7,8 +7,10 @@
 #include <memory>
 
 #include "harness/model/safetensors.h"
-#include "harness/pipeline/gpt2_pipeline.h"
+#include "harness/pipeline/balance.h"
+#include "harness/pipeline/executor.h"
 #include "harness/trace.h"
+#include "harness/train/pipeline_train_step.h"
 #include "harness/train/programs.h"
 
 namespace harness::train {
@@ -49,18 +51,41 @@ int run_pipeline(const PipelineConfig& pipeline) {
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
 
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  std::shared_ptr<pipeline::Pipe> pipe;
-  const c10::Device first = devices.front().torch_device();
+  const bool pipelined = pipeline.mode == "pipeline_parallel";
+  // Everything a schedule needs is checked before the model is placed or a batch is read.
+  const pipeline::ActivationCheckpointing checkpointing =
+      pipeline::parse_activation_checkpointing(pipeline.activation_checkpointing);
+  const pipeline::BalanceSpec balance_spec = pipeline::parse_balance(pipeline.balance);
+  if (!pipelined && (pipeline.schedule != "1f1b" || pipeline.virtual_stages != 1)) {
+    throw std::invalid_argument("--pipeline_schedule and --virtual_stages apply to --model_parallel_mode "
+                                "pipeline_parallel only");
+  }
+  std::unique_ptr<TrainStep> step;
+  PipelineTrainStep* pipeline_step = nullptr;
   if (pipeline.mode.empty()) {
-    model->to(first);
+    if (!pipeline.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
+    model->to(devices.front().torch_device());
+    step = std::make_unique<GPT2TrainStep>(model, f.learning_rate);
   } else {
-    const int64_t split_size = pipeline.mode == "pipeline_parallel"
-                                   ? (f.batch_size + pipeline.n_chunk - 1) / pipeline.n_chunk
-                                   : f.batch_size;
-    pipeline::PipeOptions options;
+    PipelineStepOptions options;
+    options.devices = devices;
+    options.schedule = pipelined ? pipeline.schedule : "gpipe";
+    options.virtual_stages = pipelined ? pipeline.virtual_stages : 1;
+    options.micro_batches = pipelined ? static_cast<int>(pipeline.n_chunk) : 1;
+    options.checkpointing = checkpointing;
     options.threads_per_device = threads;
+    options.seed = f.seed;
     options.tracer = tracer.get();
-    pipe = pipeline::enable_pipeline(model, devices, split_size, options);
+    const int stages = static_cast<int>(devices.size()) * options.virtual_stages;
+    if (balance_spec.automatic) {
+      const int64_t rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
+      options.balance = balance_gpt2_by_time(model, devices.front(), stages, rows, f.model_max_length);
+    } else {
+      options.balance = balance_spec.blocks_per_stage;
+    }
+    auto made = std::make_unique<PipelineTrainStep>(model, f.learning_rate, options);
+    pipeline_step = made.get();
+    step = std::move(made);
   }
 
   std::cerr << "run_pipeline: mode=" << (pipeline.mode.empty() ? "single_device" : pipeline.mode)
@@ -73,6 +98,15 @@ int run_pipeline(const PipelineConfig& pipeline) {
             << " batch_size=" << f.batch_size << " n_chunk=" << pipeline.n_chunk
             << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size()
             << "/" << corpus.test.size() << std::endl;
+  if (pipeline_step) {
+    std::cerr << "run_pipeline: schedule=" << (pipelined ? pipeline.schedule : "gpipe")
+              << " micro_batches=" << (pipelined ? pipeline.n_chunk : 1)
+              << " virtual_stages=" << (pipelined ? pipeline.virtual_stages : 1)
+              << " stages=" << pipeline_step->stages()
+              << " balance=" << pipeline::format_balance(pipeline_step->balance())
+              << (balance_spec.automatic ? " (auto, by time)" : pipeline.balance.empty() ? " (default)" : "")
+              << " activation_checkpointing=" << pipeline::to_string(checkpointing) << std::endl;
+  }
 
   const int64_t max_length = f.model_max_length;
   data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
@@ -83,7 +117,6 @@ int run_pipeline(const PipelineConfig& pipeline) {
   data::BatchLoader validation_loader(corpus.validation, collate,
                                       {f.batch_size, false, 0, false, 2});
 
-  GPT2TrainStep step(model, f.learning_rate);
   TrainingOptions options =
       training_options(f, "run_pipeline", ReportStyle::kPipeline);
   for (const Device& device : devices) {
@@ -101,7 +134,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
   data.validation = &validation_loader;
   data.test = &corpus.test;
   data.tokenizer = &tokenizer;
-  run_training(step, data, options);
+  run_training(*step, data, options);
 
   if (tracer) tracer->write_chrome_json(f.trace);
   std::cerr << "run_pipeline: model, tokenizer and results are in " << f.workdir

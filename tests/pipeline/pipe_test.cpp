@@ -166,7 +166,7 @@ TEST(Pipe, BackwardAfterThePipeIsGoneIsAClearError) {
   torch::nn::Sequential model = two_device_model();
   torch::Tensor y;
   {
-    Pipe pipe(model, 2, {1});
+    Pipe pipe(model, 2, {1, nullptr, /*pipelined_backward=*/true});
     y = pipe.forward(torch::randn({4, 8}));
   }
   try {
@@ -188,6 +188,7 @@ TEST(Pipe, TraceShowsEveryTaskInGPipeOrder) {
   PipeOptions options;
   options.threads_per_device = 1;
   options.tracer = &tracer;
+  options.pipelined_backward = true;
   Pipe pipe(two_device_model(), 2, options);
   pipe.forward(torch::randn({8, 8}, torch::requires_grad())).sum().backward();
 
@@ -243,6 +244,7 @@ TEST(Pipe, BothLanesWorkAtOnceInForwardAndPipelinedBackward) {
   PipeOptions options;
   options.threads_per_device = 1;
   options.tracer = &tracer;
+  options.pipelined_backward = true;
   Pipe pipe(torch::nn::Sequential(WithDevice(SlowLayer(), Device::cpu(0)),
                                   WithDevice(SlowLayer(), Device::cpu(1))),
             1, options);
@@ -275,7 +277,7 @@ TEST(Pipe, FailingBackwardTaskSurfacesFromLossBackward) {
   {
     Pipe pipe(torch::nn::Sequential(WithDevice(torch::nn::Linear(4, 4), Device::cpu(0)),
                                     WithDevice(FailingBackwardLayer(), Device::cpu(1))),
-              2, {1});
+              2, {1, nullptr, /*pipelined_backward=*/true});
     const auto y = pipe.forward(torch::randn({4, 4}));
     try {
       y.sum().backward();

@@ -92,6 +92,26 @@ TEST(GPipeTrainingSchedule, UnitTimeEqualsClockScheduleEverywhere) {
   }
 }
 
+TEST(GPipeTrainingSchedule, OverVirtualStagesLiteral) {
+  // The executor's fallback when interleaving cannot take a batch: GPipe over D * V stages placed
+  // round-robin, chunk by chunk.
+  const TrainingSchedule schedule = gpipe_schedule(/*micro_batches=*/2, /*devices=*/2, /*virtual_stages=*/2);
+  EXPECT_EQ(format_actions(schedule),
+            "device 0: F0.0 F1.0 F0.1 F1.1 B1.1 B0.1 B1.0 B0.0\n"
+            "device 1: F0.0 F1.0 F0.1 F1.1 B1.1 B0.1 B1.0 B0.0\n");
+  EXPECT_EQ(schedule.per_device[1],
+            (std::vector<Action>{F(0, 1), F(1, 1), F(0, 3), F(1, 3), B(1, 3), B(0, 3), B(1, 1), B(0, 1)}));
+  EXPECT_EQ(schedule.in_flight_bound, 4);
+  const Timeline timeline = simulate_unit_time(schedule);
+  EXPECT_EQ(timeline.peak_in_flight, (std::vector<int>{4, 4}));
+  for (int m = 1; m <= 5; ++m) {
+    for (int d = 1; d <= 4; ++d) {
+      for (int v = 1; v <= 3; ++v) EXPECT_NO_THROW(validate_schedule(gpipe_schedule(m, d, v))) << m << d << v;
+    }
+  }
+  EXPECT_EQ(format_actions(gpipe_schedule(3, 2, 1)), format_actions(gpipe_schedule(3, 2)));
+}
+
 TEST(OneFOneBSchedule, FourDevicesEightMicroBatchesLiteral) {
   const TrainingSchedule schedule = one_f_one_b_schedule(/*micro_batches=*/8, /*devices=*/4);
   EXPECT_EQ(format_actions(schedule),

@@ -265,8 +265,10 @@ class PipelineProgram(unittest.TestCase):
                 with open(trace) as f:
                     events = json.load(f)["traceEvents"]
                 if mode == "pipeline_parallel":
-                    lanes = {e["args"].get("partition") for e in events if e.get("name") == "forward"}
-                    self.assertEqual(lanes, {0, 1})
+                    stages = {e["args"].get("stage") for e in events if e.get("name") == "forward"}
+                    self.assertEqual(stages, {0, 1})
+                    tracks = {e.get("tid") for e in events if e.get("name") == "backward"}
+                    self.assertEqual(len(tracks), 2)
 
     def test_same_seed_gives_the_same_validation_loss_in_every_mode(self):
         losses = {}

@@ -94,6 +94,9 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& input_ids);
   // Same, attending to and extending `cache` (generation); positions continue after the cache.
   torch::Tensor forward_cached(const torch::Tensor& input_ids, KVCache& cache);
+  // input_ids [B, T] -> token plus position embeddings after dropout, [B, T, C] on the
+  // embeddings' device, positions starting at past_length (a pipeline's first stage).
+  torch::Tensor embed(const torch::Tensor& input_ids, int64_t past_length = 0);
 
   const GPT2Config& config() const { return config_; }
   GPT2ModelImpl& transformer_module() { return *transformer; }
@@ -106,6 +109,9 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // embeddings and the tied head on the first device, ln_f on the last; parameters are moved.
   // One device means no parallelism. Throws when a device would be left without a block.
   void parallelize(const std::vector<Device>& devices);
+  // Any placement (the pipeline's balances and interleaving): block i on block_devices[i] (one
+  // entry per block), embeddings and the tied head with block 0, ln_f with the last block.
+  void place(const std::vector<Device>& block_devices);
   const std::vector<Device>& block_devices() const { return block_devices_; }
   Device first_device() const { return first_device_; }
   Device last_device() const { return last_device_; }
@@ -116,7 +122,6 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   GPT2Model transformer{nullptr};
 
  private:
-  torch::Tensor embed(const torch::Tensor& input_ids, int64_t past_length);
   torch::Tensor head(const torch::Tensor& hidden);  // ln_f, then tied projection on first device
 
   GPT2Config config_;

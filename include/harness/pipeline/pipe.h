@@ -1,8 +1,7 @@
-// GPipe over a Sequential: the batch is cut into micro-batches that flow through per-device
-// partitions in clock cycles, each partition on its device's own worker thread. By default the
-// backward is pipelined too: the output carries an autograd node that, when loss.backward()
-// reaches it, runs every partition's backward for every micro-batch on that partition's worker in
-// reverse clock order (CPU autograd would otherwise run the whole backward on one thread).
+// GPipe over a Sequential (the original's a5_2_2 Pipe): the batch is cut into micro-batches that
+// flow through per-device partitions in clock cycles, each partition on its device's own worker
+// thread; the backward runs through autograd from the caller's loss.backward(), as the original's.
+// Training through a schedule, with the backward on the workers, is executor.h's job.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,8 +26,10 @@ struct PipeOptions {
   // partition) when set. Not owned; must outlive the Pipe.
   Tracer* tracer = nullptr;
   // Run the backward of each (micro-batch, partition) on the partition's worker, in the reverse
-  // clock. Off: the autograd engine runs the whole backward on the thread calling backward().
-  bool pipelined_backward = true;
+  // clock, from an autograd node on the output. Off (the default, the original's behaviour): the
+  // autograd engine runs the whole backward. CPU lanes only: on a GPU the node would wait on the
+  // engine thread that the workers' own backward calls need, so the Pipe refuses it there.
+  bool pipelined_backward = false;
 };
 
 class Pipe : public torch::nn::Module {

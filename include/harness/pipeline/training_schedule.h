@@ -60,6 +60,14 @@ struct TrainingSchedule {
 // Throws std::invalid_argument unless micro_batches >= 1 and devices >= 1.
 TrainingSchedule gpipe_schedule(int micro_batches, int devices);
 
+// GPipe over D * V stages placed round-robin (stage c * D + d on device d): each device runs every
+// micro-batch's forward through its chunks in model order, then every backward in reverse. For
+// M = 2, D = 2, V = 2:
+//   device 0: F0.0 F1.0 F0.1 F1.1 B1.1 B0.1 B1.0 B0.0
+//   device 1: F0.0 F1.0 F0.1 F1.1 B1.1 B0.1 B1.0 B0.0
+// in_flight_bound = M V. The executor's fallback when interleaving cannot take a batch (M % D != 0).
+TrainingSchedule gpipe_schedule(int micro_batches, int devices, int virtual_stages);
+
 // 1F1B, PipeDream-Flush (Narayanan et al. 2021) as Megatron-LM's
 // forward_backward_pipelining_without_interleaving runs it: device d does w = min(D - d - 1, M)
 // warm-up forwards, then M - w pairs of one forward and one backward, then w cool-down backwards.

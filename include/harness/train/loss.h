@@ -11,4 +11,10 @@ namespace harness::train {
 at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
                                   const at::Tensor& weights);
 
+// The same sum over a part of a batch divided by the whole batch's `weight_sum` (a scalar), so
+// that the parts' losses, and their gradients, add up to the whole batch's (pipeline
+// micro-batches). Same shape checks; weight_sum must be positive.
+at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
+                                  const at::Tensor& weights, const at::Tensor& weight_sum);
+
 }  // namespace harness::train

@@ -44,6 +44,10 @@ struct PipelineConfig {
   std::string mode;  // "", "model_parallel", "pipeline_parallel"
   int64_t n_chunk = 4;
   bool shuffle = false;  // the original trains in order (shuffle=False)
+  std::string schedule = "1f1b";                  // --pipeline_schedule (pipeline_parallel)
+  int virtual_stages = 1;                         // --virtual_stages
+  std::string activation_checkpointing = "never";  // --activation_checkpointing
+  std::string balance;                            // --balance: "", "auto" or "N,N,..."
 };
 int run_pipeline(const PipelineConfig& config);
 

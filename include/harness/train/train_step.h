@@ -61,6 +61,9 @@ class TrainStep {
   // The gradients of the last backward, unsplit, Hugging Face names, on the CPU (--pytest's
   // files); parameters without a gradient are left out. Collective for tensor parallelism.
   virtual model::NamedTensors unsplit_gradients() = 0;
+  // The optimizer steps taken before the next step() (the driver says so at start and after a
+  // resume; each step() adds one). Layouts whose random streams derive from the step use it.
+  virtual void set_global_step(int64_t global_step) {}
 
   // Runs after backward and the gradient synchronisation, before the optimizer step.
   std::function<void()> after_backward;
@@ -89,6 +92,9 @@ class GPT2TrainStep : public TrainStep {
   model::NamedTensors unsplit_gradients() override;
 
   model::GPT2LMHeadModel& model() { return model_; }
+
+ protected:
+  torch::optim::AdamW& optimizer() { return *optimizer_; }
 
  private:
   model::GPT2LMHeadModel model_;

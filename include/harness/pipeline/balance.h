@@ -1,0 +1,82 @@
+// How many GPT-2 blocks each pipeline stage gets: run_pipeline's `--balance auto|N,N,...`, the
+// default placement of SPEC §4, and torchgpipe's balance-by-time idea on measured block costs.
+// Plain data only: the caller times the blocks and builds the stages.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace harness::pipeline {
+
+// What --balance said: automatic (time the blocks) or explicit blocks per stage.
+struct BalanceSpec {
+  bool automatic = false;
+  std::vector<int> blocks_per_stage;  // empty when automatic or not given
+};
+
+// "auto" -> automatic; "3,3,2" -> {3,3,2}; "" -> neither (the caller uses default_balance).
+// Blanks (spaces, tabs) around an item or around "auto" are ignored, so a quoted "3, 3, 2" works;
+// inside an item they are not ("3 3"). An item is decimal digits only: no sign, no "3.0".
+// Throws std::invalid_argument naming the flag, the whole value and the first bad item (counted
+// from 1):
+//   "--balance 3,x,2: item 2 ('x') is not a positive integer"
+//   "--balance 3,,2: item 2 is empty"          (also "3,3," and a value of blanks only)
+//   "--balance 3,0,2: item 2 ('0') is not a positive integer; every stage needs at least one block"
+//   "--balance 99999999999: item 1 ('99999999999') is too large (at most 2147483647)"
+// Whether the list fits the model and the pipeline is check_balance's job.
+BalanceSpec parse_balance(const std::string& text);
+
+// SPEC §4's model-parallel placement: block k goes to stage k / ceil(blocks / stages), i.e.
+// contiguous runs of ceil(blocks / stages) blocks and the last stage gets the rest.
+//   default_balance(12, 4) == {3, 3, 3, 3}     default_balance(10, 4) == {3, 3, 3, 1}
+// Throws std::invalid_argument when stages < 1, blocks < stages, or the runs leave stages empty,
+// suggesting even_balance:
+//   "12 blocks over 5 stages in runs of ceil(12/5) = 3 leave stage 4 without a block; use --balance
+//    to place them, e.g. 3,3,2,2,2"
+std::vector<int> default_balance(int blocks, int stages);
+
+// Block counts as equal as they can be, the first blocks % stages stages one block more:
+//   even_balance(12, 5) == {3, 3, 2, 2, 2}
+// Same size checks as default_balance.
+std::vector<int> even_balance(int blocks, int stages);
+
+// Throws std::invalid_argument unless stages >= 1 and balance has `stages` entries, each >= 1,
+// summing to `blocks`. `stages_from` says where the stage count comes from and is printed in
+// parentheses (left out when empty):
+//   "--balance 6,6 gives 2 stages but the pipeline has 4 (devices 2 x virtual stages 2)"
+//   "--balance 3,0,2: stage 1 gets 0 blocks; every stage needs at least one"
+//   "--balance 3,3,3,3 sums to 12 but the model has 10 blocks"
+void check_balance(const std::vector<int>& balance, int blocks, int stages,
+                   const std::string& stages_from);
+
+// torchgpipe's balance_by_time on measured costs. block_costs[k] is the time of block k (forward +
+// backward of one micro-batch); first_stage_extra is added to stage 0 (the embedding),
+// last_stage_extra to the last stage (ln_f, the tied head and the loss over the vocabulary); with
+// one stage it gets both. A stage's cost is its blocks' costs summed in block order plus its extra.
+//
+// Returns the contiguous partition into `stages` non-empty runs chosen by, in order:
+//   1. stage costs sorted from the most expensive, lexicographically smallest: the most expensive
+//      stage (the pipeline's clock) as cheap as possible, then the second most expensive, and on;
+//   2. then block counts sorted from the largest, lexicographically smallest: the most even counts
+//      (this only decides where costs tie, e.g. blocks that measured 0);
+//   3. then the balance itself lexicographically smallest: fewer blocks on earlier stages. Under
+//      1F1B stage j holds activations of D - j micro-batches, so that lowers the peak for free.
+// Exact dynamic programming over (stages, blocks): both sorted orders are unchanged by adding the
+// same stage to two partitions, so the best split of each prefix extends to the best split.
+// Costs compare exactly as doubles: integer (or equal) costs tie exactly; for other measured times
+// the last bits of a sum can decide between partitions that tie on paper.
+//   12 blocks of cost 1 over 4 stages, last_stage_extra 2 -> {3, 3, 4, 2}  (stage costs 3 3 4 4)
+//   equal costs, no extras -> even counts, the longer runs last: 12 over 5 -> {2, 2, 2, 3, 3}
+// Throws std::invalid_argument on the size errors of default_balance, and naming the block (or the
+// extra) when a cost is negative or not finite.
+std::vector<int> balance_by_cost(const std::vector<double>& block_costs, int stages,
+                                 double first_stage_extra, double last_stage_extra);
+
+// The stage of each block for a balance: {2, 1} -> {0, 0, 1}. Throws std::invalid_argument when
+// an entry is below 1.
+std::vector<int> stage_of_each_block(const std::vector<int>& balance);
+
+// "3,3,2": the form --balance takes, for printing the resolved balance at start.
+std::string format_balance(const std::vector<int>& balance);
+
+}  // namespace harness::pipeline

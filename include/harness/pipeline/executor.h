@@ -1,0 +1,101 @@
+// The pipeline's training executor: runs a TrainingSchedule (training_schedule.h) for one step on
+// one worker thread per schedule device. Each worker walks its device's actions in order;
+// activations and their gradients cross stages as tensors handed between workers, and every
+// backward is an explicit torch::autograd::backward called by the worker that owns the stage, so
+// no autograd engine thread ever waits for a worker (on GPUs the engine runs a device's nodes on
+// that device's one engine thread; a node that blocked there would deadlock the workers' own
+// backward calls queued behind it). What a stage computes is the caller's (StageForward); the
+// executor owns the order, the hand-offs, recomputation and the random streams.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "harness/device.h"
+#include "harness/pipeline/training_schedule.h"
+#include "harness/trace.h"
+
+namespace harness::pipeline {
+
+class Worker;
+
+// torchgpipe's activation checkpointing: keep no graph for a checkpointed (micro-batch, stage)
+// during the forward, only its input, and run its forward again, with the same random stream,
+// right before its backward. kExceptLast checkpoints every micro-batch but the last (whose
+// backward comes first, so recomputing it would only add time).
+enum class ActivationCheckpointing { kNever, kExceptLast, kAlways };
+
+// "always" | "except_last" | "never"; throws std::invalid_argument naming
+// --activation_checkpointing and the value.
+ActivationCheckpointing parse_activation_checkpointing(const std::string& text);
+std::string to_string(ActivationCheckpointing mode);
+// Whether micro-batch i of m is checkpointed under `mode`.
+bool is_checkpointed(ActivationCheckpointing mode, int micro_batch, int micro_batches);
+
+// The forward of `stage` on `micro_batch`, run by the stage's worker. `input` is undefined for
+// stage 0; otherwise it is the previous stage's output moved to this stage's device, a leaf that
+// requires grad. Returns the stage's output, which the next stage receives; the last stage returns
+// its micro-batch's share of the loss, a scalar the executor runs backward from. While it runs,
+// the (step, micro-batch, stage) random stream is the thread's dropout stream (dropout.h), so a
+// recomputation draws the same masks and concurrent stages never share a generator.
+using StageForward = std::function<at::Tensor(int micro_batch, int stage, const at::Tensor& input)>;
+
+struct ExecutorOptions {
+  // Intra-op threads of each worker; 0: default_threads_per_device(number of CPU lanes).
+  int threads_per_device = 0;
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::kNever;
+  // One slice per action ("forward", "backward"; a recomputation is part of its backward, with
+  // arg recomputed = 1), track = the device's name, args micro_batch and stage. Not owned.
+  Tracer* tracer = nullptr;
+};
+
+struct StepResult {
+  std::vector<at::Tensor> losses;   // [micro-batch] the last stage's outputs, detached
+  std::vector<int> peak_in_flight;  // [device] most (micro-batch, stage) forwards held at once
+  // [device] With the activation meter installed (activation_meter.h), the most bytes the
+  // device's forwards had allocated and not yet freed, sampled as each forward returns: what its
+  // held activations take, without a forward's own temporaries. Empty without the meter.
+  std::vector<int64_t> peak_held_bytes;
+};
+
+// The seed of one step's streams from the run's --seed and the global step, and of one
+// (micro-batch, stage) stream within the step (splitmix64 mixing: neighbouring steps, micro-batches
+// and stages get unrelated streams). A resumed run recomputes them from the step number alone.
+uint64_t step_stream_seed(uint64_t seed, int64_t global_step);
+uint64_t stage_stream_seed(uint64_t step_seed, int micro_batch, int stage);
+
+class ScheduleExecutor {
+ public:
+  // devices[d] runs schedule device d. One worker per entry, so one Device may appear twice (two
+  // lanes sharing one GPU). Throws std::invalid_argument on an empty list or bad options.
+  ScheduleExecutor(std::vector<Device> devices, ExecutorOptions options = {});
+  ~ScheduleExecutor();  // joins the workers
+  ScheduleExecutor(const ScheduleExecutor&) = delete;
+  ScheduleExecutor& operator=(const ScheduleExecutor&) = delete;
+
+  // Runs one training step: validates the schedule (its device count must match), then every
+  // device's actions concurrently, then returns once all of them finished. Parameters' gradients
+  // accumulate where the stages' backward leaves them. When an action fails, the other workers
+  // stop waiting at once and this rethrows the failure, naming the action and device; the
+  // executor stays usable.
+  StepResult run(const TrainingSchedule& schedule, const StageForward& forward, uint64_t step_seed);
+
+  const std::vector<Device>& devices() const { return devices_; }
+  int threads_per_device() const { return threads_per_device_; }
+  const ExecutorOptions& options() const { return options_; }
+  void set_checkpointing(ActivationCheckpointing mode) { options_.checkpointing = mode; }
+
+ private:
+  std::vector<Device> devices_;
+  ExecutorOptions options_;
+  int threads_per_device_ = 1;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::string> tracks_;  // trace track per device ("cpu:1", or "cuda:0#1" if shared)
+};
+
+}  // namespace harness::pipeline

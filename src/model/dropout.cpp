@@ -1,0 +1,65 @@
+// Per-thread dropout streams (see dropout.h).
+#include "harness/model/dropout.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+namespace harness::model {
+namespace {
+
+thread_local std::optional<at::Generator> thread_generator;
+
+}  // namespace
+
+DropoutGeneratorScope::DropoutGeneratorScope(at::Generator generator)
+    : previous_(std::move(thread_generator)) {
+  thread_generator = std::move(generator);
+}
+
+DropoutGeneratorScope::~DropoutGeneratorScope() { thread_generator = std::move(previous_); }
+
+std::optional<at::Generator> current_dropout_generator() { return thread_generator; }
+
+at::Generator make_generator(const c10::Device& device, uint64_t seed) {
+  if (device.is_cpu()) return at::detail::createCPUGenerator(seed);
+  // Any other device: a clone of its default generator (same type), then reseeded, which also
+  // resets a Philox offset.
+  at::Generator generator = at::globalContext().defaultGenerator(device).clone();
+  generator.set_current_seed(seed);
+  return generator;
+}
+
+at::Tensor dropout(const at::Tensor& x, torch::nn::Dropout& module) {
+  const double p = module->options.p();
+  if (!thread_generator || !module->is_training() || p == 0.0) return module(x);
+  if (p == 1.0) return x * 0;
+  at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - p, *thread_generator);
+  keep.div_(1.0 - p);
+  return x * keep;
+}
+
+at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& mask, bool is_causal, double p,
+                                  double scale, at::Generator& generator) {
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+  const int64_t T = q.size(-2), S = k.size(-2);
+  if (mask) {
+    scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
+  } else if (is_causal) {
+    const at::Tensor causal =
+        at::ones({T, S}, q.options().dtype(at::kBool)).tril(/*diagonal=*/S - T);
+    scores = scores.masked_fill(causal.logical_not(), -std::numeric_limits<float>::infinity());
+  }
+  at::Tensor probabilities = at::softmax(scores, -1);
+  if (p > 0.0) {
+    at::Tensor keep = at::empty_like(probabilities).bernoulli_(1.0 - p, generator);
+    keep.div_(1.0 - p);
+    probabilities = probabilities * keep;
+  }
+  return at::matmul(probabilities, v);
+}
+
+}  // namespace harness::model

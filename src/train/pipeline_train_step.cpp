@@ -1,0 +1,203 @@
+// GPT-2 as a pipeline schedule program (see pipeline_train_step.h).
+#include "harness/train/pipeline_train_step.h"
+
+#include <torch/optim/adamw.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <stdexcept>
+
+#include "harness/pipeline/balance.h"
+#include "harness/train/loss.h"
+
+namespace harness::train {
+
+pipeline::TrainingSchedule make_training_schedule(const std::string& name, int micro_batches,
+                                                  int devices, int virtual_stages) {
+  if (virtual_stages < 1) {
+    throw std::invalid_argument("--virtual_stages must be >= 1, got " + std::to_string(virtual_stages));
+  }
+  if (name == "interleaved") {
+    return micro_batches % devices == 0
+               ? pipeline::interleaved_schedule(micro_batches, devices, virtual_stages)
+               : pipeline::gpipe_schedule(micro_batches, devices, virtual_stages);
+  }
+  if (name != "gpipe" && name != "1f1b") {
+    throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b or interleaved, got '" + name + "'");
+  }
+  if (virtual_stages != 1) {
+    throw std::invalid_argument("--virtual_stages " + std::to_string(virtual_stages) +
+                                " needs --pipeline_schedule interleaved (got " + name +
+                                "); gpipe and 1f1b run one stage per device");
+  }
+  return name == "gpipe" ? pipeline::gpipe_schedule(micro_batches, devices)
+                         : pipeline::one_f_one_b_schedule(micro_batches, devices);
+}
+
+PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel gpt2, double learning_rate,
+                                     PipelineStepOptions options)
+    : GPT2TrainStep(std::move(gpt2), learning_rate), options_(std::move(options)) {
+  const int D = static_cast<int>(options_.devices.size());
+  if (D < 1) throw std::invalid_argument("PipelineTrainStep: no devices given");
+  if (options_.micro_batches < 1) {
+    throw std::invalid_argument("--n_chunk must be >= 1, got " + std::to_string(options_.micro_batches));
+  }
+  // Checks the names and V now; interleaving's rule on M, for full batches, too.
+  (void)make_training_schedule(options_.schedule, D, D, options_.virtual_stages);
+  if (options_.schedule == "interleaved" && options_.micro_batches % D != 0) {
+    throw std::invalid_argument("--pipeline_schedule interleaved needs --n_chunk to be a multiple of the " +
+                                std::to_string(D) + " devices (Megatron's rule), got " +
+                                std::to_string(options_.micro_batches));
+  }
+  const int S = D * options_.virtual_stages;
+  const int n_layer = static_cast<int>(model()->config().n_layer);
+  const std::string stages_from = std::to_string(D) + " devices x " +
+                                  std::to_string(options_.virtual_stages) + " virtual stages";
+  if (options_.balance.empty()) {
+    try {
+      balance_ = pipeline::default_balance(n_layer, S);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("the model's n_layer " + std::to_string(n_layer) + " blocks cannot fill " +
+                                  std::to_string(S) + " stages (" + stages_from + "): " + e.what());
+    }
+  } else {
+    balance_ = options_.balance;
+  }
+  pipeline::check_balance(balance_, n_layer, S, stages_from);
+
+  std::vector<Device> block_devices;
+  blocks_of_stage_.assign(S, {});
+  for (int s = 0, block = 0; s < S; ++s) {
+    for (int k = 0; k < balance_[s]; ++k, ++block) {
+      blocks_of_stage_[s].push_back(static_cast<size_t>(block));
+      block_devices.push_back(options_.devices[s % D]);
+    }
+  }
+  model()->place(block_devices);
+
+  pipeline::ExecutorOptions executor_options;
+  executor_options.threads_per_device = options_.threads_per_device;
+  executor_options.checkpointing = options_.checkpointing;
+  executor_options.tracer = options_.tracer;
+  executor_ = std::make_unique<pipeline::ScheduleExecutor>(options_.devices, executor_options);
+}
+
+PipelineTrainStep::~PipelineTrainStep() = default;
+
+c10::Device PipelineTrainStep::input_device() const { return options_.devices.front().torch_device(); }
+
+double PipelineTrainStep::step(const data::Batch& batch) {
+  optimizer().zero_grad();
+  model::GPT2LMHeadModelImpl& gpt2 = *model();
+  const int D = static_cast<int>(options_.devices.size());
+  const int S = stages();
+  const int64_t rows = batch.input_ids.size(0);
+  const int M = static_cast<int>(std::min<int64_t>(options_.micro_batches, rows));
+  last_schedule_ = make_training_schedule(options_.schedule, M, D, options_.virtual_stages);
+  if (last_schedule_.name != options_.schedule && !told_fallback_) {
+    told_fallback_ = true;
+    std::cerr << "run_pipeline: a batch of " << rows << " rows gives " << M
+              << " micro-batches, not a multiple of the " << D
+              << " devices interleaving needs; such batches run GPipe's order over the same stages"
+              << std::endl;
+  }
+
+  const c10::Device last_device = options_.devices[(S - 1) % D].torch_device();
+  const std::vector<at::Tensor> ids = batch.input_ids.to(input_device()).tensor_split(M, 0);
+  const std::vector<at::Tensor> labels = batch.labels.to(last_device).tensor_split(M, 0);
+  const at::Tensor weights = batch.label_token_weights.to(last_device, torch::kFloat32);
+  const std::vector<at::Tensor> weight_parts = weights.tensor_split(M, 0);
+  const at::Tensor weight_sum = weights.sum();
+  if (weight_sum.item<float>() == 0.0f) {
+    throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
+  }
+  // The tied head on the last stage: a leaf sharing wte's values (a copy on another device) whose
+  // gradient is added to wte's after the step, so each parameter's gradient accumulates on one
+  // worker only, in the schedule's order: reproducible whatever the thread timing.
+  at::Tensor& wte = gpt2.transformer->wte->weight;
+  const at::Tensor head_weight = wte.detach().to(last_device).requires_grad_(wte.requires_grad());
+
+  const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
+    at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
+    for (size_t b : blocks_of_stage_[s]) hidden = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(b)->forward(hidden);
+    if (s < S - 1) return hidden;
+    const at::Tensor logits = torch::linear(gpt2.transformer->ln_f(hidden), head_weight);
+    return weighted_cross_entropy(logits, labels[i], weight_parts[i], weight_sum);
+  };
+  pipeline::StepResult result =
+      executor_->run(last_schedule_, forward, pipeline::step_stream_seed(options_.seed, global_step_));
+  ++global_step_;
+  last_peak_in_flight_ = result.peak_in_flight;
+
+  if (head_weight.grad().defined()) {
+    torch::NoGradGuard no_grad;
+    const at::Tensor head_grad = head_weight.grad().to(wte.device());
+    if (wte.grad().defined()) {
+      wte.mutable_grad().add_(head_grad);
+    } else {
+      wte.mutable_grad() = head_grad.clone();
+    }
+  }
+  if (after_backward) after_backward();
+  optimizer().step();
+  at::Tensor loss = result.losses[0];
+  for (int i = 1; i < M; ++i) loss = loss + result.losses[i];
+  // Reading the loss also waits for the step, so a step's time is finished work on every device.
+  return loss.item<double>();
+}
+
+std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
+                                      int64_t rows, int64_t tokens) {
+  model::GPT2LMHeadModelImpl& gpt2 = *model;
+  const model::GPT2Config& config = gpt2.config();
+  const c10::Device where = device.torch_device();
+  model->to(where);
+  const bool was_training = model->is_training();
+  model->train(true);
+  const int64_t C = config.n_embd;
+  tokens = std::min<int64_t>(tokens, config.n_positions);
+  const auto floats = torch::TensorOptions().device(where).dtype(torch::kFloat32);
+  const at::Tensor ids = torch::randint(config.vocab_size, {rows, tokens},
+                                        torch::TensorOptions().device(where).dtype(torch::kLong));
+  const at::Tensor weights = torch::ones({rows, tokens}, floats);
+
+  auto seconds_of = [&](const std::function<at::Tensor()>& forward_backward) {
+    std::vector<double> times;
+    for (int k = 0; k < 4; ++k) {
+      const auto start = std::chrono::steady_clock::now();
+      (void)forward_backward().sum().item<double>();  // waits for a GPU too
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (k > 0) times.push_back(t);  // the first run warms up
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  auto backward_from = [](const at::Tensor& out) {
+    torch::autograd::backward({out}, {torch::ones_like(out)});
+  };
+  const double embed = seconds_of([&] {
+    at::Tensor out = gpt2.embed(ids);
+    backward_from(out);
+    return gpt2.transformer->wte->weight.grad();
+  });
+  const double block = seconds_of([&] {
+    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
+    backward_from(gpt2.transformer->h->ptr<model::GPT2BlockImpl>(0)->forward(x));
+    return x.grad();
+  });
+  const double head = seconds_of([&] {
+    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
+    const at::Tensor head_weight = gpt2.transformer->wte->weight.detach().requires_grad_(true);
+    const at::Tensor logits = torch::linear(gpt2.transformer->ln_f(x), head_weight);
+    weighted_cross_entropy(logits, ids, weights).backward();
+    return x.grad();
+  });
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  model->train(was_training);
+  const std::vector<double> block_costs(static_cast<size_t>(config.n_layer), block);
+  return pipeline::balance_by_cost(block_costs, stages, embed, head);
+}
+
+}  // namespace harness::train

@@ -1,0 +1,254 @@
+// The schedule executor on toy stages: every schedule and checkpointing mode gives plain
+// autograd's gradients, the workers run each device's actions in the schedule's order, a failure
+// stops every worker and names the action, recomputation replays the random stream, and the
+// held forwards per device match the schedule's bound.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "harness/model/dropout.h"
+#include "harness/pipeline/executor.h"
+#include "harness/pipeline/training_schedule.h"
+
+namespace harness::pipeline {
+namespace {
+
+// S stages, each y = tanh(x W_s) with a random keep-mask drawn from the thread's dropout stream
+// when `noisy`; the last stage's output is the micro-batch's share of sum(y^2) / rows.
+struct ToyModel {
+  std::vector<at::Tensor> weights;  // [stage] 8 x 8 leaves
+  bool noisy = false;
+
+  explicit ToyModel(int stages, bool noisy_ = false) : noisy(noisy_) {
+    torch::manual_seed(11);
+    for (int s = 0; s < stages; ++s) weights.push_back(torch::randn({8, 8}).mul_(0.5).requires_grad_(true));
+  }
+  at::Tensor stage(int s, const at::Tensor& x) const {
+    at::Tensor y = torch::tanh(torch::matmul(x, weights[s]));
+    if (noisy) {
+      std::optional<at::Generator> stream = model::current_dropout_generator();
+      if (!stream) throw std::logic_error("no dropout stream installed");
+      y = y * at::empty_like(y).bernoulli_(0.7, *stream);
+    }
+    return y;
+  }
+  std::vector<at::Tensor> grads() const {
+    std::vector<at::Tensor> out;
+    for (const auto& w : weights) out.push_back(w.grad().clone());
+    return out;
+  }
+  void zero_grad() {
+    for (auto& w : weights) w.mutable_grad() = at::Tensor();
+  }
+};
+
+StageForward toy_forward(const ToyModel& model, const std::vector<at::Tensor>& chunks, int64_t rows) {
+  const int S = static_cast<int>(model.weights.size());
+  return [&model, &chunks, rows, S](int i, int s, const at::Tensor& input) {
+    at::Tensor y = model.stage(s, s == 0 ? chunks[i] : input);
+    return s == S - 1 ? y.pow(2).sum() / rows : y;
+  };
+}
+
+std::vector<at::Tensor> reference_grads(ToyModel& model, const at::Tensor& x) {
+  model.zero_grad();
+  at::Tensor h = x;
+  for (size_t s = 0; s < model.weights.size(); ++s) h = model.stage(static_cast<int>(s), h);
+  (h.pow(2).sum() / x.size(0)).backward();
+  return model.grads();
+}
+
+std::vector<Device> lanes(int n) {
+  std::vector<Device> out;
+  for (int d = 0; d < n; ++d) out.push_back(Device::cpu(d));
+  return out;
+}
+
+struct Case {
+  TrainingSchedule schedule;
+  ActivationCheckpointing checkpointing;
+};
+
+TEST(ScheduleExecutor, EveryScheduleAndCheckpointingGivesPlainAutogradsGradients) {
+  const at::Tensor x = torch::randn({12, 8});
+  std::vector<Case> cases;
+  for (auto mode : {ActivationCheckpointing::kNever, ActivationCheckpointing::kExceptLast,
+                    ActivationCheckpointing::kAlways}) {
+    cases.push_back({gpipe_schedule(4, 2), mode});
+    cases.push_back({one_f_one_b_schedule(4, 2), mode});
+    cases.push_back({one_f_one_b_schedule(3, 3), mode});
+    cases.push_back({interleaved_schedule(4, 2, 2), mode});
+    cases.push_back({gpipe_schedule(3, 2, 2), mode});
+  }
+  for (const Case& c : cases) {
+    const std::string what = c.schedule.name + " D=" + std::to_string(c.schedule.devices) + " V=" +
+                             std::to_string(c.schedule.virtual_stages) + " M=" +
+                             std::to_string(c.schedule.micro_batches) + " " + to_string(c.checkpointing);
+    ToyModel model(c.schedule.stages());
+    const std::vector<at::Tensor> expected = reference_grads(model, x);
+    model.zero_grad();
+    ExecutorOptions options;
+    options.threads_per_device = 1;
+    options.checkpointing = c.checkpointing;
+    ScheduleExecutor executor(lanes(c.schedule.devices), options);
+    const std::vector<at::Tensor> chunks = x.tensor_split(c.schedule.micro_batches, 0);
+    StepResult result = executor.run(c.schedule, toy_forward(model, chunks, x.size(0)), 7);
+    ASSERT_EQ(result.losses.size(), static_cast<size_t>(c.schedule.micro_batches)) << what;
+    const std::vector<at::Tensor> actual = model.grads();
+    for (size_t s = 0; s < expected.size(); ++s) {
+      EXPECT_TRUE(torch::allclose(actual[s], expected[s], 1e-5, 1e-7)) << what << ": stage " << s;
+    }
+  }
+}
+
+TEST(ScheduleExecutor, EachDeviceRunsItsActionsInTheSchedulesOrder) {
+  Tracer tracer;
+  ExecutorOptions options;
+  options.threads_per_device = 1;
+  options.tracer = &tracer;
+  const TrainingSchedule schedule = interleaved_schedule(4, 2, 2);
+  ToyModel model(schedule.stages());
+  const at::Tensor x = torch::randn({8, 8});
+  const std::vector<at::Tensor> chunks = x.tensor_split(4, 0);
+  ScheduleExecutor executor(lanes(2), options);
+  executor.run(schedule, toy_forward(model, chunks, 8), 1);
+
+  std::map<std::string, std::vector<Tracer::Slice>> by_track;
+  for (const auto& slice : tracer.slices()) by_track[slice.track].push_back(slice);
+  ASSERT_EQ(by_track.size(), 2u);
+  for (int d = 0; d < 2; ++d) {
+    auto& slices = by_track["cpu:" + std::to_string(d)];
+    std::sort(slices.begin(), slices.end(),
+              [](const Tracer::Slice& a, const Tracer::Slice& b) { return a.start_us < b.start_us; });
+    ASSERT_EQ(slices.size(), schedule.per_device[d].size()) << "device " << d;
+    for (size_t k = 0; k < slices.size(); ++k) {
+      const Action& a = schedule.per_device[d][k];
+      int64_t i = -1, s = -1;
+      for (const auto& [key, value] : slices[k].args) {
+        if (key == "micro_batch") i = std::get<int64_t>(value);
+        if (key == "stage") s = std::get<int64_t>(value);
+      }
+      EXPECT_EQ(slices[k].name, a.kind == Action::Kind::kForward ? "forward" : "backward") << d << "/" << k;
+      EXPECT_EQ(i, a.micro_batch) << "device " << d << ", action " << k;
+      EXPECT_EQ(s, a.stage) << "device " << d << ", action " << k;
+    }
+  }
+}
+
+TEST(ScheduleExecutor, AFailingStageStopsEveryWorkerAndNamesTheAction) {
+  const TrainingSchedule schedule = one_f_one_b_schedule(4, 2);
+  ToyModel model(2);
+  const at::Tensor x = torch::randn({8, 8});
+  const std::vector<at::Tensor> chunks = x.tensor_split(4, 0);
+  ScheduleExecutor executor(lanes(2), {1});
+  const StageForward working = toy_forward(model, chunks, 8);
+  const StageForward failing = [&](int i, int s, const at::Tensor& input) {
+    if (i == 2 && s == 0) throw std::runtime_error("boom in the embedding");
+    return working(i, s, input);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    executor.run(schedule, failing, 1);
+    FAIL() << "the failure was not reported";
+  } catch (const std::runtime_error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("forward of micro-batch 2, stage 0"), std::string::npos) << message;
+    EXPECT_NE(message.find("boom in the embedding"), std::string::npos) << message;
+    EXPECT_NE(message.find("cpu:0"), std::string::npos) << message;
+    EXPECT_EQ(message.find("stopped"), std::string::npos) << "the waiting device's stop is not the cause: " << message;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+  // The same executor trains again afterwards.
+  model.zero_grad();
+  EXPECT_NO_THROW(executor.run(schedule, working, 1));
+  EXPECT_TRUE(model.weights[0].grad().defined());
+}
+
+TEST(ScheduleExecutor, RecomputationReplaysTheStreamSoCheckpointingChangesNothing) {
+  const TrainingSchedule schedule = one_f_one_b_schedule(4, 2);
+  const at::Tensor x = torch::randn({8, 8});
+  const std::vector<at::Tensor> chunks = x.tensor_split(4, 0);
+  std::vector<std::vector<at::Tensor>> grads;
+  for (auto mode : {ActivationCheckpointing::kNever, ActivationCheckpointing::kExceptLast,
+                    ActivationCheckpointing::kAlways}) {
+    ToyModel model(2, /*noisy=*/true);
+    ExecutorOptions options;
+    options.threads_per_device = 1;
+    options.checkpointing = mode;
+    ScheduleExecutor executor(lanes(2), options);
+    executor.run(schedule, toy_forward(model, chunks, 8), 99);
+    grads.push_back(model.grads());
+  }
+  for (size_t k = 1; k < grads.size(); ++k) {
+    for (size_t s = 0; s < grads[0].size(); ++s) EXPECT_TRUE(torch::equal(grads[k][s], grads[0][s])) << k << "/" << s;
+  }
+  // Another step seed draws other masks.
+  ToyModel model(2, /*noisy=*/true);
+  ScheduleExecutor executor(lanes(2), {1});
+  executor.run(schedule, toy_forward(model, chunks, 8), 100);
+  EXPECT_FALSE(torch::equal(model.grads()[0], grads[0][0]));
+}
+
+TEST(ScheduleExecutor, HeldForwardsPerDeviceAreTheSchedulesBound) {
+  const at::Tensor x = torch::randn({8, 8});
+  const std::vector<at::Tensor> chunks = x.tensor_split(8, 0);
+  ToyModel model(2);
+  ScheduleExecutor executor(lanes(2), {1});
+  EXPECT_EQ(executor.run(gpipe_schedule(8, 2), toy_forward(model, chunks, 8), 1).peak_in_flight,
+            (std::vector<int>{8, 8}));
+  EXPECT_EQ(executor.run(one_f_one_b_schedule(8, 2), toy_forward(model, chunks, 8), 1).peak_in_flight,
+            (std::vector<int>{2, 1}));
+}
+
+TEST(ScheduleExecutor, TwoWorkersMayShareOneDevice) {
+  const TrainingSchedule schedule = one_f_one_b_schedule(4, 2);
+  ToyModel model(2);
+  const at::Tensor x = torch::randn({8, 8});
+  const std::vector<at::Tensor> expected = reference_grads(model, x);
+  model.zero_grad();
+  const std::vector<at::Tensor> chunks = x.tensor_split(4, 0);
+  ScheduleExecutor executor({Device::cpu(0), Device::cpu(0)}, {1});
+  executor.run(schedule, toy_forward(model, chunks, 8), 1);
+  for (size_t s = 0; s < expected.size(); ++s) EXPECT_TRUE(torch::allclose(model.grads()[s], expected[s], 1e-5, 1e-7));
+}
+
+TEST(ScheduleExecutor, RejectsAScheduleForOtherDevicesAndBadModes) {
+  ToyModel model(3);
+  const at::Tensor x = torch::randn({4, 8});
+  const std::vector<at::Tensor> chunks = x.tensor_split(2, 0);
+  ScheduleExecutor executor(lanes(2), {1});
+  EXPECT_THROW(executor.run(gpipe_schedule(2, 3), toy_forward(model, chunks, 4), 1), std::invalid_argument);
+  EXPECT_THROW(ScheduleExecutor({}, {}), std::invalid_argument);
+  try {
+    parse_activation_checkpointing("sometimes");
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--activation_checkpointing"), std::string::npos);
+  }
+  EXPECT_EQ(parse_activation_checkpointing("except_last"), ActivationCheckpointing::kExceptLast);
+  EXPECT_TRUE(is_checkpointed(ActivationCheckpointing::kExceptLast, 2, 4));
+  EXPECT_FALSE(is_checkpointed(ActivationCheckpointing::kExceptLast, 3, 4));
+}
+
+TEST(ScheduleExecutor, StreamSeedsDifferAcrossStepsMicroBatchesAndStages) {
+  std::set<uint64_t> seen;
+  for (int64_t step = 0; step < 4; ++step) {
+    const uint64_t step_seed = step_stream_seed(1234, step);
+    for (int i = 0; i < 4; ++i) {
+      for (int s = 0; s < 4; ++s) seen.insert(stage_stream_seed(step_seed, i, s));
+    }
+  }
+  EXPECT_EQ(seen.size(), 64u);
+  EXPECT_EQ(step_stream_seed(1234, 5), step_stream_seed(1234, 5));
+  EXPECT_NE(step_stream_seed(1234, 5), step_stream_seed(1235, 5));
+}
+
+}  // namespace
+}  // namespace harness::pipeline
