@@ -9,6 +9,7 @@
 
 #include "common.h"
 #include "harness/data_parallel/launcher.h"
+#include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/tensor_parallel/parallel_context.h"
 
@@ -117,10 +118,16 @@ int main(int argc, char** argv) {
     const std::string addr = !config.master_addr.empty() ? config.master_addr : env_or("MASTER_ADDR", "localhost");
     const int port = config.master_port > 0 ? config.master_port
                                             : std::atoi(env_or("MASTER_PORT", std::to_string(dp::kDefaultMasterPort)).c_str());
-    // World size = data-parallel size x tensor-parallel size: checked before anything starts.
-    tp::parallel_layout(config.world_size, config.tensor_parallel_size, 0);
+    // World size = data-parallel size x tensor-parallel size, and the batch over the data-parallel
+    // ranks: checked before any process starts.
+    const tp::ParallelLayout layout = tp::parallel_layout(config.world_size, config.tensor_parallel_size, 0);
+    dp::per_device_batch_size(config.run.batch_size, layout.data_parallel_size);
     std::vector<std::string> args(argv, argv + argc);
-    return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts);
+    dp::LaunchOptions launch;
+    // A rank stopped (SIGSTOP) past the collective timeout is named as the cause and ends the run;
+    // the others fail on their own by then.
+    launch.stopped_worker_timeout = std::chrono::seconds(config.dist_timeout_s + 10);
+    return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts, launch);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: error: " << e.what() << std::endl;
     return 1;

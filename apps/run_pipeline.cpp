@@ -22,7 +22,7 @@ PipelineFlags parse(int argc, char** argv) {
       ("pipeline_schedule", "gpipe | 1f1b | interleaved: the order of each device's forwards and backwards (pipeline_parallel)", cxxopts::value<std::string>()->default_value("1f1b"))
       ("virtual_stages", "stages per device for --pipeline_schedule interleaved", cxxopts::value<int>()->default_value("1"))
       ("activation_checkpointing", "always | except_last | never: recompute a stage's forward in its backward instead of keeping its activations (torchgpipe's modes)", cxxopts::value<std::string>()->default_value("never"))
-      ("balance", "blocks per stage: auto (timed, torchgpipe's balance_by_time) or N,N,... (default: runs of ceil(n_layer / stages))", cxxopts::value<std::string>()->default_value(""))
+      ("balance", "blocks per stage: auto (timed, torchgpipe's balance_by_time, may cut a block between its attention and MLP halves) or N,N,... with N.5 for such a cut (default: runs of ceil(n_layer / stages))", cxxopts::value<std::string>()->default_value(""))
       ("shuffle", "reshuffle the training pairs every epoch (from --seed); default: in order, as the original (shuffle=False)");
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   PipelineFlags flags;

@@ -218,6 +218,11 @@ def render(slices: List[Slice], report: TimelineReport, out_png: str, title: Opt
     fig, ax = plt.subplots(figsize=(12, max(3.2, fig_h)))
     span = hi - lo
     names_seen = []
+    stages_of = {}
+    for s_ in window_slices:
+        if "stage" in s_.args:
+            stages_of.setdefault(s_.track, set()).add(s_.args["stage"])
+    several_stages = {t for t, st in stages_of.items() if len(st) > 1}
     for y, track in enumerate(all_rows):
         if track in rows:
             ax.barh(y, span, left=0, height=0.8, color=IDLE_COLOUR, edgecolor="#d9a0a0",
@@ -235,6 +240,8 @@ def render(slices: List[Slice], report: TimelineReport, out_png: str, title: Opt
             label = None
             if "micro_batch" in s.args:
                 label = f"{s.name[0].upper()}{s.args['micro_batch']}"
+                if track in several_stages and "stage" in s.args:  # interleaved: which chunk
+                    label += f".{s.args['stage']}"
             elif context:
                 label = s.name
             if label and (b - a) > span * 0.025:

@@ -12,7 +12,10 @@ Configurations (logs in WORKDIR/perf/, `_fast{K}` appended when --max-batches K 
   pp_model_b{B}      run_pipeline --model_parallel_mode model_parallel, 2 devices
   pp_pipeline_b{B}_n{N}  run_pipeline --model_parallel_mode pipeline_parallel --n_chunk N
 plus a traced pipeline run for the timeline (pp_timeline.png), the n_chunk 1/2/4/8 scaling runs
-(pp_scaling.png) and, with --compare-grad-sync, data parallel with both gradient syncs.
+(pp_scaling.png), with --compare-grad-sync data parallel with both gradient syncs, and the
+pipeline schedules (pipeline_bench: GPipe, 1F1B, interleaved 1F1B and activation checkpointing on
+synthetic batches of the same shapes, in one process): pp_schedules.png,
+pp_timeline_<schedule>.png and benchmark_details.json's "schedules".
 
 Only the programs' printed lines (SPEC §7) are read. On CPUs every "device" gets
 --threads-per-device cores (default 1), single-rank runs included, so 1-vs-2-device
@@ -64,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-pp", action="store_true", help="no pipeline runs (timeline, scaling included)")
     p.add_argument("--no-timeline", action="store_true", help="no traced run / pp_timeline.png")
     p.add_argument("--no-scaling", action="store_true", help="no n_chunk 1/2/4/8 runs / pp_scaling.png")
+    p.add_argument("--no-schedules", action="store_true",
+                   help="no pipeline_bench run / pp_schedules.png / pp_timeline_<schedule>.png")
+    p.add_argument("--schedule-steps", type=int, default=6, help="timed steps per pipeline_bench configuration")
+    p.add_argument("--balance", default="auto", help="pipeline_bench's --balance (auto, N,N,... or '' for the default)")
     p.add_argument("--compare-grad-sync", action="store_true",
                    help="also run 2-rank data parallel with the other --grad-sync; writes ddp_grad_sync.png")
     p.add_argument("--grad-sync", choices=("bucketed", "naive"), default="bucketed")
@@ -111,6 +118,7 @@ class Runner:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.workdir = os.path.abspath(args.workdir)
+        self.pp_balance: Optional[str] = None  # --balance of the pipeline runs (pipeline_bench's)
         self.perf_dir = os.path.join(self.workdir, "perf")
         os.makedirs(self.perf_dir, exist_ok=True)
         self.suffix = f"_fast{args.max_batches}" if args.max_batches > 0 else ""
@@ -204,6 +212,8 @@ class Runner:
         max_batches = a.max_batches if max_batches is None else max_batches
         cmd = [self._program("run_pipeline"), "--model_parallel_mode", mode, "--devices", self.devices,
                "--batch_size", str(a.pipeline_batch_size), "--n_chunk", str(n_chunk)]
+        if self.pp_balance:
+            cmd += ["--balance", self.pp_balance]
         cmd += self._common_flags(n_epochs, max_batches, name)
         if trace:
             cmd += ["--trace", trace]
@@ -321,6 +331,148 @@ def _fmt(s: bc.Stats) -> str:
             f"   {s.tok_median:12.0f}")
 
 
+SCHEDULE_CONFIGS = ("gpipe/1", "gpipe/4", "1f1b/4", "interleaved/4/2", "gpipe/8", "1f1b/8", "interleaved/8/2",
+                    "gpipe/4/1/except_last", "gpipe/4/1/always", "1f1b/4/1/except_last", "1f1b/4/1/always")
+TIMELINE_CONFIGS = {"gpipe": "gpipe_m4", "1f1b": "1f1b_m4", "interleaved": "interleaved_m4_v2"}
+
+
+def schedules(runner: "Runner", args: argparse.Namespace, out_dir: str, device_text: str) -> dict:
+    """pipeline_bench over SCHEDULE_CONFIGS; the figures and the measured table of the schedules."""
+    import plot_trace
+    perf = runner.perf_dir
+    out_json = os.path.join(perf, "pipeline_bench.json")
+    trace_dir = os.path.join(perf, "schedules")
+    cmd = [runner._program("pipeline_bench"), "--model", args.model, "--batch_size", str(args.pipeline_batch_size),
+           "--tokens", str(args.model_max_length), "--devices", runner.devices,
+           "--threads_per_device", str(args.threads_per_device), "--steps", str(args.schedule_steps),
+           "--balance", args.balance, "--configs", ",".join(SCHEDULE_CONFIGS), "--trace_dir", trace_dir,
+           "--out", out_json]
+    vocab = fitted_vocab(perf) if not args.no_fit_vocab else None
+    if vocab:  # the programs' --fit_vocab size, so that the head weighs what it weighs there
+        cmd += ["--vocab_size", str(vocab)]
+    if not (args.reuse_logs and os.path.isfile(out_json)):
+        print(f"[bench] {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr)
+        subprocess.run(cmd, check=True, timeout=args.run_timeout, cwd=REPO_ROOT)
+    with open(out_json) as f:
+        bench = json.load(f)
+    by_name = {c["name"]: c for c in bench["configurations"]}
+    mp = by_name["model_parallel"]
+    table = {}
+    for name, c in by_name.items():
+        table[name] = {
+            "schedule": c["schedule"], "micro_batches": c["micro_batches"], "virtual_stages": c["virtual_stages"],
+            "activation_checkpointing": c["activation_checkpointing"], "balance": c["balance"],
+            "tokens_per_second": c["tokens_per_second"], "step_seconds_median": c["step_seconds_median"],
+            "speedup_over_model_parallel_x": c["tokens_per_second"] / mp["tokens_per_second"],
+            "bubble_measured": c["bubble_measured"], "bubble_unit_time": c["bubble_unit_time"],
+            "bubble_gap": c["bubble_measured"] - c["bubble_unit_time"],
+            "peak_held_activation_bytes": c["peak_held_activation_bytes"],
+            "peak_allocated_in_forwards_bytes": c["peak_allocated_in_forwards_bytes"],
+            "peak_in_flight": c["peak_in_flight"]}
+    goals = {}
+
+    def ratio(a, b, key, device=None):
+        va, vb = by_name[a][key], by_name[b][key]
+        if device is None:
+            return max(va) / max(vb) if max(vb) else None
+        return va[device] / vb[device] if vb[device] else None
+
+    for m in (4, 8):
+        best = max((c for c in table.values() if c["micro_batches"] == m and c["activation_checkpointing"] == "never"),
+                   key=lambda c: c["tokens_per_second"])
+        goals[f"pipeline_over_model_parallel_m{m}"] = {
+            "best_schedule": f"{best['schedule']} V={best['virtual_stages']}",
+            "speedup_x": best["speedup_over_model_parallel_x"], "goal_x": 1.55 if m == 4 else 1.70}
+    goals["one_f_one_b_over_gpipe_held_activations_m8"] = {
+        "ratio_of_peaks": ratio("1f1b_m8", "gpipe_m8", "peak_held_activation_bytes"),
+        "per_device": [ratio("1f1b_m8", "gpipe_m8", "peak_held_activation_bytes", d)
+                       for d in range(len(mp["peak_held_activation_bytes"]))],
+        "goal_at_most": 2 / 8}
+    # Each checkpointed configuration against the same schedule without checkpointing: the most
+    # any device holds, and the step time.
+    checkpointing = {}
+    for name, c in table.items():
+        if c["activation_checkpointing"] == "never":
+            continue
+        base = next((n for n, b in table.items() if b["activation_checkpointing"] == "never" and
+                     (b["schedule"], b["micro_batches"], b["virtual_stages"]) ==
+                     (c["schedule"], c["micro_batches"], c["virtual_stages"])), None)
+        if base is None:
+            continue
+        fewer = max(table[base]["peak_held_activation_bytes"]) / max(c["peak_held_activation_bytes"])
+        more = c["step_seconds_median"] / table[base]["step_seconds_median"] - 1
+        checkpointing[name] = {"against": base, "held_activation_bytes_fewer_x": fewer,
+                               "allocated_in_forwards_fewer_x": max(table[base]["peak_allocated_in_forwards_bytes"]) /
+                               max(c["peak_allocated_in_forwards_bytes"]),
+                               "step_time_more_fraction": more, "meets_goal": fewer >= 3 and more <= 0.35}
+    goals["activation_checkpointing"] = {"goal": ">= 3x fewer activation bytes at <= 35% more step time",
+                                         "configurations": checkpointing}
+    goals["bubble_within_0_03"] = {name: abs(c["bubble_gap"]) <= 0.03 for name, c in table.items()
+                                   if c["micro_batches"] > 1}
+
+    schedules_figure(os.path.join(out_dir, "pp_schedules.png"), table, device_text, bench)
+    timelines = {}
+    for schedule, name in TIMELINE_CONFIGS.items():
+        trace = os.path.join(trace_dir, name + ".trace.json")
+        if not os.path.isfile(trace):
+            continue
+        c = by_name[name]
+        report = plot_trace.plot_trace(
+            trace, os.path.join(out_dir, f"pp_timeline_{schedule}.png"), step="last",
+            title=f"{schedule} (V={c['virtual_stages']}), {c['micro_batches']} micro-batches, batch "
+                  f"{bench['batch_size']}: unit-time bubble {c['bubble_unit_time']:.3f}, measured "
+                  f"{c['bubble_measured']:.3f}", subtitle=device_text)
+        timelines[schedule] = {"trace": os.path.relpath(trace), "bubble_in_step_window": report.bubble_fraction,
+                               "bubble_forward_backward_span": c["bubble_measured"],
+                               "bubble_unit_time": c["bubble_unit_time"]}
+    return {"command": " ".join(shlex.quote(c) for c in cmd), "bench": os.path.relpath(out_json),
+            "resolved_balance": mp["balance"],
+            "shapes": {k: bench[k] for k in ("model", "n_layer", "n_embd", "vocab_size", "batch_size", "tokens",
+                                             "devices", "threads_per_device", "balance_flag")},
+            "configurations": table, "goals": goals, "timelines": timelines}
+
+
+def fitted_vocab(perf: str) -> Optional[int]:
+    """The vocabulary the pipeline runs fitted (their "vocab=N" line), if a log says it."""
+    import glob
+    import re
+    for log in sorted(glob.glob(os.path.join(perf, "*.log"))):
+        with open(log, errors="replace") as f:
+            m = re.search(r"\bvocab=(\d+)", f.read())
+        if m:
+            return int(m[1])
+    return None
+
+
+def schedules_figure(path: str, table: dict, footer: str, bench: dict) -> None:
+    plt = _plt()
+    names = list(table)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 8), sharex=True)
+    x = range(len(names))
+    tok = [table[n]["tokens_per_second"] for n in names]
+    held = [sum(table[n]["peak_held_activation_bytes"]) / 2**20 for n in names]
+    allocated = [sum(table[n]["peak_allocated_in_forwards_bytes"]) / 2**20 for n in names]
+    bars = top.bar(x, tok, color="#4c72b0")
+    for b, n in zip(bars, names):
+        top.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{table[n]['speedup_over_model_parallel_x']:.2f}×",
+                 ha="center", va="bottom", fontsize=8)
+    top.set_ylabel("tokens / s")
+    top.set_title(f"Pipeline schedules: {bench['model']}, batch {bench['batch_size']} × {bench['tokens']} tokens, "
+                  f"{bench['devices']} (labels: × model parallel)")
+    width = 0.4
+    bottom.bar([i - width / 2 for i in x], held, width, label="held activations (peak, all devices)", color="#55a868")
+    bottom.bar([i + width / 2 for i in x], allocated, width, label="allocated in forwards (peak, temporaries and recomputation included)",
+               color="#c44e52", alpha=0.7)
+    bottom.set_ylabel("MiB")
+    bottom.legend(fontsize=8)
+    bottom.set_xticks(list(x))
+    bottom.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    fig.text(0.01, 0.01, footer, fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> int:
     runner = Runner(args)
     out_dir = os.path.abspath(args.out_dir)
@@ -384,6 +536,12 @@ def run(args: argparse.Namespace) -> int:
                 by_mode["bucketed"].tok_mean / by_mode["naive"].tok_mean)
             details["grad_sync"]["naive_over_bucketed_time_x"] = (
                 by_mode["naive"].time_mean / by_mode["bucketed"].time_mean)
+
+    if not args.skip_pp and not args.no_schedules:
+        # First, so that the program runs below use the balance it resolves (one for all of them:
+        # --balance auto timed in each run would differ by noise from run to run).
+        details["schedules"] = schedules(runner, args, out_dir, device_text)
+        runner.pp_balance = details["schedules"]["resolved_balance"]
 
     if not args.skip_pp:
         b, n = args.pipeline_batch_size, args.pipeline_n_chunk

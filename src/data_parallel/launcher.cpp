@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <stdexcept>
 
@@ -73,6 +74,10 @@ std::string signal_name(int sig) {
     case SIGILL: return "SIGILL";
     case SIGHUP: return "SIGHUP";
     case SIGPIPE: return "SIGPIPE";
+    case SIGSTOP: return "SIGSTOP";
+    case SIGTSTP: return "SIGTSTP";
+    case SIGTTIN: return "SIGTTIN";
+    case SIGTTOU: return "SIGTTOU";
     default: {
       const char* text = strsignal(sig);
       return text != nullptr ? text : "unknown";
@@ -119,14 +124,109 @@ struct Stream {
   std::string pending;  // bytes after the last newline
 };
 
+using Clock = std::chrono::steady_clock;
+
 struct Worker {
   pid_t pid = -1;
-  bool running = false;
+  bool running = false;  // started and not reaped yet
   int status = 0;
   Stream out, err;
+  std::optional<Clock::time_point> stopped_since;  // stopped by a signal (SIGSTOP, SIGTSTP, ...)
+  int stop_signal = 0;
 };
 
-using Clock = std::chrono::steady_clock;
+void close_fd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+// Both ends of a pipe; whatever is still open is closed on destruction.
+struct PipeEnds {
+  int read = -1, write = -1;
+  PipeEnds() = default;
+  PipeEnds(const PipeEnds&) = delete;
+  PipeEnds& operator=(const PipeEnds&) = delete;
+  ~PipeEnds() {
+    close_fd(read);
+    close_fd(write);
+  }
+};
+
+// The launched workers and everything of theirs the launcher holds. One owner for every path out
+// of run_workers, exceptions included: its destructor SIGKILLs the process group and the process
+// of every worker not yet reaped, reaps them, and closes their pipes, so no worker, zombie or
+// descriptor outlives the launch.
+class WorkerGroup {
+ public:
+  explicit WorkerGroup(int world_size) : workers_(static_cast<size_t>(world_size)) {}
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+  ~WorkerGroup() {
+    signal_running(SIGKILL);
+    for (Worker& w : workers_) {
+      if (w.running) {
+        while (::waitpid(w.pid, &w.status, 0) < 0 && errno == EINTR) {
+        }
+        w.running = false;
+      }
+      close_fd(w.out.fd);
+      close_fd(w.err.fd);
+    }
+  }
+
+  Worker& operator[](int rank) { return workers_[static_cast<size_t>(rank)]; }
+  std::vector<Worker>& all() { return workers_; }
+
+  // Sends `sig` to the process group and the process of every worker not yet reaped. A worker's
+  // id stays its own until it is reaped, so this never reaches a stranger.
+  void signal_running(int sig) {
+    for (Worker& w : workers_) {
+      if (w.running) {
+        ::kill(-w.pid, sig);  // the worker's process group: its own children too
+        ::kill(w.pid, sig);
+      }
+    }
+  }
+
+  // Notes whether `w` was stopped or continued since the last call (consuming that news only, not
+  // an exit).
+  void note_stop_or_continue(Worker& w) {
+    if (!w.running) return;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(w.pid), &info, WSTOPPED | WCONTINUED | WNOHANG) != 0 || info.si_pid != w.pid) {
+      return;
+    }
+    if (info.si_code == CLD_STOPPED) {
+      w.stopped_since = Clock::now();
+      w.stop_signal = info.si_status;
+    } else if (info.si_code == CLD_CONTINUED) {
+      w.stopped_since.reset();
+    }
+  }
+
+  // When `w` has exited: SIGKILL to what it left in its process group while its id is still
+  // reserved (the exited leader is not reaped yet), then reap it. Returns whether it was reaped.
+  bool reap_if_exited(Worker& w) {
+    if (!w.running) return false;
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(w.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != w.pid) {
+      return false;
+    }
+    ::kill(-w.pid, SIGKILL);
+    while (::waitpid(w.pid, &w.status, 0) < 0 && errno == EINTR) {
+    }
+    w.running = false;
+    return true;
+  }
+
+ private:
+  std::vector<Worker> workers_;
+};
+
+// LaunchOptions::fail_system_call for the calls it names, else 0.
+int injected_errno(const LaunchOptions& options, const char* call, int rank) {
+  return options.fail_system_call ? options.fail_system_call(call, rank) : 0;
+}
 
 }  // namespace
 
@@ -237,17 +337,8 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
 
   ScopedStopSignals stop_signals;
   LaunchResult result;
-  std::vector<Worker> workers(static_cast<size_t>(world_size));
+  WorkerGroup workers(world_size);
   const pid_t launcher_pid = ::getpid();
-
-  auto stop_all = [&](int sig) {
-    for (auto& w : workers) {
-      if (w.running) {
-        ::kill(-w.pid, sig);  // the worker's process group: its own children too
-        ::kill(w.pid, sig);
-      }
-    }
-  };
 
   for (int rank = 0; rank < world_size; ++rank) {
     std::vector<std::string> env_strings = base_env;
@@ -260,39 +351,40 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     for (auto& s : env_strings) envp.push_back(s.data());
     envp.push_back(nullptr);
 
-    int out_pipe[2], err_pipe[2];
-    if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) {
-      stop_all(SIGKILL);
-      throw std::runtime_error(std::string("launcher: pipe failed: ") + std::strerror(errno));
-    }
-    const pid_t pid = ::fork();
-    if (pid < 0) {
-      const int err = errno;
-      stop_all(SIGKILL);
-      for (auto& w : workers) {
-        if (w.running) ::waitpid(w.pid, nullptr, 0);
+    PipeEnds out_pipe, err_pipe;
+    for (PipeEnds* ends : {&out_pipe, &err_pipe}) {
+      int fds[2];
+      int err = injected_errno(options, "pipe2", rank);
+      if (err == 0 && ::pipe2(fds, O_CLOEXEC) != 0) err = errno;
+      if (err != 0) {
+        throw std::runtime_error("launcher: pipe for rank " + std::to_string(rank) + " failed: " + std::strerror(err));
       }
-      throw std::runtime_error(std::string("launcher: fork failed: ") + std::strerror(err));
+      ends->read = fds[0];
+      ends->write = fds[1];
+    }
+    int fork_error = injected_errno(options, "fork", rank);
+    const pid_t pid = fork_error != 0 ? -1 : ::fork();
+    if (pid < 0) {
+      if (fork_error == 0) fork_error = errno;
+      throw std::runtime_error("launcher: fork of rank " + std::to_string(rank) + " failed: " + std::strerror(fork_error));
     }
     if (pid == 0) {
       ::setpgid(0, 0);
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != launcher_pid) ::_exit(125);  // the launcher is already gone
-      ::dup2(out_pipe[1], STDOUT_FILENO);
-      ::dup2(err_pipe[1], STDERR_FILENO);
+      ::dup2(out_pipe.write, STDOUT_FILENO);
+      ::dup2(err_pipe.write, STDERR_FILENO);
       ::execve(options.executable.c_str(), argv.data(), envp.data());
       const char msg[] = "launcher: exec of the worker program failed\n";
       (void)!::write(STDERR_FILENO, msg, sizeof(msg) - 1);
       ::_exit(127);
     }
     ::setpgid(pid, pid);  // also here, so that kill(-pid) works before the child runs
-    ::close(out_pipe[1]);
-    ::close(err_pipe[1]);
-    Worker& w = workers[static_cast<size_t>(rank)];
+    Worker& w = workers[rank];
     w.pid = pid;
     w.running = true;
-    w.out.fd = out_pipe[0];
-    w.err.fd = err_pipe[0];
+    std::swap(w.out.fd, out_pipe.read);
+    std::swap(w.err.fd, err_pipe.read);
     result.pids.push_back(pid);
   }
 
@@ -315,12 +407,31 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     }
   };
 
+  // A stopped rank is the likely cause of whatever fails next (the others time out waiting for it
+  // in a collective): the failure names it.
+  auto stopped_ranks = [&]() {
+    std::string text;
+    for (int rank = 0; rank < world_size; ++rank) {
+      const Worker& w = workers[rank];
+      if (!w.running || !w.stopped_since) continue;
+      const double seconds = std::chrono::duration<double>(Clock::now() - *w.stopped_since).count();
+      char buffer[64];
+      std::snprintf(buffer, sizeof(buffer), "%.1f", seconds);
+      text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(rank) + " was stopped by " +
+              signal_name(w.stop_signal) + " " + buffer + " s ago and stopped answering";
+    }
+    return text;
+  };
   auto begin_stop = [&](const std::string& why, int code) {
     if (stopping) return;
     stopping = true;
-    result.failure = why;
+    const std::string stopped = stopped_ranks();
+    result.failure = stopped.empty() || why.find("stopped answering") != std::string::npos
+                         ? why
+                         : why + " (" + stopped + ")";
     result.exit_code = code;
-    stop_all(SIGTERM);
+    workers.signal_running(SIGTERM);
+    workers.signal_running(SIGCONT);  // a stopped worker gets its SIGTERM too
     kill_deadline = Clock::now() + options.kill_grace;
   };
 
@@ -328,7 +439,7 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     std::vector<pollfd> fds;
     std::vector<std::pair<int, bool>> owners;  // (rank, is_stderr) of each pollfd
     for (int rank = 0; rank < world_size; ++rank) {
-      Worker& w = workers[static_cast<size_t>(rank)];
+      Worker& w = workers[rank];
       if (w.out.fd >= 0) {
         fds.push_back({w.out.fd, POLLIN, 0});
         owners.emplace_back(rank, false);
@@ -348,7 +459,7 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     for (size_t k = 0; k < fds.size(); ++k) {
       if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
       auto [rank, is_stderr] = owners[k];
-      Worker& w = workers[static_cast<size_t>(rank)];
+      Worker& w = workers[rank];
       Stream& s = is_stderr ? w.err : w.out;
       char buffer[65536];
       const ssize_t n = ::read(s.fd, buffer, sizeof(buffer));
@@ -369,40 +480,33 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     }
 
     for (int rank = 0; rank < world_size; ++rank) {
-      Worker& w = workers[static_cast<size_t>(rank)];
-      if (!w.running) continue;
-      int status = 0;
-      const pid_t done = ::waitpid(w.pid, &status, WNOHANG);
-      if (done != w.pid) continue;
-      w.running = false;
-      w.status = status;
+      Worker& w = workers[rank];
+      workers.note_stop_or_continue(w);
+      if (w.stopped_since && !stopping && Clock::now() - *w.stopped_since > options.stopped_worker_timeout) {
+        begin_stop(stopped_ranks(), 1);
+      }
+      if (!workers.reap_if_exited(w)) continue;
+      const int status = w.status;
       const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
       if (failed && !stopping) {
         const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
         begin_stop(describe_exit(rank, status), code);
       }
     }
-    if (stopping && Clock::now() >= kill_deadline) stop_all(SIGKILL);
+    if (stopping && Clock::now() >= kill_deadline) workers.signal_running(SIGKILL);
 
     if (!all_exited) {
       all_exited = true;
-      for (const auto& w : workers) all_exited = all_exited && !w.running;
+      for (const auto& w : workers.all()) all_exited = all_exited && !w.running;
       // Output still buffered in the pipes is read for a short while; a grandchild that keeps a
       // pipe open must not keep the launcher waiting.
       if (all_exited) drain_deadline = Clock::now() + std::chrono::seconds(2);
     }
   }
 
-  for (auto& w : workers) {
-    ::kill(-w.pid, SIGKILL);  // anything the worker left behind in its process group
-    for (Stream* s : {&w.out, &w.err}) {
-      if (s->fd >= 0) {
-        ::close(s->fd);
-        s->fd = -1;
-      }
-    }
-    result.wait_status.push_back(w.status);
-  }
+  // Every worker is reaped here (its leftovers SIGKILLed before that); the group's destructor
+  // closes the pipes.
+  for (auto& w : workers.all()) result.wait_status.push_back(w.status);
   return result;
 }
 

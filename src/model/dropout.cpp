@@ -6,6 +6,10 @@
 #include <torch/torch.h>
 
 #include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
 
 namespace harness::model {
 namespace {
@@ -26,10 +30,45 @@ std::optional<at::Generator> current_dropout_generator() { return thread_generat
 at::Generator make_generator(const c10::Device& device, uint64_t seed) {
   if (device.is_cpu()) return at::detail::createCPUGenerator(seed);
   // Any other device: a clone of its default generator (same type), then reseeded, which also
-  // resets a Philox offset.
-  at::Generator generator = at::globalContext().defaultGenerator(device).clone();
+  // resets a Philox offset. The clone reads the default's state under its lock.
+  at::Generator default_generator = at::globalContext().defaultGenerator(device);
+  at::Generator generator;
+  {
+    std::lock_guard<std::mutex> lock(default_generator.mutex());
+    generator = default_generator.clone();
+  }
   generator.set_current_seed(seed);
   return generator;
+}
+
+at::Tensor with_default_generator_seeded(const c10::Device& device, uint64_t seed,
+                                         const std::function<at::Tensor()>& fn) {
+  static std::mutex devices_mutex;
+  static std::map<std::string, std::unique_ptr<std::mutex>> per_device;
+  std::mutex* turn = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(devices_mutex);
+    auto& slot = per_device[device.str()];
+    if (!slot) slot = std::make_unique<std::mutex>();
+    turn = slot.get();
+  }
+  std::lock_guard<std::mutex> my_turn(*turn);
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  at::Tensor saved;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    saved = generator.get_state();
+    generator.set_current_seed(seed);
+  }
+  struct Restore {
+    at::Generator& generator;
+    const at::Tensor& saved;
+    ~Restore() {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(saved);
+    }
+  } restore{generator, saved};
+  return fn();
 }
 
 at::Tensor dropout(const at::Tensor& x, torch::nn::Dropout& module) {
@@ -46,11 +85,12 @@ at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, cons
                                   double scale, at::Generator& generator) {
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
   const int64_t T = q.size(-2), S = k.size(-2);
+  TORCH_CHECK(!is_causal || T == S, "attention_with_dropout: is_causal needs as many queries as keys, got ",
+              T, " and ", S);
   if (mask) {
     scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
   } else if (is_causal) {
-    const at::Tensor causal =
-        at::ones({T, S}, q.options().dtype(at::kBool)).tril(/*diagonal=*/S - T);
+    const at::Tensor causal = at::ones({T, S}, q.options().dtype(at::kBool)).tril();
     scores = scores.masked_fill(causal.logical_not(), -std::numeric_limits<float>::infinity());
   }
   at::Tensor probabilities = at::softmax(scores, -1);

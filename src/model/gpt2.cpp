@@ -119,14 +119,17 @@ GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config) {
   mlp = register_module("mlp", GPT2MLP(config));
 }
 
-torch::Tensor GPT2BlockImpl::forward(const torch::Tensor& x) {
-  auto h = x + attn(ln_1(x));
-  return h + mlp(ln_2(h));
+torch::Tensor GPT2BlockImpl::forward(const torch::Tensor& x) { return forward_mlp(forward_attention(x)); }
+
+torch::Tensor GPT2BlockImpl::forward_attention(const torch::Tensor& x) { return x + attn(ln_1(x)); }
+
+torch::Tensor GPT2BlockImpl::forward_mlp(const torch::Tensor& h) {
+  const torch::Tensor here = h.to(ln_2->weight.device());  // the halves may sit on two devices
+  return here + mlp(ln_2(here));
 }
 
 torch::Tensor GPT2BlockImpl::forward_cached(const torch::Tensor& x, LayerKVCache& cache) {
-  auto h = x + attn->forward(ln_1(x), &cache);
-  return h + mlp(ln_2(h));
+  return forward_mlp(x + attn->forward(ln_1(x), &cache));
 }
 
 // ----- the transformer and the LM head ------------------------------------------------------
@@ -255,18 +258,27 @@ void GPT2LMHeadModelImpl::parallelize(const std::vector<Device>& devices) {
 }
 
 void GPT2LMHeadModelImpl::place(const std::vector<Device>& block_devices) {
-  if (block_devices.size() != transformer->h->size()) {
-    throw std::invalid_argument("place: " + std::to_string(block_devices.size()) +
-                                " devices given for " + std::to_string(transformer->h->size()) +
+  place(block_devices, block_devices);
+}
+
+void GPT2LMHeadModelImpl::place(const std::vector<Device>& attention_devices, const std::vector<Device>& mlp_devices) {
+  const size_t n = transformer->h->size();
+  if (attention_devices.size() != n || mlp_devices.size() != n) {
+    throw std::invalid_argument("place: " + std::to_string(attention_devices.size()) + " and " +
+                                std::to_string(mlp_devices.size()) + " devices given for " + std::to_string(n) +
                                 " blocks");
   }
-  first_device_ = block_devices.front();
-  last_device_ = block_devices.back();
+  first_device_ = attention_devices.front();
+  last_device_ = mlp_devices.back();
   transformer->wte->to(first_device_.torch_device());
   transformer->wpe->to(first_device_.torch_device());
-  block_devices_ = block_devices;
-  for (size_t i = 0; i < block_devices.size(); ++i) {
-    transformer->h->ptr(i)->to(block_devices[i].torch_device());
+  block_devices_ = attention_devices;
+  for (size_t i = 0; i < n; ++i) {
+    auto block = transformer->h->ptr<GPT2BlockImpl>(i);
+    block->ln_1->to(attention_devices[i].torch_device());
+    block->attn->to(attention_devices[i].torch_device());
+    block->ln_2->to(mlp_devices[i].torch_device());
+    block->mlp->to(mlp_devices[i].torch_device());
   }
   transformer->ln_f->to(last_device_.torch_device());
 }

@@ -115,25 +115,30 @@ BalanceSpec parse_balance(const std::string& text) {
     const std::string where = "--balance " + text + ": item " + std::to_string(n + 1);
     if (item.empty()) throw std::invalid_argument(where + " is empty");
     const std::string quoted = where + " ('" + item + "')";
-    if (!all_digits(item)) {
+    // "2.5": two blocks and a half, the cut between a block's attention and MLP halves.
+    const bool half = item.size() > 2 && item.compare(item.size() - 2, 2, ".5") == 0;
+    const std::string whole = half ? item.substr(0, item.size() - 2) : item;
+    if (!all_digits(whole)) {
       // A lone word is most likely a misspelt keyword.
       throw std::invalid_argument(
-          quoted + " is not a positive integer" +
+          quoted + " is not a number of blocks (3, or 2.5 to cut a block between its halves)" +
           (items.size() == 1 ? " (--balance takes auto or blocks per stage, e.g. 3,3,2)" : ""));
     }
     int value = 0;
     const std::from_chars_result parsed =
-        std::from_chars(item.data(), item.data() + item.size(), value);
-    if (parsed.ec == std::errc::result_out_of_range) {
+        std::from_chars(whole.data(), whole.data() + whole.size(), value);
+    if (parsed.ec == std::errc::result_out_of_range || value > std::numeric_limits<int>::max() / 2 - 1) {
       throw std::invalid_argument(quoted + " is too large (at most " +
-                                  std::to_string(std::numeric_limits<int>::max()) + ")");
+                                  std::to_string(std::numeric_limits<int>::max() / 2 - 1) + ")");
     }
-    if (value == 0) {
+    if (value == 0 && !half) {
       throw std::invalid_argument(
           quoted + " is not a positive integer; every stage needs at least one block");
     }
-    spec.blocks_per_stage.push_back(value);
+    spec.halves_per_stage.push_back(2 * value + (half ? 1 : 0));
+    if (!half) spec.blocks_per_stage.push_back(value);
   }
+  if (spec.blocks_per_stage.size() != spec.halves_per_stage.size()) spec.blocks_per_stage.clear();
   return spec;
 }
 

@@ -82,8 +82,10 @@ class Exchange {
   int failed_device_ = -1;
 };
 
-// Toward a GPU the copy may run asynchronously on the consumer's stream; toward the CPU it must
-// have finished before the CPU reads it.
+// Toward a GPU the copy may run asynchronously; toward the CPU it must have finished before the
+// CPU reads it. A copy between GPUs runs on the source's current stream, ordered by events after
+// the producer's work and before the consumer's: correct because every worker stays on its
+// device's default stream (enter_device_lane sets none).
 at::Tensor to_stage_device(const at::Tensor& t, const Device& device) {
   return t.to(device.torch_device(), /*non_blocking=*/device.is_cuda());
 }
@@ -107,13 +109,19 @@ std::string to_string(ActivationCheckpointing mode) {
   return "?";
 }
 
-bool is_checkpointed(ActivationCheckpointing mode, int micro_batch, int micro_batches) {
-  switch (mode) {
-    case ActivationCheckpointing::kNever: return false;
-    case ActivationCheckpointing::kExceptLast: return micro_batch < micro_batches - 1;
-    case ActivationCheckpointing::kAlways: return true;
+std::vector<std::vector<bool>> checkpoint_plan(const TrainingSchedule& schedule, ActivationCheckpointing mode) {
+  std::vector<std::vector<bool>> plan;
+  for (const std::vector<Action>& actions : schedule.per_device) {
+    std::vector<bool> row(actions.size(), false);
+    for (size_t k = 0; k < actions.size(); ++k) {
+      const Action& a = actions[k];
+      if (a.kind != Action::Kind::kForward || mode == ActivationCheckpointing::kNever) continue;
+      const bool backward_next = k + 1 < actions.size() && actions[k + 1] == Action::backward(a.micro_batch, a.stage);
+      row[k] = mode == ActivationCheckpointing::kAlways || !backward_next;
+    }
+    plan.push_back(std::move(row));
   }
-  return false;
+  return plan;
 }
 
 uint64_t step_stream_seed(uint64_t seed, int64_t global_step) {
@@ -171,7 +179,7 @@ StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageFo
   const bool metered = activation_meter_installed();
   const std::vector<int64_t> live_before = metered ? activation_live_bytes(D) : std::vector<int64_t>();
   if (metered) result.peak_held_bytes.assign(D, 0);
-  const ActivationCheckpointing checkpointing = options_.checkpointing;
+  const std::vector<std::vector<bool>> plan = checkpoint_plan(schedule, options_.checkpointing);
   Tracer* tracer = options_.tracer;
 
   auto run_device = [&](int d) {
@@ -186,12 +194,21 @@ StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageFo
 
     auto stage_forward = [&](int i, int s, const at::Tensor& input) {
       ActivationScope charged(d);  // counted only when the benchmarks installed the meter
-      model::DropoutGeneratorScope stream(
-          model::make_generator(torch_device, stage_stream_seed(step_seed, i, s)));
+      const uint64_t seed = stage_stream_seed(step_seed, i, s);
+      if (device.is_cuda()) {
+        return model::with_default_generator_seeded(torch_device, seed, [&] { return forward(i, s, input); });
+      }
+      model::DropoutGeneratorScope stream(model::make_generator(torch_device, seed));
       return forward(i, s, input);
     };
+    auto sample_held = [&] {
+      if (!metered) return;
+      result.peak_held_bytes[d] =
+          std::max(result.peak_held_bytes[d], activation_live_bytes(d + 1)[d] - live_before[d]);
+    };
 
-    for (const Action& action : schedule.per_device[d]) {
+    for (size_t k = 0; k < schedule.per_device[d].size(); ++k) {
+      const Action& action = schedule.per_device[d][k];
       const int i = action.micro_batch, s = action.stage;
       const std::string label = (action.kind == Action::Kind::kForward ? "forward" : "backward") +
                                 std::string(" of micro-batch ") + std::to_string(i) + ", stage " +
@@ -201,25 +218,27 @@ StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageFo
           at::Tensor input;
           if (s > 0) {
             input = to_stage_device(exchange.take_activation(i, s - 1), device).detach();
+            if (metered && device.is_cpu()) {  // charge the held input to this device (see StepResult)
+              ActivationScope charged(d);
+              input = input.clone();
+            }
             if (input.is_floating_point()) input.requires_grad_(true);
           }
           Held h;
-          h.checkpointed = is_checkpointed(checkpointing, i, M);
+          h.checkpointed = plan[d][k];
           at::Tensor output;
           {
             TraceScope scope(tracer, "forward", tracks_[d],
                              {{"micro_batch", static_cast<int64_t>(i)}, {"stage", static_cast<int64_t>(s)}});
-            if (h.checkpointed) {
-              torch::NoGradGuard no_graph;
-              output = stage_forward(i, s, input);
-            } else {
-              output = stage_forward(i, s, input);
-            }
+            torch::AutoGradMode graph(!h.checkpointed);
+            output = stage_forward(i, s, input);
           }
           TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
           if (s == S - 1) {
             TORCH_CHECK(output.numel() == 1, "the last stage must return a scalar loss, got shape ",
                         output.sizes());
+            TORCH_CHECK(h.checkpointed || output.requires_grad(),
+                        "the last stage's loss does not require grad: nothing to train");
             result.losses[i] = output.detach();
           } else {
             exchange.put_activation(i, s, output.detach());
@@ -228,10 +247,7 @@ StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageFo
           if (!h.checkpointed) h.output = output;
           held[{i, s}] = std::move(h);
           peak = std::max(peak, static_cast<int>(held.size()));
-          if (metered) {
-            result.peak_held_bytes[d] =
-                std::max(result.peak_held_bytes[d], activation_live_bytes(d + 1)[d] - live_before[d]);
-          }
+          sample_held();
         } else {
           auto it = held.find({i, s});
           TORCH_CHECK(it != held.end(), "its forward has not run on this device");
@@ -247,6 +263,7 @@ StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageFo
             if (h.checkpointed) {
               torch::AutoGradMode graph(true);
               h.output = stage_forward(i, s, h.input);
+              sample_held();  // the rebuilt graph is held until this backward is done
             }
             if (h.output.requires_grad()) {
               if (s == S - 1) {
@@ -272,6 +289,9 @@ StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageFo
       } catch (const std::exception& e) {
         exchange.fail(d);
         throw std::runtime_error(label + ": " + e.what());
+      } catch (...) {
+        exchange.fail(d);
+        throw;
       }
     }
     result.peak_in_flight[d] = peak;

@@ -74,7 +74,7 @@ class PipeBackward : public torch::autograd::Node {
                            at::Tensor input = std::move(run.inputs[i][j]);
                            at::Tensor grad = std::move(grad_outputs[i][j]);
                            if (grad.defined() && output.requires_grad()) {
-                             torch::autograd::backward({output}, {grad.to(output.device(), /*non_blocking=*/true)});
+                             torch::autograd::backward({output}, {grad.to(output.device(), /*non_blocking=*/output.is_cuda())});
                            }
                            at::Tensor grad_input = input.requires_grad() ? input.grad() : at::Tensor();
                            if (j > 0) {
@@ -184,7 +184,8 @@ at::Tensor Pipe::forward(const at::Tensor& x) {
                        [this, &r, &chunks, pipelined_backward, i = i, j = j] {
                          TraceScope scope(r.tracer, "forward", devices_[j].str(), task_args(i, j));
                          const at::Tensor& previous = j == 0 ? chunks[i] : r.outputs[i][j - 1];
-                         at::Tensor input = previous.to(devices_[j].torch_device(), /*non_blocking=*/true);
+                         // Asynchronous only toward a GPU: a CPU consumer must see the finished copy.
+                         at::Tensor input = previous.to(devices_[j].torch_device(), /*non_blocking=*/devices_[j].is_cuda());
                          if (pipelined_backward) {
                            // Cut the graph here: this task's backward runs on this worker.
                            input = input.detach().requires_grad_(previous.requires_grad());

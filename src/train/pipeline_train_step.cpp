@@ -55,27 +55,34 @@ PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel gpt2, double learnin
   const int n_layer = static_cast<int>(model()->config().n_layer);
   const std::string stages_from = std::to_string(D) + " devices x " +
                                   std::to_string(options_.virtual_stages) + " virtual stages";
-  if (options_.balance.empty()) {
-    try {
-      balance_ = pipeline::default_balance(n_layer, S);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("the model's n_layer " + std::to_string(n_layer) + " blocks cannot fill " +
-                                  std::to_string(S) + " stages (" + stages_from + "): " + e.what());
-    }
+  if (!options_.balance_halves.empty()) {
+    halves_ = options_.balance_halves;
+    pipeline::check_balance(halves_, 2 * n_layer, S, stages_from + ", in half blocks");
   } else {
-    balance_ = options_.balance;
+    std::vector<int> blocks;
+    if (options_.balance.empty()) {
+      try {
+        blocks = pipeline::default_balance(n_layer, S);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("the model's n_layer " + std::to_string(n_layer) + " blocks cannot fill " +
+                                    std::to_string(S) + " stages (" + stages_from + "): " + e.what());
+      }
+    } else {
+      blocks = options_.balance;
+    }
+    pipeline::check_balance(blocks, n_layer, S, stages_from);
+    for (int b : blocks) halves_.push_back(2 * b);
   }
-  pipeline::check_balance(balance_, n_layer, S, stages_from);
 
-  std::vector<Device> block_devices;
-  blocks_of_stage_.assign(S, {});
-  for (int s = 0, block = 0; s < S; ++s) {
-    for (int k = 0; k < balance_[s]; ++k, ++block) {
-      blocks_of_stage_[s].push_back(static_cast<size_t>(block));
-      block_devices.push_back(options_.devices[s % D]);
+  std::vector<Device> attention_devices(static_cast<size_t>(n_layer)), mlp_devices(static_cast<size_t>(n_layer));
+  units_of_stage_.assign(S, {});
+  for (int s = 0, unit = 0; s < S; ++s) {
+    for (int k = 0; k < halves_[s]; ++k, ++unit) {
+      units_of_stage_[s].push_back(static_cast<size_t>(unit));
+      (unit % 2 == 0 ? attention_devices : mlp_devices)[static_cast<size_t>(unit / 2)] = options_.devices[s % D];
     }
   }
-  model()->place(block_devices);
+  model()->place(attention_devices, mlp_devices);
 
   pipeline::ExecutorOptions executor_options;
   executor_options.threads_per_device = options_.threads_per_device;
@@ -85,6 +92,14 @@ PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel gpt2, double learnin
 }
 
 PipelineTrainStep::~PipelineTrainStep() = default;
+
+std::string PipelineTrainStep::balance_text() const {
+  std::string text;
+  for (size_t s = 0; s < halves_.size(); ++s) {
+    text += (s ? "," : "") + std::to_string(halves_[s] / 2) + (halves_[s] % 2 ? ".5" : "");
+  }
+  return text;
+}
 
 c10::Device PipelineTrainStep::input_device() const { return options_.devices.front().torch_device(); }
 
@@ -113,15 +128,19 @@ double PipelineTrainStep::step(const data::Batch& batch) {
   if (weight_sum.item<float>() == 0.0f) {
     throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
   }
-  // The tied head on the last stage: a leaf sharing wte's values (a copy on another device) whose
-  // gradient is added to wte's after the step, so each parameter's gradient accumulates on one
-  // worker only, in the schedule's order: reproducible whatever the thread timing.
+  // The tied head on the last stage: a leaf of its own with wte's values (sharing wte's storage
+  // when the last stage's device holds wte, a copy otherwise) whose gradient is added to wte's
+  // after the step, so each parameter's gradient accumulates on one worker only, in the
+  // schedule's order: reproducible whatever the thread timing.
   at::Tensor& wte = gpt2.transformer->wte->weight;
   const at::Tensor head_weight = wte.detach().to(last_device).requires_grad_(wte.requires_grad());
 
   const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
     at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
-    for (size_t b : blocks_of_stage_[s]) hidden = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(b)->forward(hidden);
+    for (size_t unit : units_of_stage_[s]) {
+      auto block = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(unit / 2);
+      hidden = unit % 2 == 0 ? block->forward_attention(hidden) : block->forward_mlp(hidden);
+    }
     if (s < S - 1) return hidden;
     const at::Tensor logits = torch::linear(gpt2.transformer->ln_f(hidden), head_weight);
     return weighted_cross_entropy(logits, labels[i], weight_parts[i], weight_sum);
@@ -130,6 +149,7 @@ double PipelineTrainStep::step(const data::Batch& batch) {
       executor_->run(last_schedule_, forward, pipeline::step_stream_seed(options_.seed, global_step_));
   ++global_step_;
   last_peak_in_flight_ = result.peak_in_flight;
+  last_peak_held_bytes_ = result.peak_held_bytes;
 
   if (head_weight.grad().defined()) {
     torch::NoGradGuard no_grad;
@@ -182,9 +202,15 @@ std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Devic
     backward_from(out);
     return gpt2.transformer->wte->weight.grad();
   });
-  const double block = seconds_of([&] {
+  auto block0 = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(0);
+  const double attention = seconds_of([&] {
     at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
-    backward_from(gpt2.transformer->h->ptr<model::GPT2BlockImpl>(0)->forward(x));
+    backward_from(block0->forward_attention(x));
+    return x.grad();
+  });
+  const double mlp = seconds_of([&] {
+    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
+    backward_from(block0->forward_mlp(x));
     return x.grad();
   });
   const double head = seconds_of([&] {
@@ -196,8 +222,12 @@ std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Devic
   });
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
   model->train(was_training);
-  const std::vector<double> block_costs(static_cast<size_t>(config.n_layer), block);
-  return pipeline::balance_by_cost(block_costs, stages, embed, head);
+  std::vector<double> unit_costs;
+  for (int64_t b = 0; b < config.n_layer; ++b) {
+    unit_costs.push_back(attention);
+    unit_costs.push_back(mlp);
+  }
+  return pipeline::balance_by_cost(unit_costs, stages, embed, head);
 }
 
 }  // namespace harness::train

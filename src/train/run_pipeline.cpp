@@ -79,9 +79,9 @@ int run_pipeline(const PipelineConfig& pipeline) {
     const int stages = static_cast<int>(devices.size()) * options.virtual_stages;
     if (balance_spec.automatic) {
       const int64_t rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
-      options.balance = balance_gpt2_by_time(model, devices.front(), stages, rows, f.model_max_length);
+      options.balance_halves = balance_gpt2_by_time(model, devices.front(), stages, rows, f.model_max_length);
     } else {
-      options.balance = balance_spec.blocks_per_stage;
+      options.balance_halves = balance_spec.halves_per_stage;
     }
     auto made = std::make_unique<PipelineTrainStep>(model, f.learning_rate, options);
     pipeline_step = made.get();
@@ -103,7 +103,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
               << " micro_batches=" << (pipelined ? pipeline.n_chunk : 1)
               << " virtual_stages=" << (pipelined ? pipeline.virtual_stages : 1)
               << " stages=" << pipeline_step->stages()
-              << " balance=" << pipeline::format_balance(pipeline_step->balance())
+              << " balance=" << pipeline_step->balance_text()
               << (balance_spec.automatic ? " (auto, by time)" : pipeline.balance.empty() ? " (default)" : "")
               << " activation_checkpointing=" << pipeline::to_string(checkpointing) << std::endl;
   }

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/Device.h>
 
+#include <algorithm>
 #include <future>
 #include <thread>
 
@@ -34,8 +35,12 @@ TEST(Device, ListRejectsDuplicatesAndMissingGpus) {
 }
 
 TEST(Device, DefaultThreadsShareTheCores) {
-  EXPECT_GE(default_threads_per_device(2), 1);
-  EXPECT_EQ(default_threads_per_device(100000), 1);
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  EXPECT_EQ(default_threads_per_device(1), cores);
+  EXPECT_EQ(default_threads_per_device(2), std::max(1, cores / 2));
+  EXPECT_EQ(default_threads_per_device(3), std::max(1, cores / 3));
+  EXPECT_EQ(default_threads_per_device(0), cores) << "no devices counts as one";
+  EXPECT_EQ(default_threads_per_device(100000), 1) << "never below one thread";
 }
 
 TEST(Device, FromTorchMapsEveryCpuTensorToLaneZero) {

@@ -64,9 +64,17 @@ TEST(Tracer, SliceTimesAreOrderedAndValidated) {
 }
 
 TEST(Tracer, NullTracerRecordsNothing) {
-  TraceScope scope(nullptr, "ignored", "cpu:0", {{"x", int64_t{1}}});
-  scope.add_arg("y", 2.0);
-  SUCCEED();
+  Tracer tracer;
+  {
+    TraceScope ignored(nullptr, "ignored", "cpu:0", {{"x", int64_t{1}}});
+    ignored.add_arg("y", 2.0);
+    TraceScope kept(&tracer, "kept", "cpu:1");
+  }
+  const auto slices = tracer.slices();
+  ASSERT_EQ(slices.size(), 1u);
+  EXPECT_EQ(slices[0].name, "kept");
+  EXPECT_EQ(slices[0].track, "cpu:1");
+  EXPECT_EQ(tracer.to_chrome_json().find("ignored"), std::string::npos);
 }
 
 TEST(Tracer, WritesFileAndNamesPathOnFailure) {

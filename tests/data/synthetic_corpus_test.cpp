@@ -1,5 +1,6 @@
 // The embedded corpus: determinism, disjoint splits, sentence shape, and that it is translation.
 #include "harness/data/synthetic_corpus.h"
+#include "harness/train/checkpoint_store.h"
 
 #include <gtest/gtest.h>
 
@@ -41,10 +42,28 @@ TEST(SyntheticCorpusTest, IsDeterministicInTheSeed) {
   const TranslationCorpus other = generate_corpus(99, SplitSizes{50, 10, 10});
   const TranslationCorpus small = generate_corpus(1234, SplitSizes{50, 10, 10});
   EXPECT_NE(other.train, small.train);
-  // A fixed sentence pins the sampler across standard libraries and compilers.
+  // A smaller corpus starts with the same pairs.
   EXPECT_EQ(generate_corpus(1234, SplitSizes{3, 1, 1}).train,
             (std::vector<TranslationExample>(default_corpus().train.begin(),
                                              default_corpus().train.begin() + 3)));
+}
+
+TEST(SyntheticCorpusTest, IsPinnedToLiteralSentencesAndAChecksum) {
+  // The corpus must not drift across standard libraries, compilers or edits of the sampler:
+  // results, figures and checkpoints refer to it.
+  const TranslationCorpus& corpus = default_corpus();
+  EXPECT_EQ(corpus.train[0], (TranslationExample{"ein kind besucht den schönen lehrer im wald .",
+                                                 "a child visits the beautiful teacher in the forest ."}));
+  EXPECT_EQ(corpus.train[1], (TranslationExample{"der mann ruft die große frau im wald an .",
+                                                 "the man calls the big woman in the forest ."}));
+  EXPECT_EQ(corpus.train[2], (TranslationExample{"ein schöner hund muss ein fahrrad in der schule sehen .",
+                                                 "a beautiful dog must see a bike at school ."}));
+  std::string all;
+  for (const auto* split : {&corpus.train, &corpus.validation, &corpus.test}) {
+    for (const TranslationExample& e : *split) all += e.de + "\t" + e.en + "\n";
+  }
+  EXPECT_EQ(train::sha256_hex(all.data(), all.size()),
+            "6b9cd82e24d0d875917bed39e6d678517ced7c5373c6e6b87778fedf8c9ddb86");
 }
 
 TEST(SyntheticCorpusTest, NoSentenceRepeatsWithinOrAcrossSplits) {

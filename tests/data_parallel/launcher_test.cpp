@@ -4,7 +4,15 @@
 
 #include <gtest/gtest.h>
 
+#include <dirent.h>
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <condition_variable>
 #include <csignal>
+#include <cstdio>
+#include <functional>
+#include <mutex>
 #include <thread>
 
 #include "test_support.h"
@@ -147,8 +155,11 @@ TEST(Launcher, a5_SigkillOfOneWorkerEndsTheLaunchWithinThirtySeconds) {
 }
 
 TEST(Launcher, AWorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  const std::string ready = "/tmp/harness_stubborn_ready_" + std::to_string(::getpid());
+  std::remove(ready.c_str());
   const auto start = std::chrono::steady_clock::now();
-  const auto run = launch_scenario("stubborn", 2, {}, std::chrono::milliseconds(1000));
+  const auto run = launch_scenario("stubborn", 2, {{"HARNESS_TEST_READY_FILE", ready}}, std::chrono::milliseconds(1000));
+  std::remove(ready.c_str());
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(run.result.exit_code, 2);
@@ -159,15 +170,99 @@ TEST(Launcher, AWorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
   for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid));
 }
 
-TEST(Launcher, SigintToTheLauncherStopsEveryWorker) {
+// Launches the "sleep" scenario on another thread, waits until every rank said it is ready (a
+// handshake, not a delay), sends `sig` to this process, and returns the launch.
+testing::CapturedLaunch interrupt_sleeping_workers(int sig) {
+  std::mutex mutex;
+  std::condition_variable changed;
+  int ready = 0;
   testing::CapturedLaunch run;
-  std::thread launcher([&run] { run = launch_scenario("sleep", 2); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  ::kill(::getpid(), SIGINT);  // the launcher's handler is installed for the whole launch
+  std::thread launcher([&] {
+    run = launch_scenario("sleep", 2, {}, std::chrono::seconds(5), [&](LaunchOptions& options) {
+      options.sink = [&](int, bool, const std::string& line) {
+        if (line.find("ready on rank") == std::string::npos) return;
+        std::lock_guard<std::mutex> lock(mutex);
+        ++ready;
+        changed.notify_all();
+      };
+    });
+  });
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait_for(lock, std::chrono::seconds(60), [&] { return ready == 2; });
+  }
+  ::kill(::getpid(), sig);  // the launcher's handler is installed for the whole launch
   launcher.join();
+  return run;
+}
+
+TEST(Launcher, SigintToTheLauncherStopsEveryWorker) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto run = interrupt_sleeping_workers(SIGINT);
   EXPECT_EQ(run.result.exit_code, 128 + SIGINT);
+  EXPECT_TRUE(run.result.interrupted);
   EXPECT_NE(run.result.failure.find("SIGINT"), std::string::npos) << run.result.failure;
   for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid));
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+}
+
+TEST(Launcher, SigtermToTheLauncherStopsEveryWorkerWithinTenSeconds) {
+  const auto run = interrupt_sleeping_workers(SIGTERM);
+  EXPECT_EQ(run.result.exit_code, 128 + SIGTERM) << "the shell's convention for a signal";
+  EXPECT_NE(run.result.failure.find("SIGTERM"), std::string::npos) << run.result.failure;
+  for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid));
+  // The workers exit on SIGTERM at once; the 5 s grace would bound a stubborn one.
+  ASSERT_EQ(run.result.wait_status.size(), 2u);
+  for (int status : run.result.wait_status) EXPECT_TRUE(WIFSIGNALED(status));
+}
+
+int open_descriptors() {
+  int count = 0;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (::readdir(dir) != nullptr) ++count;
+    ::closedir(dir);
+  }
+  return count;
+}
+
+bool no_children_left() {
+  errno = 0;
+  return ::waitpid(-1, nullptr, WNOHANG) == -1 && errno == ECHILD;
+}
+
+// A launch that throws: the message, and nothing left behind (no worker, zombie or descriptor).
+void expect_clean_failure(const std::function<void(LaunchOptions&)>& customize, const std::string& scenario,
+                          const std::string& needle) {
+  ASSERT_TRUE(no_children_left()) << "an earlier test left a child";
+  const int before = open_descriptors();
+  try {
+    launch_scenario(scenario, 3, {}, std::chrono::seconds(5), customize);
+    ADD_FAILURE() << "the launch did not fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(no_children_left()) << "a worker was left running or unreaped";
+  EXPECT_EQ(open_descriptors(), before) << "descriptors leaked";
+}
+
+TEST(Launcher, AFailedPipeKillsAndReapsTheStartedWorkersAndLeaksNothing) {
+  expect_clean_failure([](LaunchOptions& o) {
+    o.fail_system_call = [](const char* call, int rank) { return std::string(call) == "pipe2" && rank == 2 ? EMFILE : 0; };
+  }, "sleep", "pipe for rank 2 failed: Too many open files");
+}
+
+TEST(Launcher, AFailedForkKillsAndReapsTheStartedWorkersAndLeaksNothing) {
+  expect_clean_failure([](LaunchOptions& o) {
+    o.fail_system_call = [](const char* call, int rank) { return std::string(call) == "fork" && rank == 1 ? EAGAIN : 0; };
+  }, "sleep", "fork of rank 1 failed");
+}
+
+TEST(Launcher, AnExceptionWhileForwardingOutputStopsEveryWorker) {
+  expect_clean_failure([](LaunchOptions& o) {
+    o.sink = [](int, bool, const std::string& line) {
+      if (line.find("ready on rank") != std::string::npos) throw std::runtime_error("the terminal went away");
+    };
+  }, "sleep", "the terminal went away");
 }
 
 TEST(Launcher, RejectsBadArguments) {

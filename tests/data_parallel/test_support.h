@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <functional>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -49,10 +50,13 @@ struct CapturedLaunch {
 // --gtest_filter set to `worker_test`, playing `scenario`. Exit code 0 alone would also pass a
 // worker whose filter matched no test: every rank must also report that it played the scenario
 // through ("scenario <name> passed on rank <r>"), else the result is a failure.
+// `customize` may change the options last (fault injection; a sink of its own that also sees the
+// lines, called before the capture).
 inline CapturedLaunch launch_test_workers(const std::string& binary, const std::string& worker_test,
                                           const std::string& scenario, int world_size,
                                           std::vector<std::pair<std::string, std::string>> env = {},
-                                          std::chrono::milliseconds kill_grace = std::chrono::seconds(5)) {
+                                          std::chrono::milliseconds kill_grace = std::chrono::seconds(5),
+                                          const std::function<void(LaunchOptions&)>& customize = {}) {
   auto captured = std::make_shared<CapturedLaunch>();
   auto mutex = std::make_shared<std::mutex>();
   LaunchOptions options;
@@ -63,6 +67,19 @@ inline CapturedLaunch launch_test_workers(const std::string& binary, const std::
     std::lock_guard<std::mutex> lock(*mutex);
     captured->lines.push_back((is_stderr ? "err: " : "out: ") + line);
   };
+  if (customize) {
+    auto capture = options.sink;
+    customize(options);
+    if (options.sink) {
+      auto own = options.sink;
+      options.sink = [own, capture](int rank, bool is_stderr, const std::string& line) {
+        own(rank, is_stderr, line);
+        capture(rank, is_stderr, line);
+      };
+    } else {
+      options.sink = capture;
+    }
+  }
   captured->result = run_workers({binary, "--gtest_filter=" + worker_test}, world_size, "localhost",
                                  free_port(), options);
   if (captured->result.exit_code == 0) {
@@ -82,9 +99,10 @@ inline CapturedLaunch launch_test_workers(const std::string& binary, const std::
 // Runs `world_size` copies of this test binary in scenario `scenario` (DpWorker.Run).
 inline CapturedLaunch launch_scenario(const std::string& scenario, int world_size,
                                       std::vector<std::pair<std::string, std::string>> env = {},
-                                      std::chrono::milliseconds kill_grace = std::chrono::seconds(5)) {
+                                      std::chrono::milliseconds kill_grace = std::chrono::seconds(5),
+                                      const std::function<void(LaunchOptions&)>& customize = {}) {
   return launch_test_workers("data_parallel_tests", "DpWorker.Run", scenario, world_size,
-                             std::move(env), kill_grace);
+                             std::move(env), kill_grace, customize);
 }
 
 // std::filesystem::remove_all must not be used here: libtorch.so exports its own copy of the

@@ -2,6 +2,8 @@
 // another test starts this binary with HARNESS_TEST_WORKER=<scenario>, it plays that scenario.
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 #include <torch/torch.h>
 
 #include <csignal>
@@ -217,13 +219,23 @@ TEST(DpWorker, Run) {
     }
     sleep_then_exit(60);
   } else if (scenario == "stubborn") {  // rank 0 ignores SIGTERM and must be SIGKILLed
+    // Handshake, not a delay: rank 1 fails only once rank 0 ignores SIGTERM (a slow start of
+    // rank 0 would otherwise let SIGTERM end it and the test see the wrong signal).
+    const char* ready = std::getenv("HARNESS_TEST_READY_FILE");
+    ASSERT_NE(ready, nullptr) << "the stubborn scenario needs HARNESS_TEST_READY_FILE";
     if (rank == 1) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (::access(ready, F_OK) != 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
       std::_Exit(2);
     }
     std::signal(SIGTERM, SIG_IGN);
+    std::fclose(std::fopen(ready, "w"));
     sleep_then_exit(60);
   } else if (scenario == "sleep") {
+    std::printf("ready on rank %d\n", rank);  // the launcher tests signal only after both
+    std::fflush(stdout);
     sleep_then_exit(60);
   } else if (scenario == "allreduce") {
     DistContext ctx = connect(*env);

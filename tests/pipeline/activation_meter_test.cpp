@@ -61,11 +61,13 @@ TEST(ActivationMeter, OneFOneBHoldsFewerActivationsThanGPipeAndCheckpointingFewe
   const int64_t one_f_one_b = first_device_held(one_f_one_b_schedule(8, 2), ActivationCheckpointing::kNever);
   const int64_t checkpointed = first_device_held(gpipe_schedule(8, 2), ActivationCheckpointing::kAlways);
   // Stage 0 keeps two tanh outputs of 8 x 64 floats per micro-batch (the second is also what it
-  // hands on): GPipe holds all 8 micro-batches', 1F1B at most 2, and checkpointing only the
-  // handed-on output.
-  EXPECT_EQ(gpipe, 8 * 2 * 8 * 64 * 4);
-  EXPECT_EQ(one_f_one_b, 2 * 2 * 8 * 64 * 4);
-  EXPECT_EQ(checkpointed, 8 * 8 * 64 * 4);
+  // hands on): GPipe holds all 8 micro-batches', 1F1B at most 2. Checkpointed, it holds one
+  // rebuilt graph during a backward, its current output, and outputs stage 1 has not taken yet.
+  const int64_t tensor = 8 * 64 * 4;
+  EXPECT_EQ(gpipe, 8 * 2 * tensor);
+  EXPECT_EQ(one_f_one_b, 2 * 2 * tensor);
+  EXPECT_GE(checkpointed, 2 * tensor);
+  EXPECT_LE(checkpointed, 2 * tensor + 8 * tensor);
 }
 
 }  // namespace

@@ -47,7 +47,7 @@ TEST(Balance, ParseAutoEmptyAndLists) {
       {"3, 3, 2", {3, 3, 2}},      // blanks around items are ignored
       {" 1 ,\t2 ", {1, 2}},        // tabs too
       {"03,4", {3, 4}},            // decimal digits, leading zeros harmless
-      {"2147483647", {2147483647}},
+      {"1073741822", {1073741822}},  // the largest: twice it plus a half still fits an int
   };
   for (const auto& c : cases) {
     const BalanceSpec spec = parse_balance(c.text);
@@ -56,34 +56,47 @@ TEST(Balance, ParseAutoEmptyAndLists) {
   }
 }
 
+TEST(Balance, ParseHalfBlocks) {
+  const BalanceSpec cut = parse_balance("2.5,1.5");
+  EXPECT_EQ(cut.halves_per_stage, (std::vector<int>{5, 3}));
+  EXPECT_TRUE(cut.blocks_per_stage.empty()) << "not expressible in whole blocks";
+  EXPECT_EQ(parse_balance("0.5, 3").halves_per_stage, (std::vector<int>{1, 6}));
+  const BalanceSpec whole = parse_balance("3,1");
+  EXPECT_EQ(whole.halves_per_stage, (std::vector<int>{6, 2}));
+  EXPECT_EQ(whole.blocks_per_stage, (std::vector<int>{3, 1}));
+  EXPECT_THROW(parse_balance("2.25"), std::invalid_argument);
+  EXPECT_THROW(parse_balance(".5"), std::invalid_argument);
+  EXPECT_THROW(parse_balance("2.50"), std::invalid_argument);
+}
+
 TEST(Balance, ParseRejectsWithFlagValueAndItem) {
   const struct {
     std::string text;
     std::string message;
   } cases[] = {
-      {"3,x,2", "--balance 3,x,2: item 2 ('x') is not a positive integer"},
+      {"3,x,2", "--balance 3,x,2: item 2 ('x') is not a number of blocks (3, or 2.5 to cut a block between its halves)"},
       {"3,,2", "--balance 3,,2: item 2 is empty"},
       {"3,3,", "--balance 3,3,: item 3 is empty"},
       {",3", "--balance ,3: item 1 is empty"},
       {"3, ,2", "--balance 3, ,2: item 2 is empty"},
       {"  ", "--balance   : item 1 is empty"},
-      {"-1", "--balance -1: item 1 ('-1') is not a positive integer (--balance takes auto or "
+      {"-1", "--balance -1: item 1 ('-1') is not a number of blocks (3, or 2.5 to cut a block between its halves) (--balance takes auto or "
              "blocks per stage, e.g. 3,3,2)"},
-      {"3,-1", "--balance 3,-1: item 2 ('-1') is not a positive integer"},
+      {"3,-1", "--balance 3,-1: item 2 ('-1') is not a number of blocks (3, or 2.5 to cut a block between its halves)"},
       {"0", "--balance 0: item 1 ('0') is not a positive integer; every stage needs at least one "
             "block"},
       {"3,0,2", "--balance 3,0,2: item 2 ('0') is not a positive integer; every stage needs at "
                 "least one block"},
       {"99999999999", "--balance 99999999999: item 1 ('99999999999') is too large (at most "
-                      "2147483647)"},
+                      "1073741822)"},
       {"2,2147483648", "--balance 2,2147483648: item 2 ('2147483648') is too large (at most "
-                       "2147483647)"},
-      {"+3,3", "--balance +3,3: item 1 ('+3') is not a positive integer"},
-      {"3.0,3", "--balance 3.0,3: item 1 ('3.0') is not a positive integer"},
-      {"3 3,2", "--balance 3 3,2: item 1 ('3 3') is not a positive integer"},
-      {"Auto", "--balance Auto: item 1 ('Auto') is not a positive integer (--balance takes auto or "
+                       "1073741822)"},
+      {"+3,3", "--balance +3,3: item 1 ('+3') is not a number of blocks (3, or 2.5 to cut a block between its halves)"},
+      {"3.0,3", "--balance 3.0,3: item 1 ('3.0') is not a number of blocks (3, or 2.5 to cut a block between its halves)"},
+      {"3 3,2", "--balance 3 3,2: item 1 ('3 3') is not a number of blocks (3, or 2.5 to cut a block between its halves)"},
+      {"Auto", "--balance Auto: item 1 ('Auto') is not a number of blocks (3, or 2.5 to cut a block between its halves) (--balance takes auto or "
                "blocks per stage, e.g. 3,3,2)"},
-      {"auto,3", "--balance auto,3: item 1 ('auto') is not a positive integer"},
+      {"auto,3", "--balance auto,3: item 1 ('auto') is not a number of blocks (3, or 2.5 to cut a block between its halves)"},
   };
   for (const auto& c : cases) {
     EXPECT_EQ(error_of([&] { parse_balance(c.text); }), c.message) << c.text;

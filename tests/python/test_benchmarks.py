@@ -223,7 +223,7 @@ class RunnerTest(unittest.TestCase):
             workdir, figs = os.path.join(tmp, "w"), os.path.join(tmp, "figs")
             self.write_logs(os.path.join(workdir, "perf"), "_fast2")
             common = ["--reuse-logs", "--max-batches", "2", "--workdir", workdir, "--out-dir", figs,
-                      "--no-scaling", "--no-timeline", "--build-dir", os.path.join(tmp, "nobuild"),
+                      "--no-scaling", "--no-timeline", "--no-schedules", "--build-dir", os.path.join(tmp, "nobuild"),
                       "--devices", "cpu:0,cpu:1"]
             with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
                 rc = run_benchmarks.main(common + ["--mode", "grader", "--dp-time-threshold", "1.5",
@@ -247,6 +247,73 @@ class RunnerTest(unittest.TestCase):
             self.assertEqual(rc, 1)
             self.assertIn("FAILED: pipeline time speedup", out.getvalue())
             self.assertIn("--pp-time-threshold", out.getvalue())
+
+    def test_schedules_table_goals_and_figures_from_a_pipeline_bench_result(self):
+        def config(name, schedule, m, v, ckpt, tok, bubble, unit, held, allocated):
+            return {"name": name, "schedule": schedule, "micro_batches": m, "virtual_stages": v,
+                    "activation_checkpointing": ckpt, "balance": "2,2", "step_seconds": [1.0],
+                    "step_seconds_median": 6144 / tok, "tokens_per_second": tok, "bubble_measured": bubble,
+                    "bubble_unit_time": unit, "peak_in_flight": [m, m], "peak_held_activation_bytes": held,
+                    "peak_allocated_in_forwards_bytes": allocated, "traced_step": 4}
+        configurations = [
+            config("model_parallel", "gpipe", 1, 1, "never", 1000, 0.5, 0.5, [100, 100], [110, 110]),
+            config("gpipe_m4", "gpipe", 4, 1, "never", 1500, 0.21, 0.2, [400, 400], [410, 410]),
+            config("1f1b_m4", "1f1b", 4, 1, "never", 1600, 0.22, 0.2, [200, 100], [210, 110]),
+            config("interleaved_m4_v2", "interleaved", 4, 2, "never", 1700, 0.15, 0.11, [250, 150], [260, 160]),
+            config("gpipe_m8", "gpipe", 8, 1, "never", 1700, 0.12, 0.11, [800, 800], [810, 810]),
+            config("1f1b_m8", "1f1b", 8, 1, "never", 1750, 0.12, 0.11, [200, 100], [210, 110]),
+            config("interleaved_m8_v2", "interleaved", 8, 2, "never", 1800, 0.07, 0.06, [250, 150], [260, 160]),
+            config("gpipe_m4_ckpt-always", "gpipe", 4, 1, "always", 1200, 0.21, 0.2, [40, 1], [200, 110]),
+            config("1f1b_m4_ckpt-except_last", "1f1b", 4, 1, "except_last", 1300, 0.22, 0.2, [80, 30], [210, 110]),
+            config("1f1b_m4_ckpt-always", "1f1b", 4, 1, "always", 1100, 0.22, 0.2, [20, 1], [150, 110]),
+        ]
+        bench = {"model": "gpt2-mini", "n_layer": 4, "n_embd": 256, "vocab_size": 4096, "batch_size": 96,
+                 "tokens": 64, "devices": "cpu:0,cpu:1", "threads_per_device": 1, "balance_flag": "auto",
+                 "configurations": configurations}
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir, figs = os.path.join(tmp, "w"), os.path.join(tmp, "figs")
+            perf = os.path.join(workdir, "perf")
+            self.write_logs(perf, "_fast2")
+            os.makedirs(os.path.join(perf, "schedules"))
+            with open(os.path.join(perf, "pipeline_bench.json"), "w") as f:
+                json.dump(bench, f)
+            events = [{"name": "step", "ph": "X", "ts": 0, "dur": 1000, "pid": 1, "tid": 1, "args": {}}]
+            for k, (name, start, dur, track) in enumerate([("forward", 0, 200, 2), ("forward", 200, 200, 3),
+                                                            ("backward", 400, 400, 3), ("backward", 800, 200, 2)]):
+                events.append({"name": name, "ph": "X", "ts": start, "dur": dur, "pid": 1, "tid": track,
+                               "args": {"micro_batch": 0, "stage": track - 2}})
+            events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": t, "args": {"name": n}}
+                       for t, n in ((1, "main"), (2, "cpu:0"), (3, "cpu:1"))]
+            with open(os.path.join(perf, "schedules", "1f1b_m4.trace.json"), "w") as f:
+                json.dump({"traceEvents": events}, f)
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                rc = run_benchmarks.main(["--reuse-logs", "--max-batches", "2", "--workdir", workdir,
+                                          "--out-dir", figs, "--no-scaling", "--no-timeline",
+                                          "--devices", "cpu:0,cpu:1", "--build-dir", os.path.join(tmp, "nobuild")])
+            self.assertEqual(rc, 0)
+            with open(os.path.join(figs, "benchmark_details.json")) as f:
+                details = json.load(f)["schedules"]
+            goals = details["goals"]
+            self.assertAlmostEqual(goals["pipeline_over_model_parallel_m4"]["speedup_x"], 1.7)
+            self.assertEqual(goals["pipeline_over_model_parallel_m4"]["best_schedule"], "interleaved V=2")
+            self.assertAlmostEqual(goals["pipeline_over_model_parallel_m8"]["speedup_x"], 1.8)
+            self.assertAlmostEqual(goals["one_f_one_b_over_gpipe_held_activations_m8"]["ratio_of_peaks"], 200 / 800)
+            self.assertEqual(goals["one_f_one_b_over_gpipe_held_activations_m8"]["per_device"], [0.25, 0.125])
+            ckpt = goals["activation_checkpointing"]["configurations"]
+            self.assertEqual(ckpt["1f1b_m4_ckpt-always"]["against"], "1f1b_m4")
+            self.assertAlmostEqual(ckpt["1f1b_m4_ckpt-always"]["held_activation_bytes_fewer_x"], 200 / 20)
+            self.assertAlmostEqual(ckpt["1f1b_m4_ckpt-always"]["allocated_in_forwards_fewer_x"], 210 / 150)
+            self.assertAlmostEqual(ckpt["1f1b_m4_ckpt-always"]["step_time_more_fraction"], 1600 / 1100 - 1)
+            self.assertFalse(ckpt["1f1b_m4_ckpt-always"]["meets_goal"])
+            self.assertAlmostEqual(ckpt["gpipe_m4_ckpt-always"]["held_activation_bytes_fewer_x"], 400 / 40)
+            self.assertTrue(ckpt["gpipe_m4_ckpt-always"]["meets_goal"])  # 1500 / 1200: 25% more time
+            self.assertFalse(goals["bubble_within_0_03"]["interleaved_m4_v2"])
+            self.assertTrue(goals["bubble_within_0_03"]["1f1b_m4"])
+            self.assertAlmostEqual(details["configurations"]["gpipe_m4"]["speedup_over_model_parallel_x"], 1.5)
+            self.assertEqual(set(details["timelines"]), {"1f1b"})
+            self.assertEqual(details["resolved_balance"], "2,2")  # what the pipeline runs are given
+            for png in ("pp_schedules.png", "pp_timeline_1f1b.png"):
+                self.assertGreater(os.path.getsize(os.path.join(figs, png)), 5000, png)
 
     def test_broken_log_stops_the_runner_with_its_name(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -74,6 +74,35 @@ class DataParallelProgram(unittest.TestCase):
             check = run([sys.executable, os.path.join(SOURCE, "scripts", "check_gradients.py"), grads])
             self.assertEqual(check.returncode, 0)
 
+    def pytest_gradients(self, tmp, name, extra):
+        torch = torch_module()
+        grads = os.path.join(tmp, name)
+        run([DP, "--pytest", "--grad_dir", grads, "--batch_size", "16", "--dropout", "0",
+             "--workdir", os.path.join(tmp, name + "_work"), "--master_port", str(free_port())] + TINY + extra)
+        return torch.load(os.path.join(grads, "model0_gradients.pth"))
+
+    def assert_same_gradients(self, actual, expected, rtol):
+        torch = torch_module()
+        self.assertEqual(set(actual), set(expected))
+        for name in expected:
+            self.assertTrue(torch.allclose(actual[name], expected[name], rtol=rtol, atol=1e-7), name)
+
+    def test_several_buckets_give_the_naive_all_reduces_gradients(self):
+        # 0.01 MB buckets: gpt2-tiny's 28 gradients go out in many buckets, overlapped with backward.
+        with tempfile.TemporaryDirectory() as tmp:
+            naive = self.pytest_gradients(tmp, "naive", ["--world_size", "2", "--grad_sync", "naive"])
+            bucketed = self.pytest_gradients(tmp, "bucketed", ["--world_size", "2", "--grad_sync", "bucketed",
+                                                               "--bucket_cap_mb", "0.01"])
+            self.assert_same_gradients(bucketed, naive, rtol=1e-5)
+
+    def test_tensor_parallel_gradients_equal_one_ranks(self):
+        # One replica split over two ranks sees the whole batch, as one rank alone does: the
+        # unsplit gradients must agree (a constant factor or a missing all-reduce would not).
+        with tempfile.TemporaryDirectory() as tmp:
+            alone = self.pytest_gradients(tmp, "alone", ["--world_size", "1"])
+            split = self.pytest_gradients(tmp, "split", ["--world_size", "2", "--tensor_parallel_size", "2"])
+            self.assert_same_gradients(split, alone, rtol=1e-4)
+
     def test_a5_1_2_original_spelling_pytest_true_writes_config_at_start(self):
         torch = torch_module()
         with tempfile.TemporaryDirectory() as tmp:
@@ -230,11 +259,50 @@ class DataParallelProgram(unittest.TestCase):
                     proc.kill()
                     proc.wait()
 
+    def test_a_rank_stopped_with_sigstop_ends_the_run_naming_it(self):
+        timeout_s = 5
+        with tempfile.TemporaryDirectory() as work:
+            proc = subprocess.Popen([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()),
+                                     "--n_epochs", "1000", "--batch_size", "8", "--benchmark_only",
+                                     "--dist_timeout_s", str(timeout_s)] + TINY,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                deadline = time.time() + 120
+                seen = 0
+                while time.time() < deadline and seen < 2:
+                    if proc.stdout.readline().startswith("Epoch "):
+                        seen += 1
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    children = [int(p) for p in f.read().split()]
+                ranks = {}
+                for pid in children:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+                    ranks[int(env[b"RANK"])] = pid
+                os.kill(ranks[1], signal.SIGSTOP)
+                start = time.time()
+                _, err = proc.communicate(timeout=timeout_s + 60)
+                elapsed = time.time() - start
+                self.assertNotEqual(proc.returncode, 0)
+                self.assertLess(elapsed, timeout_s + 15, err[-2000:])
+                self.assertIn("rank 1 was stopped by SIGSTOP", err)
+                time.sleep(0.5)
+                for pid in children:
+                    self.assertFalse(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z",
+                                     f"worker {pid} still running")
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
     def test_bad_flags_get_clear_errors(self):
         proc = run([DP, "--world_size", "3", "--batch_size", "100", "--master_port", str(free_port())] + TINY,
                    check=False)
         self.assertNotEqual(proc.returncode, 0)
         self.assertIn("--batch_size 100 is not divisible by --world_size 3", proc.stdout + proc.stderr)
+        # Refused by the launcher before any worker starts (a worker would print its rank's line).
+        self.assertNotIn("[rank", proc.stdout + proc.stderr)
+        self.assertEqual(proc.stderr.count("not divisible"), 1, proc.stderr)
         proc = run([DP, "--world_size", "1", "--dataset", "/nonexistent/corpus"] + TINY, check=False)
         self.assertNotEqual(proc.returncode, 0)
         self.assertIn("/nonexistent/corpus", proc.stdout + proc.stderr)

@@ -49,7 +49,15 @@ struct LaunchOptions {
   // After the first failure: SIGTERM to the others, SIGKILL after this long.
   std::chrono::milliseconds kill_grace = std::chrono::seconds(5);
   // Where forwarded lines go (stderr lines with is_stderr). Default: this process's stdout/stderr.
+  // If it throws, the exception leaves run_workers after every worker was killed and reaped.
   std::function<void(int rank, bool is_stderr, const std::string& line)> sink;
+  // A worker stopped by a signal (SIGSTOP, ...) for longer than this ends the launch, named as
+  // the cause; a failure of another rank meanwhile names it too. Programs set it a little above
+  // their collective timeout, after which the other ranks fail on their own.
+  std::chrono::milliseconds stopped_worker_timeout = std::chrono::seconds(330);
+  // Fault injection for tests: called before the launcher's "pipe2" and "fork" for each rank; a
+  // non-zero return is taken as that call failing with this errno.
+  std::function<int(const char* call, int rank)> fail_system_call;
 };
 
 struct LaunchResult {
@@ -64,8 +72,9 @@ struct LaunchResult {
 // WORLD_SIZE, LOCAL_RANK (= rank), MASTER_ADDR, MASTER_PORT set; each worker runs in its own
 // process group and dies with the launcher (PR_SET_PDEATHSIG, so call this from a thread that
 // outlives the workers). Waits for all. When one exits non-zero or is killed, the others get
-// SIGTERM, then SIGKILL after kill_grace; SIGINT/SIGTERM to the launcher do the same. No worker is
-// left running on return.
+// SIGTERM, then SIGKILL after kill_grace; SIGINT/SIGTERM to the launcher do the same. No worker,
+// zombie or pipe is left on return, whether it returns or throws (a failed pipe2 or fork, a
+// throwing sink): the workers already started are killed and reaped first.
 LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world_size,
                          const std::string& master_addr, int master_port,
                          const LaunchOptions& options = {});

@@ -64,7 +64,11 @@ TORCH_MODULE(GPT2MLP);
 class GPT2BlockImpl : public torch::nn::Module {
  public:
   explicit GPT2BlockImpl(const GPT2Config& config);
-  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward(const torch::Tensor& x);  // forward_mlp(forward_attention(x))
+  // The two residual halves, x + attn(ln_1(x)) and h + mlp(ln_2(h)): a pipeline may cut a block
+  // between them (and place them on two devices; forward_mlp moves h to ln_2's device).
+  torch::Tensor forward_attention(const torch::Tensor& x);
+  torch::Tensor forward_mlp(const torch::Tensor& h);
   torch::Tensor forward_cached(const torch::Tensor& x, LayerKVCache& cache);
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   GPT2Attention attn{nullptr};
@@ -112,6 +116,9 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // Any placement (the pipeline's balances and interleaving): block i on block_devices[i] (one
   // entry per block), embeddings and the tied head with block 0, ln_f with the last block.
   void place(const std::vector<Device>& block_devices);
+  // Half-block placement: block i's ln_1 and attention on attention_devices[i], its ln_2 and MLP
+  // on mlp_devices[i]; embeddings with block 0's attention, ln_f with the last block's MLP.
+  void place(const std::vector<Device>& attention_devices, const std::vector<Device>& mlp_devices);
   const std::vector<Device>& block_devices() const { return block_devices_; }
   Device first_device() const { return first_device_; }
   Device last_device() const { return last_device_; }

@@ -11,18 +11,21 @@ namespace harness::pipeline {
 // What --balance said: automatic (time the blocks) or explicit blocks per stage.
 struct BalanceSpec {
   bool automatic = false;
-  std::vector<int> blocks_per_stage;  // empty when automatic or not given
+  std::vector<int> blocks_per_stage;  // empty when automatic, not given, or any item ends in .5
+  std::vector<int> halves_per_stage;  // every item in half blocks ("2.5" -> 5); empty likewise
 };
 
 // "auto" -> automatic; "3,3,2" -> {3,3,2}; "" -> neither (the caller uses default_balance).
 // Blanks (spaces, tabs) around an item or around "auto" are ignored, so a quoted "3, 3, 2" works;
-// inside an item they are not ("3 3"). An item is decimal digits only: no sign, no "3.0".
+// inside an item they are not ("3 3"). An item is decimal digits, optionally ending in ".5" (half a
+// block: a cut between a block's attention and MLP halves, what --balance auto may print): no
+// sign, no "3.0".
 // Throws std::invalid_argument naming the flag, the whole value and the first bad item (counted
 // from 1):
-//   "--balance 3,x,2: item 2 ('x') is not a positive integer"
+//   "--balance 3,x,2: item 2 ('x') is not a number of blocks (3, or 2.5 to cut a block between its halves)"
 //   "--balance 3,,2: item 2 is empty"          (also "3,3," and a value of blanks only)
 //   "--balance 3,0,2: item 2 ('0') is not a positive integer; every stage needs at least one block"
-//   "--balance 99999999999: item 1 ('99999999999') is too large (at most 2147483647)"
+//   "--balance 99999999999: item 1 ('99999999999') is too large (at most 1073741822)"
 // Whether the list fits the model and the pipeline is check_balance's job.
 BalanceSpec parse_balance(const std::string& text);
 

@@ -26,23 +26,26 @@ class Worker;
 
 // torchgpipe's activation checkpointing: keep no graph for a checkpointed (micro-batch, stage)
 // during the forward, only its input, and run its forward again, with the same random stream,
-// right before its backward. kExceptLast checkpoints every micro-batch but the last (whose
-// backward comes first, so recomputing it would only add time).
+// right before its backward. kExceptLast spares what recomputing would not save: a forward whose
+// backward is the device's very next action (in GPipe the last micro-batch, torchgpipe's meaning;
+// in 1F1B every forward of the last device).
 enum class ActivationCheckpointing { kNever, kExceptLast, kAlways };
 
 // "always" | "except_last" | "never"; throws std::invalid_argument naming
 // --activation_checkpointing and the value.
 ActivationCheckpointing parse_activation_checkpointing(const std::string& text);
 std::string to_string(ActivationCheckpointing mode);
-// Whether micro-batch i of m is checkpointed under `mode`.
-bool is_checkpointed(ActivationCheckpointing mode, int micro_batch, int micro_batches);
+// [device][k]: whether the k-th action of the device, a forward, is checkpointed under `mode`
+// (false for backwards).
+std::vector<std::vector<bool>> checkpoint_plan(const TrainingSchedule& schedule, ActivationCheckpointing mode);
 
 // The forward of `stage` on `micro_batch`, run by the stage's worker. `input` is undefined for
 // stage 0; otherwise it is the previous stage's output moved to this stage's device, a leaf that
 // requires grad. Returns the stage's output, which the next stage receives; the last stage returns
-// its micro-batch's share of the loss, a scalar the executor runs backward from. While it runs,
-// the (step, micro-batch, stage) random stream is the thread's dropout stream (dropout.h), so a
-// recomputation draws the same masks and concurrent stages never share a generator.
+// its micro-batch's share of the loss, a scalar the executor runs backward from. It runs with grad
+// mode on. While it runs, the (step, micro-batch, stage) random stream is the thread's dropout
+// stream on a CPU lane and the default generator of a GPU (dropout.h), so a recomputation draws
+// the same masks and concurrent stages never share a generator.
 using StageForward = std::function<at::Tensor(int micro_batch, int stage, const at::Tensor& input)>;
 
 struct ExecutorOptions {
@@ -58,8 +61,10 @@ struct StepResult {
   std::vector<at::Tensor> losses;   // [micro-batch] the last stage's outputs, detached
   std::vector<int> peak_in_flight;  // [device] most (micro-batch, stage) forwards held at once
   // [device] With the activation meter installed (activation_meter.h), the most bytes the
-  // device's forwards had allocated and not yet freed, sampled as each forward returns: what its
-  // held activations take, without a forward's own temporaries. Empty without the meter.
+  // device's forwards (and recomputations) had allocated and not yet freed, sampled as each
+  // returns: what its held activations take, without a forward's own temporaries. A stage input
+  // received from a CPU lane is copied first then, so it is charged to the device that holds it,
+  // as a real transfer would be. Empty without the meter.
   std::vector<int64_t> peak_held_bytes;
 };
 

@@ -24,8 +24,11 @@ struct PipelineStepOptions {
   int virtual_stages = 1;             // V, stages per device (interleaved only may use V > 1)
   int micro_batches = 1;              // M per full batch (--n_chunk; model parallel: 1)
   std::vector<int> balance;           // blocks per stage (D * V entries); empty: default_balance
+  // Half blocks per stage instead (an attention half or an MLP half each, in model order), what
+  // balance_gpt2_by_time returns; wins over `balance` when given.
+  std::vector<int> balance_halves;
   pipeline::ActivationCheckpointing checkpointing = pipeline::ActivationCheckpointing::kNever;
-  int threads_per_device = 0;         // 0: default_threads_per_device(D)
+  int threads_per_device = 0;         // 0: the cores shared among the CPU lanes (GPU workers: all)
   uint64_t seed = 0;                  // the dropout streams derive from it and the global step
   Tracer* tracer = nullptr;           // one slice per action when set
 };
@@ -50,29 +53,36 @@ class PipelineTrainStep : public GPT2TrainStep {
   c10::Device input_device() const override;
   void set_global_step(int64_t global_step) override { global_step_ = global_step; }
 
-  const std::vector<int>& balance() const { return balance_; }
-  int stages() const { return static_cast<int>(balance_.size()); }
+  // Half blocks per stage, and as --balance would say it: "2,2", or "2.5,1.5" when a block is cut.
+  const std::vector<int>& balance_halves() const { return halves_; }
+  std::string balance_text() const;
+  int stages() const { return static_cast<int>(halves_.size()); }
   // What the last step ran: its schedule and each device's peak of held forwards.
   const pipeline::TrainingSchedule& last_schedule() const { return last_schedule_; }
   const std::vector<int>& last_peak_in_flight() const { return last_peak_in_flight_; }
+  // Each device's peak held activation bytes in the last step (empty unless the activation meter
+  // is installed, see activation_meter.h).
+  const std::vector<int64_t>& last_peak_held_bytes() const { return last_peak_held_bytes_; }
   pipeline::ScheduleExecutor& executor() { return *executor_; }
 
  private:
   PipelineStepOptions options_;
-  std::vector<int> balance_;
-  std::vector<std::vector<size_t>> blocks_of_stage_;  // [stage] -> block indices
+  std::vector<int> halves_;
+  std::vector<std::vector<size_t>> units_of_stage_;  // [stage] -> half blocks: 2b attention, 2b + 1 MLP
   std::unique_ptr<pipeline::ScheduleExecutor> executor_;
   int64_t global_step_ = 0;
   pipeline::TrainingSchedule last_schedule_;
   std::vector<int> last_peak_in_flight_;
+  std::vector<int64_t> last_peak_held_bytes_;
   bool told_fallback_ = false;
 };
 
-// torchgpipe's balance_by_time on GPT-2, on `device` (the model is moved there): times the
-// forward and backward of one block, of the embedding and of ln_f + head + loss on micro-batches
-// of `rows` x `tokens` tokens (median of 3 after a warm-up; GPT-2's blocks are identical, so one
-// stands for all), then balance_by_cost over `stages` stages with the embedding on the first and
-// the head on the last.
+// torchgpipe's balance_by_time on GPT-2, on `device` (the model is moved there), at half-block
+// grain: times the forward and backward of a block's attention half and MLP half, of the
+// embedding and of ln_f + head + loss on micro-batches of `rows` x `tokens` tokens (median of 3
+// after a warm-up; GPT-2's blocks are identical, so one stands for all), then balance_by_cost over
+// `stages` stages with the embedding on the first and the head on the last. Returns half blocks per
+// stage: the head's cost can then be evened out by cutting a block between its halves.
 std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
                                       int64_t rows, int64_t tokens);
 
