@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -175,6 +176,8 @@ class Runner:
                 f"{cmd[0]} not found: build it first (scripts/build.sh --target run_pipeline "
                 f"run_data_parallel) or point --build-dir at the folder that has it")
         err = os.path.join(self.perf_dir, name + ".stderr.log")
+        # A fresh work directory per run: the programs refuse checkpoints of an earlier run there.
+        shutil.rmtree(os.path.join(self.perf_dir, "runs", name), ignore_errors=True)
         print(f"[bench] {name}: {self.commands[name]}", file=sys.stderr, flush=True)
         start = time.monotonic()
         with open(log, "w") as out, open(err, "w") as errf:

@@ -365,6 +365,22 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
                              " and " + std::to_string(highest) + "): is " + checkpoint_root(o) +
                              " the same folder on every machine?");
   }
+  if (o.rank == 0 && o.checkpoint.resume != "auto") {
+    // Checkpoints beyond where this run starts belong to another run: pruning would keep them as
+    // the newest and delete this run's own. Refused before any training, with what to do. (With
+    // auto, anything later was refused as damaged; the run overwrites those steps as it goes.)
+    const int64_t start = resumption ? resumption->manifest.global_step : 0;
+    std::string later;
+    for (const CheckpointInfo& found : list_checkpoints(checkpoint_root(o))) {
+      if (found.global_step > start) later += (later.empty() ? "" : ", ") + found.path;
+    }
+    if (!later.empty()) {
+      throw std::invalid_argument(
+          checkpoint_root(o) + " holds checkpoints of another run beyond step " + std::to_string(start) + " (" +
+          later + "); this run's would be mixed with them. Pass --resume auto to continue that run, or another "
+          "--checkpoint_dir (or remove those folders) to start a new one");
+    }
+  }
   if (resumption) {
     apply_checkpoint(*resumption, step, o, progress, at);
     summary.resumed_from = resumption->path;

@@ -212,6 +212,20 @@ class ResumeIsExact(unittest.TestCase):
 
 
 class BrokenCheckpoints(unittest.TestCase):
+    def test_a_new_run_refuses_checkpoints_of_an_earlier_one_before_training(self):
+        # Pruning would keep the earlier run's later steps as the newest and delete this run's own.
+        with tempfile.TemporaryDirectory() as tmp:
+            work = os.path.join(tmp, "w")
+            run([PP, "--workdir", work] + TINY)
+            proc = run([PP, "--workdir", work] + TINY, check=False)
+            self.assertNotEqual(proc.returncode, 0)
+            self.assertIn("holds checkpoints of another run beyond step 0", proc.stderr)
+            self.assertIn("--resume auto", proc.stderr)
+            self.assertNotIn("Training Time", proc.stdout)
+            # Continuing it is what --resume auto is for.
+            resumed = run([PP, "--workdir", work, "--resume", "auto"] + TINY)
+            self.assertIn("resume: continuing from", resumed.stderr)
+
     def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(self):
         torch = __import__("torch")
         with tempfile.TemporaryDirectory() as tmp:
