@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <future>
 #include <map>
 #include <set>
@@ -143,6 +145,25 @@ TEST(ScheduleExecutor, EachDeviceRunsItsActionsInTheSchedulesOrder) {
   }
 }
 
+// Runs one step expected to fail, on another thread so that a hang fails the test instead of
+// stalling it; returns the error's message ("" when the step hung, after a failed assertion).
+std::string failure_of(ScheduleExecutor& executor, const TrainingSchedule& schedule, const StageForward& forward) {
+  auto outcome = std::async(std::launch::async, [&] {
+    try {
+      executor.run(schedule, forward, 1);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  });
+  if (outcome.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    std::fprintf(stderr, "FAILED: a worker hangs after the failure\n");
+    std::fflush(stderr);
+    std::_Exit(1);  // the hung workers cannot be joined; end the test process
+  }
+  return outcome.get();
+}
+
 TEST(ScheduleExecutor, AFailingStageStopsEveryWorkerAndNamesTheAction) {
   const TrainingSchedule schedule = one_f_one_b_schedule(4, 2);
   ToyModel model(2);
@@ -154,17 +175,7 @@ TEST(ScheduleExecutor, AFailingStageStopsEveryWorkerAndNamesTheAction) {
     if (i == 2 && s == 0) throw std::runtime_error("boom in the embedding");
     return working(i, s, input);
   };
-  // Run on another thread so that a hang fails the test instead of stalling it.
-  auto outcome = std::async(std::launch::async, [&]() -> std::string {
-    try {
-      executor.run(schedule, failing, 1);
-    } catch (const std::runtime_error& e) {
-      return e.what();
-    }
-    return "(no error)";
-  });
-  ASSERT_EQ(outcome.wait_for(std::chrono::seconds(30)), std::future_status::ready) << "the other worker hangs";
-  const std::string message = outcome.get();
+  const std::string message = failure_of(executor, schedule, failing);
   EXPECT_NE(message.find("forward of micro-batch 2, stage 0"), std::string::npos) << message;
   EXPECT_NE(message.find("boom in the embedding"), std::string::npos) << message;
   EXPECT_NE(message.find("cpu:0"), std::string::npos) << message;
@@ -258,32 +269,14 @@ TEST(ScheduleExecutor, FailuresInABackwardAndNonStandardExceptionsStopEveryWorke
     at::Tensor out = working(i, s, input);
     return i == 1 && s == 1 ? FailingBackward::apply(out) : out;
   };
-  auto failed = std::async(std::launch::async, [&] {
-    try {
-      executor.run(schedule, bad_backward, 1);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string("(no error)");
-  });
-  ASSERT_EQ(failed.wait_for(std::chrono::seconds(30)), std::future_status::ready) << "the other worker hangs";
-  const std::string message = failed.get();
+  const std::string message = failure_of(executor, schedule, bad_backward);
   EXPECT_NE(message.find("backward of micro-batch 1, stage 1"), std::string::npos) << message;
   EXPECT_NE(message.find("backward exploded"), std::string::npos) << message;
   const StageForward throws_int = [&](int i, int s, const at::Tensor& input) {
     if (i == 3 && s == 1) throw 42;
     return working(i, s, input);
   };
-  auto outcome = std::async(std::launch::async, [&] {
-    try {
-      executor.run(schedule, throws_int, 1);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string("(no error)");
-  });
-  ASSERT_EQ(outcome.wait_for(std::chrono::seconds(30)), std::future_status::ready) << "the other worker hangs";
-  EXPECT_NE(outcome.get().find("non-standard exception"), std::string::npos);
+  EXPECT_NE(failure_of(executor, schedule, throws_int).find("non-standard exception"), std::string::npos);
 }
 
 TEST(ScheduleExecutor, CheckpointPlansAreLiteral) {

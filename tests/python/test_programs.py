@@ -225,35 +225,44 @@ class DataParallelProgram(unittest.TestCase):
                         "--batch_size", "8", "--max_batches", "2"] + TINY)
             self.assertEqual(len(matching(PP_BLEU, proc.stdout)), 1)
 
+    def start_two_ranks_training(self, work, extra=()):
+        """run_data_parallel with 2 ranks for a long time; returns (launcher, {rank: pid}) once
+        both ranks train (their first epoch lines)."""
+        proc = subprocess.Popen([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()),
+                                 "--n_epochs", "1000", "--batch_size", "8", "--benchmark_only"] + TINY + list(extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        seen = 0
+        while time.time() < deadline and seen < 2:
+            if proc.stdout.readline().startswith("Epoch "):
+                seen += 1
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        self.assertEqual(len(children), 2, "the launcher should have two workers")
+        ranks = {}
+        for pid in children:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            ranks[int(env[b"RANK"])] = pid
+        return proc, ranks
+
+    def assert_no_worker_left(self, pids):
+        time.sleep(0.5)
+        for pid in pids:
+            self.assertFalse(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z",
+                             f"worker {pid} still running")
+
     def test_sigkill_of_one_worker_stops_the_run_promptly_and_leaves_no_worker(self):
         with tempfile.TemporaryDirectory() as work:
-            proc = subprocess.Popen([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()),
-                                     "--n_epochs", "1000", "--batch_size", "8", "--benchmark_only"] + TINY,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc, ranks = self.start_two_ranks_training(work)
             try:
-                # Wait until both ranks train (the first epoch line), then kill rank 1 hard.
-                deadline = time.time() + 120
-                children = []
-                seen = 0
-                while time.time() < deadline:
-                    line = proc.stdout.readline()
-                    if line.startswith("Epoch "):
-                        seen += 1
-                    if seen >= 2:
-                        break
-                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                    children = [int(p) for p in f.read().split()]
-                self.assertEqual(len(children), 2, "the launcher should have two workers")
-                os.kill(children[1], signal.SIGKILL)
+                os.kill(ranks[1], signal.SIGKILL)
                 start = time.time()
                 _, err = proc.communicate(timeout=30)
                 self.assertLess(time.time() - start, 30)
                 self.assertNotEqual(proc.returncode, 0)
                 self.assertRegex(err, r"rank \d .*signal 9|rank \d.*SIGKILL")
-                time.sleep(0.5)
-                for pid in children:
-                    self.assertFalse(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z",
-                                     f"worker {pid} still running")
+                self.assert_no_worker_left(ranks.values())
             finally:
                 if proc.poll() is None:
                     proc.kill()
@@ -262,23 +271,8 @@ class DataParallelProgram(unittest.TestCase):
     def test_a_rank_stopped_with_sigstop_ends_the_run_naming_it(self):
         timeout_s = 5
         with tempfile.TemporaryDirectory() as work:
-            proc = subprocess.Popen([DP, "--world_size", "2", "--workdir", work, "--master_port", str(free_port()),
-                                     "--n_epochs", "1000", "--batch_size", "8", "--benchmark_only",
-                                     "--dist_timeout_s", str(timeout_s)] + TINY,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc, ranks = self.start_two_ranks_training(work, ["--dist_timeout_s", str(timeout_s)])
             try:
-                deadline = time.time() + 120
-                seen = 0
-                while time.time() < deadline and seen < 2:
-                    if proc.stdout.readline().startswith("Epoch "):
-                        seen += 1
-                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                    children = [int(p) for p in f.read().split()]
-                ranks = {}
-                for pid in children:
-                    with open(f"/proc/{pid}/environ", "rb") as f:
-                        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-                    ranks[int(env[b"RANK"])] = pid
                 os.kill(ranks[1], signal.SIGSTOP)
                 start = time.time()
                 _, err = proc.communicate(timeout=timeout_s + 60)
@@ -286,10 +280,7 @@ class DataParallelProgram(unittest.TestCase):
                 self.assertNotEqual(proc.returncode, 0)
                 self.assertLess(elapsed, timeout_s + 15, err[-2000:])
                 self.assertIn("rank 1 was stopped by SIGSTOP", err)
-                time.sleep(0.5)
-                for pid in children:
-                    self.assertFalse(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z",
-                                     f"worker {pid} still running")
+                self.assert_no_worker_left(ranks.values())
             finally:
                 if proc.poll() is None:
                     proc.kill()
