@@ -73,6 +73,9 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.sizes.train = r["train_size"].as<size_t>();
   f.sizes.validation = r["validation_size"].as<size_t>();
   f.sizes.test = r["test_size"].as<size_t>();
+  f.sizes_given[0] = r.count("train_size") > 0;
+  f.sizes_given[1] = r.count("validation_size") > 0;
+  f.sizes_given[2] = r.count("test_size") > 0;
   f.export_dataset = r["export_dataset"].as<std::string>();
   f.progress = r.count("no_progress") == 0;
   f.fit_vocab = r.count("fit_vocab") > 0;

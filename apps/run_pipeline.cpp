@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   try {
     if (!flags.export_dataset.empty()) {
       const harness::train::RunConfig& run = flags.config.run;
-      harness::data::export_jsonl(harness::train::load_corpus(run.dataset, run.sizes, run.seed),
+      harness::data::export_jsonl(harness::train::load_corpus(run.dataset, run.sizes, run.seed, run.sizes_given),
                                   flags.export_dataset);
       std::cout << "wrote the corpus to " << flags.export_dataset << std::endl;
       return 0;

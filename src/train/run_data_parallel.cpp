@@ -80,7 +80,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
 
   make_directories(f.workdir);
-  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed);
+  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
   model::GPT2Config config = resolve_config(f.model);
   // Every rank trains the same tokenizer (deterministic); only rank 0 keeps the file, so the
   // ranks need no shared folder when they span machines.

@@ -34,7 +34,7 @@ TrainingOptions training_options(const RunConfig& f, const std::string& program,
 int run_pipeline(const PipelineConfig& pipeline) {
   const RunConfig& f = pipeline.run;
   make_directories(f.workdir);
-  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed);
+  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
 
   std::vector<Device> devices = f.devices.empty() ? default_devices() : parse_device_list(f.devices);
   if (pipeline.mode.empty()) devices.resize(1);  // one device: the first listed

@@ -14,9 +14,26 @@ namespace harness::train {
 namespace fs = std::filesystem;
 
 data::TranslationCorpus load_corpus(const std::string& dataset, const data::SplitSizes& sizes,
-                                    uint64_t seed) {
+                                    uint64_t seed, const bool* sizes_given) {
   if (dataset.empty()) return data::generate_corpus(seed, sizes);
-  return data::load_dataset(dataset, sizes);
+  data::TranslationCorpus corpus = data::load_dataset(dataset, sizes);
+  const size_t requested[] = {sizes.train, sizes.validation, sizes.test};
+  const size_t found[] = {corpus.train.size(), corpus.validation.size(), corpus.test.size()};
+  const char* names[] = {"training", "validation", "test"};
+  const char* flags[] = {"--train_size", "--validation_size", "--test_size"};
+  for (int s = 0; s < 3; ++s) {
+    if (found[s] >= requested[s]) continue;
+    const std::string what = "--dataset " + dataset + ": its " + names[s] + " split has " +
+                             std::to_string(found[s]) + " pairs";
+    if (found[s] == 0) throw std::invalid_argument(what);
+    if (sizes_given != nullptr && sizes_given[s]) {
+      throw std::invalid_argument(what + ", fewer than " + flags[s] + " " + std::to_string(requested[s]) +
+                                  " asks for; pass " + flags[s] + " " + std::to_string(found[s]) + " or fewer");
+    }
+    std::cerr << what << " (fewer than the default " << flags[s] << " " << requested[s] << "): using all of them"
+              << std::endl;
+  }
+  return corpus;
 }
 
 model::GPT2Config resolve_config(const ModelSource& source) {

@@ -224,6 +224,13 @@ class DataParallelProgram(unittest.TestCase):
             proc = run([PP, "--dataset", data, "--workdir", os.path.join(tmp, "w"), "--n_epochs", "1",
                         "--batch_size", "8", "--max_batches", "2"] + TINY)
             self.assertEqual(len(matching(PP_BLEU, proc.stdout)), 1)
+            # A size given beyond what a split holds is refused before training, with both numbers.
+            more = [a if a != "64" else "100" for a in TINY]
+            proc = run([PP, "--dataset", data, "--workdir", os.path.join(tmp, "w2"), "--n_epochs", "1"] + more,
+                       check=False)
+            self.assertNotEqual(proc.returncode, 0)
+            self.assertIn("training split has 64 pairs, fewer than --train_size 100", proc.stderr)
+            self.assertNotIn("Training Time", proc.stdout)
 
     def start_two_ranks_training(self, work, extra=()):
         """run_data_parallel with 2 ranks for a long time; returns (launcher, {rank: pid}) once

@@ -31,6 +31,9 @@ struct RunConfig {
   int threads_per_device = 0;  // 0: cores / devices
   std::string trace;
   data::SplitSizes sizes;
+  // Which of --train_size / --validation_size / --test_size were given: a --dataset split with
+  // fewer pairs than a size given is an error; than a default size, all of it is used (said once).
+  bool sizes_given[3] = {false, false, false};
   bool progress = true;
   bool fit_vocab = false;
   CheckpointOptions checkpoint;

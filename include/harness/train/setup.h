@@ -20,9 +20,11 @@ struct ModelSource {
   std::optional<double> dropout;     // overrides embd/attn/resid_pdrop when set
 };
 
-// `dataset` empty: the embedded corpus generated from `seed`.
+// `dataset` empty: the embedded corpus generated from `seed`. With sizes_given (train,
+// validation, test), a split of `dataset` with fewer pairs than its given size is an
+// std::invalid_argument naming the dataset, the split, both numbers and the flag.
 data::TranslationCorpus load_corpus(const std::string& dataset, const data::SplitSizes& sizes,
-                                    uint64_t seed);
+                                    uint64_t seed, const bool* sizes_given = nullptr);
 
 // The config the model will have (preset or path/config.json, then the dropout override).
 model::GPT2Config resolve_config(const ModelSource& source);
