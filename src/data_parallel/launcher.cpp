@@ -133,6 +133,7 @@ struct Worker {
   Stream out, err;
   std::optional<Clock::time_point> stopped_since;  // stopped by a signal (SIGSTOP, SIGTSTP, ...)
   int stop_signal = 0;
+  std::optional<Clock::time_point> left_early;  // exited 0 while others were still running
 };
 
 void close_fd(int& fd) {
@@ -407,28 +408,30 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     }
   };
 
-  // A stopped rank is the likely cause of whatever fails next (the others time out waiting for it
-  // in a collective): the failure names it.
-  auto stopped_ranks = [&]() {
+  // A stopped rank, or one that exited 0 while the others still run, is the likely cause of
+  // whatever fails next (the others time out waiting for it in a collective): the failure names it.
+  auto suspects = [&]() {
     std::string text;
+    char seconds[64];
     for (int rank = 0; rank < world_size; ++rank) {
       const Worker& w = workers[rank];
-      if (!w.running || !w.stopped_since) continue;
-      const double seconds = std::chrono::duration<double>(Clock::now() - *w.stopped_since).count();
-      char buffer[64];
-      std::snprintf(buffer, sizeof(buffer), "%.1f", seconds);
-      text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(rank) + " was stopped by " +
-              signal_name(w.stop_signal) + " " + buffer + " s ago and stopped answering";
+      if (w.running && w.stopped_since) {
+        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.stopped_since).count());
+        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(rank) + " was stopped by " +
+                signal_name(w.stop_signal) + " " + seconds + " s ago and stopped answering";
+      } else if (w.left_early) {
+        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.left_early).count());
+        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(rank) + " exited with status 0 " +
+                seconds + " s ago while the others kept running";
+      }
     }
     return text;
   };
   auto begin_stop = [&](const std::string& why, int code) {
     if (stopping) return;
     stopping = true;
-    const std::string stopped = stopped_ranks();
-    result.failure = stopped.empty() || why.find("stopped answering") != std::string::npos
-                         ? why
-                         : why + " (" + stopped + ")";
+    const std::string cause = suspects();
+    result.failure = cause.empty() || why == cause ? why : why + " (" + cause + ")";
     result.exit_code = code;
     workers.signal_running(SIGTERM);
     workers.signal_running(SIGCONT);  // a stopped worker gets its SIGTERM too
@@ -482,11 +485,19 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
     for (int rank = 0; rank < world_size; ++rank) {
       Worker& w = workers[rank];
       workers.note_stop_or_continue(w);
-      if (w.stopped_since && !stopping && Clock::now() - *w.stopped_since > options.stopped_worker_timeout) {
-        begin_stop(stopped_ranks(), 1);
+      const auto overdue = [&](const std::optional<Clock::time_point>& since) {
+        return since && Clock::now() - *since > options.stopped_worker_timeout;
+      };
+      if (!stopping && ((w.running && overdue(w.stopped_since)) || overdue(w.left_early))) {
+        begin_stop(suspects(), 1);
       }
       if (!workers.reap_if_exited(w)) continue;
       const int status = w.status;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        bool others_running = false;
+        for (const auto& other : workers.all()) others_running = others_running || other.running;
+        if (others_running) w.left_early = Clock::now();
+      }
       const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
       if (failed && !stopping) {
         const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);

@@ -265,6 +265,25 @@ TEST(Launcher, AnExceptionWhileForwardingOutputStopsEveryWorker) {
   }, "sleep", "the terminal went away");
 }
 
+TEST(Launcher, ARankThatLeftEarlyIsNamedWhenAnotherFails) {
+  const auto run = launch_scenario("leave_early", 2, {{"HARNESS_TEST_FAIL_AFTER_MS", "1500"}});
+  EXPECT_EQ(run.result.exit_code, 1);
+  EXPECT_NE(run.result.failure.find("rank 1 exited with status 1 (rank 0 exited with status 0"), std::string::npos)
+      << run.result.failure;
+  EXPECT_NE(run.result.failure.find("while the others kept running"), std::string::npos) << run.result.failure;
+}
+
+TEST(Launcher, ARankThatLeftEarlyEndsTheRunWhenTheOthersNeverFinish) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto run = launch_scenario("leave_early", 2, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
+    o.stopped_worker_timeout = std::chrono::milliseconds(1500);
+  });
+  EXPECT_EQ(run.result.exit_code, 1);
+  EXPECT_EQ(run.result.failure.rfind("rank 0 exited with status 0", 0), 0u) << run.result.failure;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
+  for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid));
+}
+
 TEST(Launcher, RejectsBadArguments) {
   EXPECT_THROW(run_workers({"x"}, 0, "localhost", 1234), std::invalid_argument);
   EXPECT_THROW(run_workers({}, 2, "localhost", 1234), std::invalid_argument);

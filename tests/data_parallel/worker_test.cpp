@@ -233,6 +233,13 @@ TEST(DpWorker, Run) {
     std::signal(SIGTERM, SIG_IGN);
     std::fclose(std::fopen(ready, "w"));
     sleep_then_exit(60);
+  } else if (scenario == "leave_early") {  // rank 0 leaves at once; rank 1 fails later or waits on
+    if (rank == 0) std::_Exit(0);
+    if (std::getenv("HARNESS_TEST_FAIL_AFTER_MS") != nullptr) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(std::getenv("HARNESS_TEST_FAIL_AFTER_MS"))));
+      std::_Exit(1);  // as a rank whose collective timed out waiting for rank 0
+    }
+    sleep_then_exit(60);
   } else if (scenario == "sleep") {
     std::printf("ready on rank %d\n", rank);  // the launcher tests signal only after both
     std::fflush(stdout);

@@ -51,9 +51,10 @@ struct LaunchOptions {
   // Where forwarded lines go (stderr lines with is_stderr). Default: this process's stdout/stderr.
   // If it throws, the exception leaves run_workers after every worker was killed and reaped.
   std::function<void(int rank, bool is_stderr, const std::string& line)> sink;
-  // A worker stopped by a signal (SIGSTOP, ...) for longer than this ends the launch, named as
-  // the cause; a failure of another rank meanwhile names it too. Programs set it a little above
-  // their collective timeout, after which the other ranks fail on their own.
+  // A worker stopped by a signal (SIGSTOP, ...), or one that exited 0 while others keep running,
+  // for longer than this ends the launch, named as the cause; a failure of another rank meanwhile
+  // names it too. Programs set it a little above their collective timeout, after which the other
+  // ranks fail on their own.
   std::chrono::milliseconds stopped_worker_timeout = std::chrono::seconds(330);
   // Fault injection for tests: called before the launcher's "pipe2" and "fork" for each rank; a
   // non-zero return is taken as that call failing with this errno.
