@@ -19,6 +19,8 @@ import unittest
 
 SOURCE = os.environ.get("HARNESS_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BINARY = os.environ.get("HARNESS_BINARY_DIR", os.path.join(SOURCE, "build"))
+sys.path.insert(0, os.path.join(SOURCE, "scripts"))
+from fault_injection import descendants  # noqa: E402  every process below a pid, from /proc
 DP = os.path.join(BINARY, "run_data_parallel")
 PP = os.path.join(BINARY, "run_pipeline")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -51,25 +53,6 @@ def run(args, timeout=300, check=True, env=None):
 def weights(path):
     from safetensors.torch import load_file
     return load_file(os.path.join(path, "model.safetensors"))
-
-
-def descendants(pid):
-    """Every process below pid (from /proc), children first."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-            except (OSError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def environ_of(pid):
