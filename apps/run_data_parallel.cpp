@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
     dp::LaunchOptions launch;
     // A rank stopped (SIGSTOP) past the collective timeout is named as the cause and ends the run;
     // the others fail on their own by then.
-    launch.stopped_worker_timeout = std::chrono::seconds(config.dist_timeout_s + 10);
+    launch.unresponsive_worker_timeout = std::chrono::seconds(config.dist_timeout_s + 10);
     return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts, launch);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: error: " << e.what() << std::endl;

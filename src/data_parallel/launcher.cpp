@@ -486,7 +486,7 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
       Worker& w = workers[rank];
       workers.note_stop_or_continue(w);
       const auto overdue = [&](const std::optional<Clock::time_point>& since) {
-        return since && Clock::now() - *since > options.stopped_worker_timeout;
+        return since && Clock::now() - *since > options.unresponsive_worker_timeout;
       };
       if (!stopping && ((w.running && overdue(w.stopped_since)) || overdue(w.left_early))) {
         begin_stop(suspects(), 1);

@@ -269,4 +269,12 @@ std::string format_balance(const std::vector<int>& balance) {
   return out;
 }
 
+std::string format_halves(const std::vector<int>& halves) {
+  std::string text;
+  for (size_t s = 0; s < halves.size(); ++s) {
+    text += (s ? "," : "") + std::to_string(halves[s] / 2) + (halves[s] % 2 ? ".5" : "");
+  }
+  return text;
+}
+
 }  // namespace harness::pipeline

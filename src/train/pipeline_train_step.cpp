@@ -93,13 +93,7 @@ PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel gpt2, double learnin
 
 PipelineTrainStep::~PipelineTrainStep() = default;
 
-std::string PipelineTrainStep::balance_text() const {
-  std::string text;
-  for (size_t s = 0; s < halves_.size(); ++s) {
-    text += (s ? "," : "") + std::to_string(halves_[s] / 2) + (halves_[s] % 2 ? ".5" : "");
-  }
-  return text;
-}
+std::string PipelineTrainStep::balance_text() const { return pipeline::format_halves(halves_); }
 
 c10::Device PipelineTrainStep::input_device() const { return options_.devices.front().torch_device(); }
 

@@ -276,7 +276,7 @@ TEST(Launcher, ARankThatLeftEarlyIsNamedWhenAnotherFails) {
 TEST(Launcher, ARankThatLeftEarlyEndsTheRunWhenTheOthersNeverFinish) {
   const auto start = std::chrono::steady_clock::now();
   const auto run = launch_scenario("leave_early", 2, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
-    o.stopped_worker_timeout = std::chrono::milliseconds(1500);
+    o.unresponsive_worker_timeout = std::chrono::milliseconds(1500);
   });
   EXPECT_EQ(run.result.exit_code, 1);
   EXPECT_EQ(run.result.failure.rfind("rank 0 exited with status 0", 0), 0u) << run.result.failure;

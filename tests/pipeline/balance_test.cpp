@@ -13,17 +13,12 @@
 
 #include "harness/pipeline/balance.h"
 
+#include "test_support.h"
+
 namespace harness::pipeline {
 namespace {
 
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "(no std::invalid_argument thrown)";
-}
+using testing::error_of;
 
 std::vector<double> equal_costs(int blocks, double cost) {
   return std::vector<double>(static_cast<size_t>(blocks), cost);
@@ -67,6 +62,12 @@ TEST(Balance, ParseHalfBlocks) {
   EXPECT_THROW(parse_balance("2.25"), std::invalid_argument);
   EXPECT_THROW(parse_balance(".5"), std::invalid_argument);
   EXPECT_THROW(parse_balance("2.50"), std::invalid_argument);
+  EXPECT_EQ(format_halves({5, 3}), "2.5,1.5");
+  EXPECT_EQ(format_halves({4, 4}), "2,2");
+  EXPECT_EQ(format_halves({1}), "0.5");
+  for (const std::vector<int>& halves : {std::vector<int>{5, 3}, std::vector<int>{1, 7, 2}}) {
+    EXPECT_EQ(parse_balance(format_halves(halves)).halves_per_stage, halves);
+  }
 }
 
 TEST(Balance, ParseRejectsWithFlagValueAndItem) {

@@ -164,13 +164,18 @@ std::string failure_of(ScheduleExecutor& executor, const TrainingSchedule& sched
   return outcome.get();
 }
 
-TEST(ScheduleExecutor, AFailingStageStopsEveryWorkerAndNamesTheAction) {
+// A two-stage 1F1B step whose stage forwards the tests below break in one place.
+class FailingStep : public ::testing::Test {
+ protected:
   const TrainingSchedule schedule = one_f_one_b_schedule(4, 2);
-  ToyModel model(2);
+  ToyModel model{2};
   const at::Tensor x = torch::randn({8, 8});
   const std::vector<at::Tensor> chunks = x.tensor_split(4, 0);
-  ScheduleExecutor executor(lanes(2), {1});
+  ScheduleExecutor executor{lanes(2), {1}};
   const StageForward working = toy_forward(model, chunks, 8);
+};
+
+TEST_F(FailingStep, AFailingStageStopsEveryWorkerAndNamesTheAction) {
   const StageForward failing = [&](int i, int s, const at::Tensor& input) {
     if (i == 2 && s == 0) throw std::runtime_error("boom in the embedding");
     return working(i, s, input);
@@ -257,13 +262,7 @@ struct FailingBackward : torch::autograd::Function<FailingBackward> {
   }
 };
 
-TEST(ScheduleExecutor, FailuresInABackwardAndNonStandardExceptionsStopEveryWorkerToo) {
-  const TrainingSchedule schedule = one_f_one_b_schedule(4, 2);
-  ToyModel model(2);
-  const at::Tensor x = torch::randn({8, 8});
-  const std::vector<at::Tensor> chunks = x.tensor_split(4, 0);
-  ScheduleExecutor executor(lanes(2), {1});
-  const StageForward working = toy_forward(model, chunks, 8);
+TEST_F(FailingStep, FailuresInABackwardAndNonStandardExceptionsStopEveryWorkerToo) {
   // Micro-batch 1's backward through the last stage fails.
   const StageForward bad_backward = [&](int i, int s, const at::Tensor& input) {
     at::Tensor out = working(i, s, input);

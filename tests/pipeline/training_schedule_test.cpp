@@ -10,20 +10,15 @@
 #include "harness/pipeline/schedule.h"
 #include "harness/pipeline/training_schedule.h"
 
+#include "test_support.h"
+
 namespace harness::pipeline {
 namespace {
 
+using testing::error_of;
+
 Action F(int micro_batch, int stage) { return Action::forward(micro_batch, stage); }
 Action B(int micro_batch, int stage) { return Action::backward(micro_batch, stage); }
-
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "(no std::invalid_argument thrown)";
-}
 
 // The timeline as labels, "." idle: comparable with the clock tables below.
 std::vector<std::vector<std::string>> timeline_cells(const Timeline& timeline) {

@@ -55,7 +55,7 @@ struct LaunchOptions {
   // for longer than this ends the launch, named as the cause; a failure of another rank meanwhile
   // names it too. Programs set it a little above their collective timeout, after which the other
   // ranks fail on their own.
-  std::chrono::milliseconds stopped_worker_timeout = std::chrono::seconds(330);
+  std::chrono::milliseconds unresponsive_worker_timeout = std::chrono::seconds(330);
   // Fault injection for tests: called before the launcher's "pipe2" and "fork" for each rank; a
   // non-zero return is taken as that call failing with this errno.
   std::function<int(const char* call, int rank)> fail_system_call;

@@ -82,4 +82,8 @@ std::vector<int> stage_of_each_block(const std::vector<int>& balance);
 // "3,3,2": the form --balance takes, for printing the resolved balance at start.
 std::string format_balance(const std::vector<int>& balance);
 
+// The same for half blocks per stage, as parse_balance reads them back: {5, 3} -> "2.5,1.5",
+// {4, 4} -> "2,2".
+std::string format_halves(const std::vector<int>& halves);
+
 }  // namespace harness::pipeline
