@@ -43,6 +43,7 @@ DataParallelFlags parse(int argc, char** argv) {
       ("bucket_cap_mb", "bucket size for --grad_sync bucketed", cxxopts::value<double>()->default_value("25"))
       ("max_restarts", "as torchrun's --max-restarts: when a worker dies, restart the whole group up to N times, resuming from the newest complete checkpoint", cxxopts::value<int>()->default_value("0"))
       ("dist_timeout_s", "seconds the rendezvous and each collective may take before the run fails", cxxopts::value<int>()->default_value("300"))
+      ("debug_sync", "before each collective, the ranks compare its fingerprint (sequence number, operation, dtypes and shapes) through the store: a mismatch or a rank that never arrives fails with every rank's view instead of hanging (as TORCH_DISTRIBUTED_DEBUG=DETAIL; costs one store round trip per collective)")
       ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"));
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   DataParallelFlags flags;
@@ -66,6 +67,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.tensor_parallel_size = result["tensor_parallel_size"].as<int>();
     c.max_restarts = result["max_restarts"].as<int>();
     c.dist_timeout_s = result["dist_timeout_s"].as<int>();
+    c.debug_sync = result.count("debug_sync") > 0;
     if (c.dist_timeout_s < 1) {
       throw std::invalid_argument("--dist_timeout_s must be at least 1, got " + std::to_string(c.dist_timeout_s));
     }
@@ -118,10 +120,8 @@ int main(int argc, char** argv) {
     const std::string addr = !config.master_addr.empty() ? config.master_addr : env_or("MASTER_ADDR", "localhost");
     const int port = config.master_port > 0 ? config.master_port
                                             : std::atoi(env_or("MASTER_PORT", std::to_string(dp::kDefaultMasterPort)).c_str());
-    // World size = data-parallel size x tensor-parallel size, and the batch over the data-parallel
-    // ranks: checked before any process starts.
-    const tp::ParallelLayout layout = tp::parallel_layout(config.world_size, config.tensor_parallel_size, 0);
-    dp::per_device_batch_size(config.run.batch_size, layout.data_parallel_size);
+    // Whatever would fail in every worker fails here, once, before any process starts.
+    harness::train::check_data_parallel_run(config);
     std::vector<std::string> args(argv, argv + argc);
     dp::LaunchOptions launch;
     // A rank stopped (SIGSTOP) past the collective timeout is named as the cause and ends the run;

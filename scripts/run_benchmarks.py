@@ -12,7 +12,8 @@ Configurations (logs in WORKDIR/perf/, `_fast{K}` appended when --max-batches K 
   pp_model_b{B}      run_pipeline --model_parallel_mode model_parallel, 2 devices
   pp_pipeline_b{B}_n{N}  run_pipeline --model_parallel_mode pipeline_parallel --n_chunk N
 plus a traced pipeline run for the timeline (pp_timeline.png), the n_chunk 1/2/4/8 scaling runs
-(pp_scaling.png), with --compare-grad-sync data parallel with both gradient syncs, and the
+(pp_scaling.png), with --compare-grad-sync data parallel with both gradient syncs (and once more under
+--debug_sync, its cost in benchmark_details.json), and the
 pipeline schedules (pipeline_bench: GPipe, 1F1B, interleaved 1F1B and activation checkpointing on
 synthetic batches of the same shapes, in one process): pp_schedules.png,
 pp_timeline_<schedule>.png and benchmark_details.json's "schedules".
@@ -194,13 +195,14 @@ class Runner:
         print(f"[bench] {name}: done in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
         return bc.parse_log(log, kind, world_size, n_epochs)
 
-    def data_parallel(self, world_size: int, batch_size: int, grad_sync: str, name: str) -> bc.ParsedLog:
+    def data_parallel(self, world_size: int, batch_size: int, grad_sync: str, name: str,
+                      extra: List[str] = ()) -> bc.ParsedLog:
         a = self.args
         # Same examples per epoch for 1 and 2 ranks when epochs are capped (see the module doc).
         max_batches = a.max_batches * (2 // world_size) if a.max_batches > 0 else 0
         cmd = [self._program("run_data_parallel"), "--world_size", str(world_size),
                "--batch_size", str(batch_size), "--master_port", str(self._free_port()),
-               "--grad_sync", grad_sync]
+               "--grad_sync", grad_sync] + list(extra)
         if a.bucket_cap_mb is not None:
             cmd += ["--bucket_cap_mb", str(a.bucket_cap_mb)]
         if self.devices.startswith("cpu"):
@@ -539,6 +541,16 @@ def run(args: argparse.Namespace) -> int:
                 by_mode["bucketed"].tok_mean / by_mode["naive"].tok_mean)
             details["grad_sync"]["naive_over_bucketed_time_x"] = (
                 by_mode["naive"].time_mean / by_mode["bucketed"].time_mean)
+            # The price of --debug_sync: one store round trip per collective and rank.
+            name_d = f"dp_ws2_b{DP_TWO_BATCH}_debug-sync{sfx}"
+            checked = bc.combined_stats(runner.data_parallel(2, DP_TWO_BATCH, args.grad_sync, name_d,
+                                                             ["--debug_sync"]), args.warmup_epochs)
+            table.append((name_d, checked))
+            details["debug_sync"] = {
+                "grad_sync": args.grad_sync, **checked.as_summary(), "measured_epochs": checked.n,
+                "log": os.path.relpath(runner.log_path(name_d)),
+                "time_over_unchecked_x": checked.time_mean / dp_two.time_mean,
+                "throughput_over_unchecked_x": checked.tok_mean / dp_two.tok_mean}
 
     if not args.skip_pp and not args.no_schedules:
         # First, so that the program runs below use the balance it resolves (one for all of them:

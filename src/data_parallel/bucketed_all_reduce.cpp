@@ -102,6 +102,7 @@ void BucketedAllReduce::attach(std::vector<at::Tensor> parameters) {
 }
 
 void BucketedAllReduce::add(size_t index) {
+  if (no_sync_) return;  // a micro-step that only accumulates; finalize() follows a later backward
   std::lock_guard<std::mutex> lock(mutex_);
   if (index >= bucket_of_.size() || bucket_of_[index] == kNoBucket) return;
   Bucket& bucket = buckets_[bucket_of_[index]];
@@ -132,6 +133,7 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
     pieces.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({p.numel()}, p.options()));
   }
   bucket.buffer = torch::cat(pieces);
+  communicated_bytes_ += bucket.buffer.numel() * static_cast<int64_t>(bucket.buffer.element_size());
   if (ring_) {
     bucket.work = ring_->all_reduce_async(bucket.buffer, ReduceKind::kSum);
   } else {
@@ -168,6 +170,7 @@ void BucketedAllReduce::finalize() {
       f[static_cast<int64_t>(n_buckets + i)] = parameters_[i].grad().defined() ? 1 : 0;
     }
   }
+  communicated_bytes_ += flags.numel() * static_cast<int64_t>(flags.element_size());
   std::vector<at::Tensor> agreement{flags.to(ctx_.device.torch_device())};
   c10d::AllreduceOptions max;
   max.reduceOp = c10d::ReduceOp::MAX;
@@ -193,6 +196,7 @@ void BucketedAllReduce::finalize() {
     }
   }
   reset_step_locked();
+  ++finalized_steps_;
 }
 
 void BucketedAllReduce::reset_step_locked() {

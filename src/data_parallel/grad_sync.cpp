@@ -10,14 +10,36 @@
 namespace harness::data_parallel {
 namespace {
 
-void average_in_place(const DistContext& ctx, const std::vector<at::Tensor>& parameters,
-                      AllReduceAlgorithm allreduce) {
+// Which parameters have a gradient is each rank's own finding (a branch one rank's batch did not
+// take leaves none there); a MAX all-reduce of one flag per parameter agrees on it first, as DDP's
+// find_unused_parameters does, so that every rank issues the same all-reduces: a parameter with
+// a gradient on any rank is averaged on all, a rank without one contributing zeros.
+// Returns the bytes this rank put into the all-reduces.
+int64_t average_in_place(const DistContext& ctx, const std::vector<at::Tensor>& parameters,
+                         AllReduceAlgorithm allreduce) {
   torch::NoGradGuard no_grad;
-  for (const auto& parameter : parameters) {
-    at::Tensor grad = parameter.mutable_grad();
-    if (!grad.defined()) continue;
-    all_reduce(ctx, grad, allreduce, ReduceKind::kMean);
+  TORCH_CHECK(ctx.group, "average_gradients: the DistContext has no process group");
+  at::Tensor has_grad = torch::zeros({static_cast<int64_t>(parameters.size())}, torch::kInt);
+  {
+    auto flags = has_grad.accessor<int, 1>();
+    for (size_t i = 0; i < parameters.size(); ++i) flags[static_cast<int64_t>(i)] = parameters[i].grad().defined();
   }
+  std::vector<at::Tensor> agreement{has_grad.to(ctx.device.torch_device())};
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp::MAX;
+  ctx.group->allreduce(agreement, max)->wait();
+  int64_t bytes = has_grad.numel() * static_cast<int64_t>(has_grad.element_size());
+  has_grad = agreement[0].to(torch::kCPU);
+  const auto agreed = has_grad.accessor<int, 1>();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (agreed[static_cast<int64_t>(i)] == 0) continue;
+    at::Tensor parameter = parameters[i];
+    at::Tensor& grad = parameter.mutable_grad();
+    if (!grad.defined()) grad = torch::zeros_like(parameter);
+    all_reduce(ctx, grad, allreduce, ReduceKind::kMean);
+    bytes += grad.numel() * static_cast<int64_t>(grad.element_size());
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -29,7 +51,10 @@ void NaiveAllReduce::attach(std::vector<at::Tensor> parameters) {
   parameters_ = std::move(parameters);
 }
 
-void NaiveAllReduce::finalize() { average_in_place(ctx_, parameters_, allreduce_); }
+void NaiveAllReduce::finalize() {
+  communicated_bytes_ += average_in_place(ctx_, parameters_, allreduce_);
+  ++finalized_steps_;
+}
 
 void average_gradients(torch::nn::Module& module, const DistContext& ctx) {
   average_in_place(ctx, module.parameters(/*recurse=*/true), AllReduceAlgorithm::kBuiltin);

@@ -2,6 +2,8 @@
 // is LibTorch's own copy (third_party/README.md explains why that is safe).
 #include "harness/data_parallel/process_group.h"
 
+#include "harness/data_parallel/debug_sync.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -157,10 +159,12 @@ std::string resolve_backend(const std::string& backend, const Device& device) {
   return resolved;
 }
 
-c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
-                                                 const c10::intrusive_ptr<c10d::Store>& store,
-                                                 int rank, int world_size,
-                                                 const DistOptions& options) {
+namespace {
+
+c10::intrusive_ptr<c10d::Backend> create_plain_backend(const std::string& backend,
+                                                       const c10::intrusive_ptr<c10d::Store>& store,
+                                                       int rank, int world_size,
+                                                       const DistOptions& options) {
   if (backend == "gloo") {
 #ifdef HARNESS_WITH_GLOO
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
@@ -192,6 +196,17 @@ c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
 #endif
   }
   throw std::invalid_argument("unknown backend '" + backend + "'");
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
+                                                 const c10::intrusive_ptr<c10d::Store>& store,
+                                                 int rank, int world_size,
+                                                 const DistOptions& options) {
+  c10::intrusive_ptr<c10d::Backend> group = create_plain_backend(backend, store, rank, world_size, options);
+  if (!options.debug_sync) return group;
+  return c10::make_intrusive<DebugSyncBackend>(std::move(group), store, options.group_name, options.timeout);
 }
 
 DistOptions dist_options_for(const WorkerEnv& env, const std::string& backend,

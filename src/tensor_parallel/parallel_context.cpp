@@ -30,6 +30,7 @@ dp::DistContext create_group(const dp::DistContext& world, const dp::DistOptions
   try {
     dp::DistOptions group_options = options;
     group_options.device = world.device;
+    group_options.group_name = "the " + what_group;
     ctx.group = dp::create_backend(world.backend, ctx.store, ctx.rank, ctx.world_size, group_options);
   } catch (const std::exception& e) {
     const std::string text = e.what();

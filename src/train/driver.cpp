@@ -348,14 +348,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
   // that depends on it (collectives included) happens.
   // What would otherwise fail after training (evaluation, the first checkpoint) fails now.
   const model::GPT2Config config = step.unsplit_model()->config();
-  const int64_t positions_needed = o.benchmark_only ? o.model_max_length : o.model_max_length + 1;
-  if (config.n_positions < positions_needed) {
-    throw std::invalid_argument(
-        "--model_max_length " + std::to_string(o.model_max_length) + " needs n_positions >= " +
-        std::to_string(positions_needed) + (o.benchmark_only ? "" : " (generation appends up to one more token)") +
-        " but the model has n_positions " + std::to_string(config.n_positions) +
-        ": lower --model_max_length" + (o.benchmark_only ? "" : " or pass --benchmark_only"));
-  }
+  check_positions(config, o.model_max_length, o.benchmark_only);
   if (o.rank == 0) make_directories(checkpoint_root(o));
   const double load_start = now_seconds();
   std::optional<Resumption> resumption = choose_checkpoint(o, config);

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 
+#include "harness/data_parallel/debug_sync.h"
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
@@ -47,6 +48,14 @@ Device worker_device(const DataParallelConfig& flags, int local_rank) {
   return Device::cpu(local_rank);
 }
 
+// Under --debug_sync, rank 0 says how many collectives of the world group were compared.
+void report_debug_sync(const dp::DistContext& world) {
+  const auto* checked = dynamic_cast<const dp::DebugSyncBackend*>(world.group.get());
+  if (checked == nullptr || world.rank != 0) return;
+  std::cerr << "--debug_sync: " << checked->checked()
+            << " collectives of the world group matched on every rank" << std::endl;
+}
+
 // Every rank starts from rank 0's weights, as DDP does.
 void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module) {
   torch::NoGradGuard no_grad;
@@ -58,6 +67,22 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
 
 }  // namespace
 
+void check_data_parallel_run(const DataParallelConfig& flags) {
+  const RunConfig& f = flags.run;
+  const tp::ParallelLayout layout = tp::parallel_layout(flags.world_size, flags.tensor_parallel_size, 0);
+  dp::per_device_batch_size(f.batch_size, layout.data_parallel_size);
+  dp::resolve_backend(flags.backend, worker_device(flags, flags.world_size - 1));
+  check_writable_folder(f.workdir, "--workdir");
+  if (flags.pytest) check_writable_folder(flags.grad_dir, "--grad_dir");
+  load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
+  const model::GPT2Config config = resolve_config(f.model);
+  shipped_tokenizer(f.model, config);
+  check_positions(config, f.model_max_length, f.benchmark_only);
+  if (flags.tensor_parallel_size > 1) tp::validate_tensor_parallel(config, flags.tensor_parallel_size);
+  // config.json against model.safetensors: the weights are read and checked as a worker would.
+  if (!f.model.path.empty()) build_model(f.model, config, f.seed);
+}
+
 int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEnv& env) {
   const RunConfig& f = flags.run;
   const int rank = env.rank;
@@ -68,6 +93,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
 
   dp::DistOptions options = dp::dist_options_for(env, flags.backend, device);
   options.timeout = std::chrono::seconds(flags.dist_timeout_s);
+  options.debug_sync = flags.debug_sync;
   // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
   // same shard) is what the batch is partitioned over and the gradients are averaged over.
   const int T = flags.tensor_parallel_size;
@@ -79,7 +105,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   const int dp_rank = layout.data_rank, dp_size = layout.data_parallel_size;
   const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
 
-  make_directories(f.workdir);
+  check_writable_folder(f.workdir, "--workdir");
   data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
   model::GPT2Config config = resolve_config(f.model);
   // Every rank trains the same tokenizer (deterministic); only rank 0 keeps the file, so the
@@ -120,7 +146,8 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
               << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
               << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
               << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
-              << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false");
+              << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
+              << (flags.debug_sync ? " debug_sync=true" : "");
     if (T > 1) {
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
     }
@@ -153,6 +180,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
     write_gradients_of_one_step(*step, train_shards.set_epoch(0), path);
     std::cout << "Rank " << rank << ": wrote " << path << std::endl;
     dp::barrier(world);
+    report_debug_sync(world);
     return 0;
   }
 
@@ -179,6 +207,11 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   data.test = &corpus.test;
   data.tokenizer = &tokenizer;
   run_training(*step, data, training, &world);
+  if (rank == 0 && sync->finalized_steps() > 0) {
+    std::cerr << "run_data_parallel: gradient sync put " << sync->communicated_bytes() << " bytes into all-reduces in "
+              << sync->finalized_steps() << " optimizer steps ("
+              << sync->communicated_bytes() / sync->finalized_steps() << " per step) on rank 0" << std::endl;
+  }
 
   if (tracer) {
     fs::path trace(f.trace);
@@ -191,6 +224,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
     std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
   }
   dp::barrier(world);
+  report_debug_sync(world);
   return 0;
 }
 

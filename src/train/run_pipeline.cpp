@@ -33,7 +33,7 @@ TrainingOptions training_options(const RunConfig& f, const std::string& program,
 
 int run_pipeline(const PipelineConfig& pipeline) {
   const RunConfig& f = pipeline.run;
-  make_directories(f.workdir);
+  check_writable_folder(f.workdir, "--workdir");
   data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
 
   std::vector<Device> devices = f.devices.empty() ? default_devices() : parse_device_list(f.devices);

@@ -3,6 +3,11 @@
 
 #include <torch/torch.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 
@@ -57,14 +62,39 @@ model::GPT2Config resolve_config(const ModelSource& source) {
   return config;
 }
 
+void check_positions(const model::GPT2Config& config, int64_t model_max_length, bool benchmark_only) {
+  const int64_t needed = benchmark_only ? model_max_length : model_max_length + 1;
+  if (config.n_positions >= needed) return;
+  throw std::invalid_argument(
+      "--model_max_length " + std::to_string(model_max_length) + " needs n_positions >= " +
+      std::to_string(needed) + (benchmark_only ? "" : " (generation appends up to one more token)") +
+      " but the model has n_positions " + std::to_string(config.n_positions) + ": pass --model_max_length " +
+      std::to_string(benchmark_only ? config.n_positions : config.n_positions - 1) + " or less" +
+      (benchmark_only ? "" : ", or --benchmark_only"));
+}
+
+std::optional<data::Tokenizer> shipped_tokenizer(const ModelSource& source, const model::GPT2Config& config) {
+  if (source.path.empty()) return std::nullopt;
+  const fs::path shipped = fs::path(source.path) / "tokenizer.model";
+  if (!fs::exists(shipped)) return std::nullopt;
+  data::Tokenizer tokenizer = data::Tokenizer::load(shipped.string());
+  if (config.vocab_size < tokenizer.vocab_size()) {
+    throw std::invalid_argument("--model_path " + source.path + ": " + shipped.string() + " has " +
+                                std::to_string(tokenizer.vocab_size()) + " pieces but config.json's vocab_size is " +
+                                std::to_string(config.vocab_size) +
+                                ": the tokenizer and the weights do not belong together (ids past the "
+                                "vocabulary have no embedding row)");
+  }
+  return tokenizer;
+}
+
 data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Config& config,
                                   const std::vector<data::TranslationExample>& train,
                                   const std::string& save_path) {
-  std::optional<data::Tokenizer> tokenizer;
-  const fs::path shipped = source.path.empty() ? fs::path() : fs::path(source.path) / "tokenizer.model";
-  if (!shipped.empty() && fs::exists(shipped)) {
+  std::optional<data::Tokenizer> tokenizer = shipped_tokenizer(source, config);
+  if (tokenizer) {
+    const fs::path shipped = fs::path(source.path) / "tokenizer.model";
     std::cerr << "tokenizer: using " << shipped.string() << " shipped with the model\n";
-    tokenizer.emplace(data::Tokenizer::load(shipped.string()));
     if (fs::absolute(shipped) != fs::absolute(save_path)) {
       fs::copy_file(shipped, save_path, fs::copy_options::overwrite_existing);
     }
@@ -82,8 +112,8 @@ data::Tokenizer prepare_tokenizer(const ModelSource& source, const model::GPT2Co
   }
   if (config.vocab_size < tokenizer->vocab_size()) {
     throw std::runtime_error("the model's vocab_size " + std::to_string(config.vocab_size) +
-                             " is smaller than the tokenizer's " +
-                             std::to_string(tokenizer->vocab_size()) + " pieces");
+                             " is smaller than the " + std::to_string(tokenizer->vocab_size()) +
+                             " pieces of the tokenizer trained into " + save_path);
   }
   return std::move(*tokenizer);
 }
@@ -114,6 +144,19 @@ void make_directories(const std::string& path) {
   std::error_code error;
   fs::create_directories(path, error);
   if (error) throw std::runtime_error("cannot create folder " + path + ": " + error.message());
+}
+
+void check_writable_folder(const std::string& path, const std::string& flag) {
+  std::error_code error;
+  fs::create_directories(path, error);
+  if (error) throw std::invalid_argument(flag + " " + path + ": cannot create the folder: " + error.message());
+  const std::string probe = (fs::path(path) / (".harness-write-test-" + std::to_string(::getpid()))).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    throw std::invalid_argument(flag + " " + path + " is not writable: " + std::strerror(errno));
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
 }
 
 }  // namespace harness::train

@@ -1,4 +1,5 @@
 // One training epoch, validation loss and greedy generation (SPEC §3, §7).
+#include "harness/train/setup.h"
 #include "harness/train/trainer.h"
 
 #include <torch/torch.h>
@@ -150,12 +151,7 @@ std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
                                                const std::vector<data::TranslationExample>& examples,
                                                int64_t model_max_length, const c10::Device& device,
                                                bool show_progress) {
-  if (model_max_length >= model->config().n_positions) {
-    throw std::invalid_argument("--model_max_length " + std::to_string(model_max_length) +
-                                " needs n_positions > " + std::to_string(model_max_length) +
-                                " but the model has n_positions " +
-                                std::to_string(model->config().n_positions));
-  }
+  check_positions(model->config(), model_max_length, /*benchmark_only=*/false);
   model->eval();
   torch::NoGradGuard no_grad;
   std::vector<std::string> generations;

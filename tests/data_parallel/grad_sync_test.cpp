@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
+#include "harness/data_parallel/debug_sync.h"
 #include "test_support.h"
 
 namespace harness::data_parallel {
@@ -50,21 +51,92 @@ TEST(BucketedAllReduce, HooksLaunchBucketsDuringBackwardOnOneRank) {
   EXPECT_THROW(BucketedAllReduce(ctx, 0.0), std::invalid_argument);
 }
 
+// DDP's no_sync: 4 backward passes, the first 3 under no_sync, reduce once: the gradients are the
+// sum of the 4, the buckets start during the last backward only, and the bytes sent are one
+// step's, for both kinds.
+TEST(GradSync, NoSyncAccumulatesLocallyAndReducesOnce) {
+  DistOptions o;
+  o.master_port = testing::free_port();
+  o.timeout = std::chrono::seconds(30);
+  const DistContext ctx = init_process_group(o);
+  for (const std::string kind : {"bucketed", "naive"}) {
+    SCOPED_TRACE(kind);
+    torch::manual_seed(3);
+    torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+    auto sync = make_gradient_synchronizer(kind, ctx, 64.0 / (1024 * 1024));
+    sync->attach(*model);
+    model->forward(torch::randn({5, 4})).sum().backward();
+    sync->finalize();
+    const int64_t one_step = sync->communicated_bytes();
+    EXPECT_GT(one_step, 4 * (8 * 4 + 8 + 2 * 8 + 2) - 1);  // at least every gradient once
+    for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+
+    std::vector<at::Tensor> expected;
+    const at::Tensor x = torch::randn({4, 5, 4});
+    for (int k = 0; k < 4; ++k) {
+      sync->set_no_sync(k < 3);
+      model->forward(x[k]).pow(2).sum().backward();
+    }
+    for (const auto& p : model->parameters()) expected.push_back(p.grad().clone());
+    sync->finalize();
+    EXPECT_EQ(sync->communicated_bytes() - one_step, one_step);
+    if (const auto* bucketed = dynamic_cast<const BucketedAllReduce*>(sync.get())) {
+      EXPECT_EQ(bucketed->launched_during_backward(), 4);  // all four buckets, in the last backward
+    }
+    const auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i].grad(), expected[i]));
+  }
+}
+
 TEST(GradSync, BucketedEqualsNaiveAcrossTwoProcesses) {
   const auto run = testing::launch_scenario("bucketed", 2);
   EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
 }
 
 // A parameter used on one rank only (and used again after being presumed unused): the ranks
-// agree instead of issuing different collectives, and all hold the average.
-TEST(GradSync, BucketedAgreesWhenRanksUseDifferentParameters) {
-  const auto run = testing::launch_scenario("bucketed_unused_on_one_rank", 2);
+// agree instead of issuing different collectives, and all hold the average; for both kinds.
+// Returns the ranks' output.
+std::string expect_scenario_passed_on_every_rank(const std::string& scenario) {
+  const auto run = testing::launch_scenario(scenario, 2);
   EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
   for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_NE(run.joined().find("scenario bucketed_unused_on_one_rank passed on rank " + std::to_string(rank)),
+    EXPECT_NE(run.joined().find("scenario " + scenario + " passed on rank " + std::to_string(rank)),
               std::string::npos)
         << run.joined();
   }
+  return run.joined();
+}
+
+TEST(GradSync, BucketedAgreesWhenRanksUseDifferentParameters) {
+  expect_scenario_passed_on_every_rank("bucketed_unused_on_one_rank");
+}
+
+TEST(GradSync, NaiveAgreesWhenRanksUseDifferentParameters) {
+  expect_scenario_passed_on_every_rank("naive_unused_on_one_rank");
+}
+
+TEST(DebugSync, FingerprintNamesSequenceOperationDtypesAndShapes) {
+  EXPECT_EQ(collective_fingerprint(3, "allreduce", "SUM", {torch::zeros({2, 5}), torch::zeros({7}, torch::kInt)}),
+            "#3 allreduce(SUM) float32[2,5] int32[7]");
+  EXPECT_EQ(collective_fingerprint(0, "barrier", "", {}), "#0 barrier");
+  EXPECT_EQ(collective_fingerprint(1, "broadcast", "root 0", {torch::zeros({}, torch::kFloat64)}),
+            "#1 broadcast(root 0) float64[]");
+}
+
+TEST(DebugSync, MatchingCollectivesGoThroughAcrossTwoProcesses) {
+  expect_scenario_passed_on_every_rank("debug_sync_agree");
+}
+
+// Rank 0 all-reduces 4 floats, rank 1 five: both fail at once with both ranks' views.
+TEST(DebugSync, RankThatNeverArrivesIsNamedAfterTheTimeout) {
+  expect_scenario_passed_on_every_rank("debug_sync_missing");
+}
+
+TEST(DebugSync, MismatchFailsOnEveryRankWithEveryRanksView) {
+  const std::string output = expect_scenario_passed_on_every_rank("debug_sync_mismatch");
+  EXPECT_NE(output.find("rank 0: #1 allreduce(SUM) float32[4]; rank 1: #1 allreduce(SUM) float32[5]"),
+            std::string::npos)
+      << output;
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/checkpoint_io.h"
+#include "harness/data_parallel/debug_sync.h"
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
@@ -187,6 +188,109 @@ void ring_grad_sync_scenario(const DistContext& ctx) {
   barrier(ctx);
 }
 
+// Rank 1 leaves the head `b` unused in steps 1 and 3, rank 0 uses it every step; in step 2 rank
+// 1 uses it again (for the bucketed kind, after presuming it unused, so that its bucket goes
+// stale on rank 1 only). Each step must finish (no rank issues a collective the other does not),
+// and every rank must hold the average of the ranks' gradients, a missing one counting as zero,
+// for every parameter.
+void unused_on_one_rank_scenario(const DistContext& ctx, const std::string& kind) {
+  torch::manual_seed(5);
+  torch::nn::Linear a(4, 8), b(8, 2), c(8, 2);
+  std::vector<at::Tensor> params;
+  for (auto* m : {&a, &b, &c}) {
+    for (const auto& p : (*m)->parameters()) params.push_back(p);
+  }
+  auto sync = make_gradient_synchronizer(kind, ctx, /*bucket_cap_mb=*/64.0 / (1024 * 1024));
+  sync->attach(params);
+  if (const auto* bucketed = dynamic_cast<const BucketedAllReduce*>(sync.get())) {
+    EXPECT_GE(bucketed->bucket_plan().size(), 3u);  // several buckets
+  }
+  for (int step = 0; step < 4; ++step) {
+    for (auto& p : params) p.mutable_grad() = at::Tensor();
+    const at::Tensor h = torch::tanh(a->forward(rank_input(ctx.rank).narrow(1, 0, 4) * (step + 1)));
+    const bool use_b = ctx.rank == 0 || step % 2 == 0;
+    (use_b ? b->forward(h) + c->forward(h) : c->forward(h)).pow(2).sum().backward();
+    std::vector<at::Tensor> local;
+    for (const auto& p : params) local.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+    sync->finalize();
+    for (size_t i = 0; i < params.size(); ++i) {
+      all_reduce_sum(ctx, local[i]);  // the oracle, after finalize: the same order on both ranks
+      ASSERT_TRUE(params[i].grad().defined()) << "parameter " << i << " step " << step;
+      EXPECT_TRUE(torch::allclose(params[i].grad(), local[i] / 2.0, 1e-6, 1e-7))
+          << "parameter " << i << " step " << step;
+    }
+  }
+}
+
+DistContext connect_debug_sync(const WorkerEnv& env, std::chrono::milliseconds timeout) {
+  DistOptions options = dist_options_for(env, "gloo");
+  options.timeout = timeout;
+  options.debug_sync = true;
+  return init_process_group(options);
+}
+
+// Under --debug_sync, matching collectives of every kind the harness issues go through with
+// their results intact, and each is counted as checked.
+void debug_sync_agree_scenario(const WorkerEnv& env) {
+  const DistContext ctx = connect_debug_sync(env, std::chrono::seconds(60));
+  const auto* checked = dynamic_cast<const DebugSyncBackend*>(ctx.group.get());
+  ASSERT_NE(checked, nullptr);
+  const uint64_t before = checked->checked();
+  at::Tensor x = torch::full({3}, static_cast<double>(ctx.rank + 1));
+  all_reduce_sum(ctx, x);
+  EXPECT_TRUE(torch::equal(x, torch::full({3}, 3.0)));
+  std::vector<at::Tensor> b{torch::full({2}, static_cast<double>(ctx.rank + 5))};
+  ctx.group->broadcast(b)->wait();
+  EXPECT_TRUE(torch::equal(b[0], torch::full({2}, 5.0)));
+  std::vector<std::vector<at::Tensor>> out{{torch::zeros({1}), torch::zeros({1})}};
+  std::vector<at::Tensor> in{torch::full({1}, static_cast<double>(ctx.rank))};
+  ctx.group->allgather(out, in)->wait();
+  EXPECT_EQ(out[0][1].item<float>(), 1.0f);
+  barrier(ctx);
+  EXPECT_EQ(checked->checked() - before, 4u);
+}
+
+// Rank 0 all-reduces 4 floats while rank 1 all-reduces 5: instead of reducing mismatched
+// buffers, both ranks fail at that collective with both ranks' views.
+void debug_sync_mismatch_scenario(const WorkerEnv& env) {
+  const DistContext ctx = connect_debug_sync(env, std::chrono::seconds(60));
+  at::Tensor agreed = torch::ones({2});
+  all_reduce_sum(ctx, agreed);
+  at::Tensor x = torch::ones({ctx.rank == 0 ? 4 : 5});
+  try {
+    all_reduce_sum(ctx, x);
+    ADD_FAILURE() << "the mismatched all-reduce went through";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("issue different collectives at #"), std::string::npos) << what;
+    EXPECT_NE(what.find("rank 0: #"), std::string::npos) << what;
+    EXPECT_NE(what.find("allreduce(SUM) float32[4]"), std::string::npos) << what;
+    EXPECT_NE(what.find("allreduce(SUM) float32[5]"), std::string::npos) << what;
+    std::printf("rank %d: %s\n", ctx.rank, what.c_str());
+  }
+}
+
+// Rank 1 skips a collective rank 0 issues (and lingers past the timeout): rank 0 fails after
+// the timeout, naming rank 1 as the one that never reached it.
+void debug_sync_missing_scenario(const WorkerEnv& env) {
+  const DistContext ctx = connect_debug_sync(env, std::chrono::seconds(2));
+  if (ctx.rank == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+    return;
+  }
+  at::Tensor x = torch::ones({3});
+  try {
+    all_reduce_sum(ctx, x);
+    ADD_FAILURE() << "the all-reduce rank 1 never issued went through";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 0 of the world group waited 2 s before collective #0 allreduce(SUM) float32[3] "
+                        "for rank 1, which never reached it"),
+              std::string::npos)
+        << what;
+  }
+}
+
 TEST(DpWorker, Run) {
   const char* scenario_text = std::getenv(testing::kWorkerVariable);
   if (scenario_text == nullptr) GTEST_SKIP() << "only run as a worker by the launcher tests";
@@ -337,36 +441,14 @@ TEST(DpWorker, Run) {
       }
       EXPECT_FALSE(unused_a->weight.grad().defined());
     }
-  } else if (scenario == "bucketed_unused_on_one_rank") {
-    // Rank 1 leaves the head `b` unused in steps 1 and 3, rank 0 uses it every step; in step 2 rank
-    // 1 uses it again after presuming it unused (its bucket goes stale on rank 1 only). Each step
-    // must finish (no rank issues a collective the other does not), and every rank must hold the
-    // average of the ranks' gradients, a missing one counting as zero, for every parameter.
-    DistContext ctx = connect(*env);
-    torch::manual_seed(5);
-    torch::nn::Linear a(4, 8), b(8, 2), c(8, 2);
-    std::vector<at::Tensor> params;
-    for (auto* m : {&a, &b, &c}) {
-      for (const auto& p : (*m)->parameters()) params.push_back(p);
-    }
-    BucketedAllReduce bucketed(ctx, /*bucket_cap_mb=*/64.0 / (1024 * 1024));  // several buckets
-    bucketed.attach(params);
-    EXPECT_GE(bucketed.bucket_plan().size(), 3u);
-    for (int step = 0; step < 4; ++step) {
-      for (auto& p : params) p.mutable_grad() = at::Tensor();
-      const at::Tensor h = torch::tanh(a->forward(rank_input(rank).narrow(1, 0, 4) * (step + 1)));
-      const bool use_b = rank == 0 || step % 2 == 0;
-      (use_b ? b->forward(h) + c->forward(h) : c->forward(h)).pow(2).sum().backward();
-      std::vector<at::Tensor> local;
-      for (const auto& p : params) local.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
-      bucketed.finalize();
-      for (size_t i = 0; i < params.size(); ++i) {
-        all_reduce_sum(ctx, local[i]);  // the oracle, after finalize: the same order on both ranks
-        ASSERT_TRUE(params[i].grad().defined()) << "parameter " << i << " step " << step;
-        EXPECT_TRUE(torch::allclose(params[i].grad(), local[i] / 2.0, 1e-6, 1e-7))
-            << "parameter " << i << " step " << step;
-      }
-    }
+  } else if (scenario == "bucketed_unused_on_one_rank" || scenario == "naive_unused_on_one_rank") {
+    unused_on_one_rank_scenario(connect(*env), scenario.substr(0, scenario.find('_')));
+  } else if (scenario == "debug_sync_agree") {
+    debug_sync_agree_scenario(*env);
+  } else if (scenario == "debug_sync_mismatch") {
+    debug_sync_mismatch_scenario(*env);
+  } else if (scenario == "debug_sync_missing") {
+    debug_sync_missing_scenario(*env);
   } else if (scenario == "ring") {
     ring_scenario(connect(*env));
   } else if (scenario == "ring_grad_sync") {

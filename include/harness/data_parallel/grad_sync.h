@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,14 +31,33 @@ class GradientSynchronizer {
   virtual void add(size_t index) {}
 
   // After backward, before the optimizer step: waits for every reduction and writes the averaged
-  // gradients. Parameters without a gradient are left without one.
+  // gradients. The ranks agree first on which parameters have a gradient: one that has it on any
+  // rank gets the mean on every rank (zeros for the ranks without), one that has it on none is
+  // left without. Every rank issues the same collectives whatever its own gradients.
   virtual void finalize() = 0;
 
   virtual std::string name() const = 0;
+
+  // DDP's no_sync: while set, backward only accumulates gradients locally (no hook starts a
+  // reduction); the next finalize() reduces what was accumulated. Gradient accumulation sets it
+  // for every micro-step but the last, so that a step communicates once.
+  void set_no_sync(bool no_sync) { no_sync_ = no_sync; }
+  bool no_sync() const { return no_sync_; }
+
+  // Bytes this rank has put into gradient all-reduces so far (gradients, buckets reduced again,
+  // agreement flags): what the benchmarks count per optimizer step.
+  int64_t communicated_bytes() const { return communicated_bytes_; }
+  // finalize() calls so far: the optimizer steps those bytes served.
+  int64_t finalized_steps() const { return finalized_steps_; }
+
+ protected:
+  std::atomic<bool> no_sync_{false};
+  std::atomic<int64_t> communicated_bytes_{0};
+  std::atomic<int64_t> finalized_steps_{0};
 };
 
 // The original's average_gradients: after backward, one blocking SUM all-reduce per parameter
-// that has a gradient, then division by the world size (no autograd involved, never .data()).
+// that has a gradient on any rank (agreed first), then division by the world size (no autograd involved, never .data()).
 // `allreduce` picks the process group's collective or the ring on send/recv.
 class NaiveAllReduce : public GradientSynchronizer {
  public:

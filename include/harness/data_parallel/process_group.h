@@ -31,6 +31,10 @@ struct DistOptions {
   // "/worker/attempt_<restart_count>/" so that a restarted group never reads a dead one's.
   bool use_agent_store = false;
   int restart_count = 0;
+  // --debug_sync: every group this creates compares collective fingerprints before each
+  // collective (debug_sync.h); `group_name` names the group in its errors.
+  bool debug_sync = false;
+  std::string group_name = "the world group";
 };
 
 struct DistContext {
@@ -59,7 +63,8 @@ DistOptions dist_options_for(const WorkerEnv& env, const std::string& backend = 
 
 // A "gloo" or "nccl" backend for `rank` of `world_size` over `store` (the rendezvous of a group),
 // with the transport options.master_addr implies (GLOO_SOCKET_IFNAME, loopback, or the default
-// interface) and options.device bound for NCCL. c10d's exceptions propagate: the caller says
+// interface) and options.device bound for NCCL, wrapped in a DebugSyncBackend under
+// options.debug_sync. c10d's exceptions propagate: the caller says
 // which group failed.
 c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
                                                  const c10::intrusive_ptr<c10d::Store>& store,

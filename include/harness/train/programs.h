@@ -71,7 +71,16 @@ struct DataParallelConfig {
   int tensor_parallel_size = 1;
   int max_restarts = 0;
   int dist_timeout_s = 300;  // rendezvous and collectives
+  bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
 };
 int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
+
+// Every rule a worker would apply to the flags, model, data and devices, applied once in the
+// launching process before any worker starts, so that a bad run fails at once with one error
+// instead of --world_size of them after the rendezvous: the layout and batch, writable
+// --workdir (and --grad_dir under --pytest), the dataset's split sizes, --model_path's
+// config.json, weights and tokenizer against each other, --model_max_length against the
+// positions, the tensor-parallel split, and the GPUs --device needs on this machine.
+void check_data_parallel_run(const DataParallelConfig& config);
 
 }  // namespace harness::train

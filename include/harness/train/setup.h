@@ -29,6 +29,15 @@ data::TranslationCorpus load_corpus(const std::string& dataset, const data::Spli
 // The config the model will have (preset or path/config.json, then the dropout override).
 model::GPT2Config resolve_config(const ModelSource& source);
 
+// --model_max_length against the model's positions: generation appends up to one more token, so
+// an evaluating run needs n_positions > model_max_length, a --benchmark_only one >=. The error
+// names both values and what to pass.
+void check_positions(const model::GPT2Config& config, int64_t model_max_length, bool benchmark_only);
+
+// The tokenizer.model shipped in source.path, if any: loaded and checked against config's
+// vocab_size (an error names the file and both sizes). Empty when there is none.
+std::optional<data::Tokenizer> shipped_tokenizer(const ModelSource& source, const model::GPT2Config& config);
+
 // A tokenizer.model beside the loaded weights is reused (so that a trained model can be evaluated
 // as it is); otherwise a new one is trained on corpus.train, capped at config.vocab_size, and saved
 // as `save_path`. Throws when the model's vocab_size is smaller than the tokenizer's.
@@ -49,5 +58,9 @@ model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2C
 
 // Creates the folder (and parents); an error names it.
 void make_directories(const std::string& path);
+
+// Creates the folder and proves that a file can be written there (and removed): an
+// std::invalid_argument names `flag`, the folder and the reason, before any work is done.
+void check_writable_folder(const std::string& path, const std::string& flag);
 
 }  // namespace harness::train
