@@ -32,6 +32,7 @@ inline void add_common_options(cxxopts::Options& options, int64_t default_batch_
       ("dataset", "folder with train/validation/test .jsonl or fairseq train/valid/test.{de,en}; default: the embedded corpus", cxxopts::value<std::string>()->default_value(""))
       ("benchmark_only", "train only: no validation loss, generation or BLEU")
       ("max_batches", "batches per epoch (0 = the whole epoch)", cxxopts::value<int64_t>()->default_value("0"))
+      ("gradient_accumulation_steps", "batches per optimizer step: their gradients are accumulated (synchronised across data-parallel ranks once, after the last) and the losses weighted as one batch N times as large", cxxopts::value<int64_t>()->default_value("1"))
       ("model", "preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny", cxxopts::value<std::string>()->default_value("gpt2-mini"))
       ("model_path", "Hugging Face folder (config.json + model.safetensors [+ tokenizer.model]) to start from", cxxopts::value<std::string>()->default_value(""))
       ("dropout", "dropout probability for embeddings, attention and residuals (default: the model's)", cxxopts::value<double>())
@@ -62,6 +63,7 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.dataset = r["dataset"].as<std::string>();
   f.benchmark_only = r.count("benchmark_only") > 0;
   f.max_batches = r["max_batches"].as<int64_t>();
+  f.gradient_accumulation_steps = r["gradient_accumulation_steps"].as<int64_t>();
   f.model.preset = r["model"].as<std::string>();
   f.model.path = r["model_path"].as<std::string>();
   if (r.count("dropout")) f.model.dropout = r["dropout"].as<double>();
@@ -92,6 +94,7 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   positive("batch_size", f.batch_size);
   positive("n_epochs", f.n_epochs);
   positive("model_max_length", f.model_max_length);
+  positive("gradient_accumulation_steps", f.gradient_accumulation_steps);
   if (f.max_batches < 0) throw std::invalid_argument("--max_batches must be >= 0");
   if (f.learning_rate < 0) throw std::invalid_argument("--learning_rate must be >= 0");
   if (f.threads_per_device < 0) throw std::invalid_argument("--threads_per_device must be >= 0");

@@ -392,6 +392,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
     const int64_t total = batches_in_epoch(loader, o.max_batches);
     TrainEpochOptions options;
     options.max_batches = o.max_batches;
+    options.accumulation_steps = o.gradient_accumulation_steps;
     options.first_batch = epoch == at.epoch ? at.batch_in_epoch : 0;
     options.description = (o.style == ReportStyle::kDataParallel ? "rank " + std::to_string(o.rank) + " " : "") +
                           "epoch " + std::to_string(epoch);
@@ -453,10 +454,16 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
   return summary;
 }
 
-void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path) {
+void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path,
+                                 int64_t accumulation_steps) {
   loader.start_epoch(0);
-  std::optional<data::Batch> batch = loader.next();
-  if (!batch) throw std::runtime_error("--pytest: the training loader gave no batch");
+  std::vector<data::Batch> batches;
+  while (static_cast<int64_t>(batches.size()) < accumulation_steps) {
+    std::optional<data::Batch> batch = loader.next();
+    if (!batch) break;
+    batches.push_back(batch->to(step.input_device()));
+  }
+  if (batches.empty()) throw std::runtime_error("--pytest: the training loader gave no batch");
   step.after_backward = [&] {
     const model::NamedTensors gradients = step.unsplit_gradients();  // collective for TP
     const fs::path file(path);
@@ -464,7 +471,7 @@ void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, con
     dp::save_tensor_dict_pth(path, gradients);
   };
   step.set_training(true);
-  step.step(batch->to(step.input_device()));
+  step.step(batches);
   step.after_backward = nullptr;
 }
 

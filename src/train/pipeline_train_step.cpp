@@ -97,28 +97,17 @@ std::string PipelineTrainStep::balance_text() const { return pipeline::format_ha
 
 c10::Device PipelineTrainStep::input_device() const { return options_.devices.front().torch_device(); }
 
-double PipelineTrainStep::step(const data::Batch& batch) {
+double PipelineTrainStep::step(const std::vector<data::Batch>& batches) {
+  if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
   optimizer().zero_grad();
   model::GPT2LMHeadModelImpl& gpt2 = *model();
   const int D = static_cast<int>(options_.devices.size());
   const int S = stages();
-  const int64_t rows = batch.input_ids.size(0);
-  const int M = static_cast<int>(std::min<int64_t>(options_.micro_batches, rows));
-  last_schedule_ = make_training_schedule(options_.schedule, M, D, options_.virtual_stages);
-  if (last_schedule_.name != options_.schedule && !told_fallback_) {
-    told_fallback_ = true;
-    std::cerr << "run_pipeline: a batch of " << rows << " rows gives " << M
-              << " micro-batches, not a multiple of the " << D
-              << " devices interleaving needs; such batches run GPipe's order over the same stages"
-              << std::endl;
-  }
-
   const c10::Device last_device = options_.devices[(S - 1) % D].torch_device();
-  const std::vector<at::Tensor> ids = batch.input_ids.to(input_device()).tensor_split(M, 0);
-  const std::vector<at::Tensor> labels = batch.labels.to(last_device).tensor_split(M, 0);
-  const at::Tensor weights = batch.label_token_weights.to(last_device, torch::kFloat32);
-  const std::vector<at::Tensor> weight_parts = weights.tensor_split(M, 0);
-  const at::Tensor weight_sum = weights.sum();
+  at::Tensor weight_sum = batches[0].label_token_weights.to(last_device, torch::kFloat32).sum();
+  for (size_t k = 1; k < batches.size(); ++k) {
+    weight_sum = weight_sum + batches[k].label_token_weights.to(last_device, torch::kFloat32).sum();
+  }
   if (weight_sum.item<float>() == 0.0f) {
     throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
   }
@@ -129,21 +118,42 @@ double PipelineTrainStep::step(const data::Batch& batch) {
   at::Tensor& wte = gpt2.transformer->wte->weight;
   const at::Tensor head_weight = wte.detach().to(last_device).requires_grad_(wte.requires_grad());
 
-  const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
-    at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
-    for (size_t unit : units_of_stage_[s]) {
-      auto block = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(unit / 2);
-      hidden = unit % 2 == 0 ? block->forward_attention(hidden) : block->forward_mlp(hidden);
+  at::Tensor loss;
+  const uint64_t step_seed = pipeline::step_stream_seed(options_.seed, global_step_);
+  for (size_t k = 0; k < batches.size(); ++k) {
+    const data::Batch& batch = batches[k];
+    const int64_t rows = batch.input_ids.size(0);
+    const int M = static_cast<int>(std::min<int64_t>(options_.micro_batches, rows));
+    last_schedule_ = make_training_schedule(options_.schedule, M, D, options_.virtual_stages);
+    if (last_schedule_.name != options_.schedule && !told_fallback_) {
+      told_fallback_ = true;
+      std::cerr << "run_pipeline: a batch of " << rows << " rows gives " << M
+                << " micro-batches, not a multiple of the " << D
+                << " devices interleaving needs; such batches run GPipe's order over the same stages"
+                << std::endl;
     }
-    if (s < S - 1) return hidden;
-    const at::Tensor logits = torch::linear(gpt2.transformer->ln_f(hidden), head_weight);
-    return weighted_cross_entropy(logits, labels[i], weight_parts[i], weight_sum);
-  };
-  pipeline::StepResult result =
-      executor_->run(last_schedule_, forward, pipeline::step_stream_seed(options_.seed, global_step_));
+    const std::vector<at::Tensor> ids = batch.input_ids.to(input_device()).tensor_split(M, 0);
+    const std::vector<at::Tensor> labels = batch.labels.to(last_device).tensor_split(M, 0);
+    const std::vector<at::Tensor> weight_parts =
+        batch.label_token_weights.to(last_device, torch::kFloat32).tensor_split(M, 0);
+    const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
+      at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
+      for (size_t unit : units_of_stage_[s]) {
+        auto block = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(unit / 2);
+        hidden = unit % 2 == 0 ? block->forward_attention(hidden) : block->forward_mlp(hidden);
+      }
+      if (s < S - 1) return hidden;
+      const at::Tensor logits = torch::linear(gpt2.transformer->ln_f(hidden), head_weight);
+      return weighted_cross_entropy(logits, labels[i], weight_parts[i], weight_sum);
+    };
+    // Micro-step k > 0 of an accumulated step draws from streams of its own.
+    const uint64_t seed = k == 0 ? step_seed : pipeline::step_stream_seed(step_seed, static_cast<int64_t>(k));
+    pipeline::StepResult result = executor_->run(last_schedule_, forward, seed);
+    last_peak_in_flight_ = result.peak_in_flight;
+    last_peak_held_bytes_ = result.peak_held_bytes;
+    for (int i = 0; i < M; ++i) loss = loss.defined() ? loss + result.losses[i] : result.losses[i];
+  }
   ++global_step_;
-  last_peak_in_flight_ = result.peak_in_flight;
-  last_peak_held_bytes_ = result.peak_held_bytes;
 
   if (head_weight.grad().defined()) {
     torch::NoGradGuard no_grad;
@@ -156,8 +166,6 @@ double PipelineTrainStep::step(const data::Batch& batch) {
   }
   if (after_backward) after_backward();
   optimizer().step();
-  at::Tensor loss = result.losses[0];
-  for (int i = 1; i < M; ++i) loss = loss + result.losses[i];
   // Reading the loss also waits for the step, so a step's time is finished work on every device.
   return loss.item<double>();
 }

@@ -147,7 +147,10 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
               << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
               << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
               << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
-              << (flags.debug_sync ? " debug_sync=true" : "");
+              << (flags.debug_sync ? " debug_sync=true" : "")
+              << (f.gradient_accumulation_steps > 1
+                      ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
+                      : "");
     if (T > 1) {
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
     }
@@ -175,9 +178,10 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   } temporary_tokenizer{rank != 0 ? tokenizer_path : std::string()};
 
   if (flags.pytest) {
-    // One batch: forward, backward, averaged gradients, written before any optimizer step.
+    // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
+    // gradients, written before any optimizer step.
     const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
-    write_gradients_of_one_step(*step, train_shards.set_epoch(0), path);
+    write_gradients_of_one_step(*step, train_shards.set_epoch(0), path, f.gradient_accumulation_steps);
     std::cout << "Rank " << rank << ": wrote " << path << std::endl;
     dp::barrier(world);
     report_debug_sync(world);

@@ -21,6 +21,7 @@ TrainingOptions training_options(const RunConfig& f, const std::string& program,
   o.style = style;
   o.n_epochs = f.n_epochs;
   o.max_batches = f.max_batches;
+  o.gradient_accumulation_steps = f.gradient_accumulation_steps;
   o.global_batch_size = f.batch_size;
   o.model_max_length = f.model_max_length;
   o.benchmark_only = f.benchmark_only;
@@ -96,6 +97,9 @@ int run_pipeline(const PipelineConfig& pipeline) {
             << " layers, n_embd " << config.n_embd << ", "
             << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
             << " batch_size=" << f.batch_size << " n_chunk=" << pipeline.n_chunk
+            << (f.gradient_accumulation_steps > 1
+                    ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
+                    : "")
             << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size()
             << "/" << corpus.test.size() << std::endl;
   if (pipeline_step) {

@@ -16,12 +16,47 @@ namespace {
 
 namespace tp = harness::tensor_parallel;
 
-// backward, synchronisation, hook, optimizer step: the part every layout shares.
-double finish_step(const at::Tensor& loss, torch::optim::AdamW& optimizer,
-                   data_parallel::GradientSynchronizer* synchronizer,
-                   const std::function<void()>& after_backward, Tracer* tracer,
-                   const std::string& track) {
-  loss.backward();
+// The label weight of all `batches` together (SPEC §3's denominator over the combined batch), as a
+// float32 scalar on `device`; an error when it is 0.
+at::Tensor combined_label_weight(const std::vector<data::Batch>& batches, const c10::Device& device) {
+  if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
+  at::Tensor sum = batches[0].label_token_weights.to(device, torch::kFloat32).sum();
+  for (size_t k = 1; k < batches.size(); ++k) {
+    sum = sum + batches[k].label_token_weights.to(device, torch::kFloat32).sum();
+  }
+  if (sum.item<float>() == 0.0f) {
+    throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
+  }
+  return sum;
+}
+
+// The part every layout shares: each batch's forward (`logits_of`) and backward, the losses
+// weighted over all batches, the synchronisation once after the last backward (no_sync before),
+// the hook, the optimizer step.
+double accumulate_and_step(const std::vector<data::Batch>& batches,
+                           const std::function<at::Tensor(const at::Tensor&)>& logits_of,
+                           torch::optim::AdamW& optimizer, data_parallel::GradientSynchronizer* synchronizer,
+                           const std::function<void()>& after_backward, Tracer* tracer, const std::string& track) {
+  if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
+  optimizer.zero_grad();
+  at::Tensor total;
+  at::Tensor weight_sum;
+  for (size_t k = 0; k < batches.size(); ++k) {
+    if (synchronizer) synchronizer->set_no_sync(k + 1 < batches.size());
+    const data::Batch& batch = batches[k];
+    const at::Tensor logits = logits_of(batch.input_ids);
+    const at::Tensor labels = batch.labels.to(logits.device());
+    const at::Tensor weights = batch.label_token_weights.to(logits.device());
+    at::Tensor loss;
+    if (batches.size() == 1) {
+      loss = weighted_cross_entropy(logits, labels, weights);
+    } else {
+      if (!weight_sum.defined()) weight_sum = combined_label_weight(batches, logits.device());
+      loss = weighted_cross_entropy(logits, labels, weights, weight_sum);
+    }
+    loss.backward();
+    total = total.defined() ? total + loss.detach() : loss.detach();
+  }
   if (synchronizer) {
     TraceScope scope(tracer, "gradient all-reduce", track);
     synchronizer->finalize();
@@ -29,12 +64,7 @@ double finish_step(const at::Tensor& loss, torch::optim::AdamW& optimizer,
   if (after_backward) after_backward();
   optimizer.step();
   // Reading the loss also waits for the step, so a step's time is finished work on every device.
-  return loss.item<double>();
-}
-
-at::Tensor loss_of(const at::Tensor& logits, const data::Batch& batch) {
-  return weighted_cross_entropy(logits, batch.labels.to(logits.device()),
-                                batch.label_token_weights.to(logits.device()));
+  return total.item<double>();
 }
 
 void load_weights(torch::nn::Module& module, const model::NamedTensors& weights) {
@@ -75,11 +105,10 @@ GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, double learning_rate,
 
 GPT2TrainStep::~GPT2TrainStep() = default;
 
-double GPT2TrainStep::step(const data::Batch& batch) {
-  optimizer_->zero_grad();
-  const at::Tensor logits = model_->forward(batch.input_ids);
-  return finish_step(loss_of(logits, batch), *optimizer_, synchronizer_, after_backward, tracer,
-                     trace_track);
+double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
+  return accumulate_and_step(
+      batches, [this](const at::Tensor& ids) { return model_->forward(ids); }, *optimizer_, synchronizer_,
+      after_backward, tracer, trace_track);
 }
 
 c10::Device GPT2TrainStep::input_device() const { return model_->first_device().torch_device(); }
@@ -120,11 +149,10 @@ TensorParallelTrainStep::TensorParallelTrainStep(std::shared_ptr<tp::TensorParal
 
 TensorParallelTrainStep::~TensorParallelTrainStep() = default;
 
-double TensorParallelTrainStep::step(const data::Batch& batch) {
-  optimizer_->zero_grad();
-  const at::Tensor logits = split_->forward(batch.input_ids);
-  return finish_step(loss_of(logits, batch), *optimizer_, synchronizer_, after_backward, tracer,
-                     trace_track);
+double TensorParallelTrainStep::step(const std::vector<data::Batch>& batches) {
+  return accumulate_and_step(
+      batches, [this](const at::Tensor& ids) { return split_->forward(ids); }, *optimizer_, synchronizer_,
+      after_backward, tracer, trace_track);
 }
 
 c10::Device TensorParallelTrainStep::input_device() const {

@@ -69,20 +69,32 @@ EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoc
   const double epoch_start = now_seconds();
   loader.start_epoch(epoch, std::min(options.first_batch, loader.num_batches()));
   const c10::Device device = step.input_device();
+  if (options.accumulation_steps < 1) {
+    throw std::invalid_argument("--gradient_accumulation_steps must be at least 1, got " +
+                                std::to_string(options.accumulation_steps));
+  }
   while (timing.batches < total) {
-    std::optional<data::Batch> batch = loader.next();
-    if (!batch) break;
+    std::vector<data::Batch> batches;
+    int64_t tokens = 0;
+    while (static_cast<int64_t>(batches.size()) < options.accumulation_steps &&
+           timing.batches + static_cast<int64_t>(batches.size()) < total) {
+      std::optional<data::Batch> batch = loader.next();
+      if (!batch) break;
+      tokens += batch->tokens();
+      batches.push_back(std::move(*batch));
+    }
+    if (batches.empty()) break;
     const double t0 = now_seconds();
     {
       TraceScope scope(options.tracer, "step", options.trace_track,
                        {{"epoch", epoch}, {"batch", timing.batches}});
-      timing.last_loss = step.step(batch->to(device));
+      for (data::Batch& batch : batches) batch = batch.to(device);
+      timing.last_loss = step.step(batches);
     }
     const double batch_seconds = now_seconds() - t0;
-    const int64_t tokens = batch->tokens();
     timing.tokens += tokens;
     timing.batch_token_rates.push_back(static_cast<double>(tokens) / batch_seconds);
-    ++timing.batches;
+    timing.batches += static_cast<int64_t>(batches.size());
     std::ostringstream postfix;
     postfix << "loss=" << timing.last_loss << " tokens_per_sec="
             << static_cast<int64_t>(tokens / batch_seconds);

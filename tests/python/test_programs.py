@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -74,11 +75,13 @@ class DataParallelProgram(unittest.TestCase):
             check = run([sys.executable, os.path.join(SOURCE, "scripts", "check_gradients.py"), grads])
             self.assertEqual(check.returncode, 0)
 
-    def pytest_gradients(self, tmp, name, extra):
+    def pytest_gradients(self, tmp, name, extra, log=None, batch_size=16):
         torch = torch_module()
         grads = os.path.join(tmp, name)
-        run([DP, "--pytest", "--grad_dir", grads, "--batch_size", "16", "--dropout", "0",
+        proc = run([DP, "--pytest", "--grad_dir", grads, "--batch_size", str(batch_size), "--dropout", "0",
              "--workdir", os.path.join(tmp, name + "_work"), "--master_port", str(free_port())] + TINY + extra)
+        if log is not None:
+            log.append(proc.stderr)
         return torch.load(os.path.join(grads, "model0_gradients.pth"))
 
     def assert_same_gradients(self, actual, expected, rtol):
@@ -94,6 +97,55 @@ class DataParallelProgram(unittest.TestCase):
             bucketed = self.pytest_gradients(tmp, "bucketed", ["--world_size", "2", "--grad_sync", "bucketed",
                                                                "--bucket_cap_mb", "0.01"])
             self.assert_same_gradients(bucketed, naive, rtol=1e-5)
+
+    def test_debug_sync_checks_every_collective_and_changes_no_gradient(self):
+        # The world group and the tensor-parallel groups are checked; the gradients stay bit-identical.
+        torch = torch_module()
+        with tempfile.TemporaryDirectory() as tmp:
+            logs = []
+            buckets = ["--world_size", "2", "--bucket_cap_mb", "0.01"]
+            plain = self.pytest_gradients(tmp, "plain", buckets)
+            checked = self.pytest_gradients(tmp, "checked", buckets + ["--debug_sync"], log=logs)
+            self.assertEqual(set(plain), set(checked))
+            for name in plain:
+                self.assertTrue(torch.equal(plain[name], checked[name]), name)
+            alone = self.pytest_gradients(tmp, "alone", ["--world_size", "1"])
+            split = self.pytest_gradients(tmp, "split", ["--world_size", "2", "--tensor_parallel_size", "2",
+                                                         "--debug_sync"], log=logs)
+            self.assert_same_gradients(split, alone, rtol=1e-4)
+            for log in logs:
+                counts = re.findall(r"--debug_sync: (\d+) collectives of the world group matched on every rank", log)
+                self.assertEqual(len(counts), 1, log)
+                self.assertGreater(int(counts[0]), 2, log)
+
+    def test_gradient_accumulation_equals_the_larger_batch_and_trains(self):
+        # 2 batches of 8 accumulated (synchronised once) give the --pytest gradients of one batch of 16.
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind in ("bucketed", "naive"):
+                sync = ["--world_size", "2", "--grad_sync", kind]
+                large = self.pytest_gradients(tmp, kind + "_large", sync)
+                accumulated = self.pytest_gradients(tmp, kind + "_accumulated",
+                                                    sync + ["--gradient_accumulation_steps", "2"], batch_size=8)
+                self.assert_same_gradients(accumulated, large, rtol=1e-5)
+            # Training: 5 batches per epoch in steps of 2, 2 and 1; checkpoints count optimizer steps.
+            work = os.path.join(tmp, "train")
+            proc = run([DP, "--world_size", "2", "--batch_size", "8", "--max_batches", "5", "--n_epochs", "1",
+                        "--gradient_accumulation_steps", "2", "--benchmark_only", "--checkpoint_every", "2",
+                        "--workdir", work, "--master_port", str(free_port())] + TINY)
+            self.assertEqual(len(matching(DP_TRAIN, proc.stdout)), 2)
+            self.assertIn("gradient_accumulation_steps=2", proc.stderr)
+            self.assertEqual(sorted(os.listdir(os.path.join(work, "checkpoints"))), ["step-00000002", "step-00000003"])
+            # Communication: the same bytes per optimizer step as without accumulation, so 3 steps
+            # for 5 batches instead of 5.
+            single = run([DP, "--world_size", "2", "--batch_size", "8", "--max_batches", "5", "--n_epochs", "1",
+                          "--benchmark_only", "--workdir", os.path.join(tmp, "single"),
+                          "--master_port", str(free_port())] + TINY)
+            sent = re.compile(r"gradient sync put (\d+) bytes into all-reduces in (\d+) optimizer steps \((\d+) per step\)")
+            accumulated_bytes, accumulated_steps, per_step = map(int, sent.search(proc.stderr).groups())
+            single_bytes, single_steps, single_per_step = map(int, sent.search(single.stderr).groups())
+            self.assertEqual((accumulated_steps, single_steps), (3, 5))
+            self.assertEqual(per_step, single_per_step)
+            self.assertEqual(accumulated_bytes * 5, single_bytes * 3)
 
     def test_tensor_parallel_gradients_equal_one_ranks(self):
         # One replica split over two ranks sees the whole batch, as one rank alone does: the
@@ -304,6 +356,55 @@ class DataParallelProgram(unittest.TestCase):
         proc = run([DP, "--world_size", "1", "--dataset", "/nonexistent/corpus"] + TINY, check=False)
         self.assertNotEqual(proc.returncode, 0)
         self.assertIn("/nonexistent/corpus", proc.stdout + proc.stderr)
+
+    def test_every_check_runs_before_any_worker_starts(self):
+        # Each run is refused by the launching process, once, naming the values at fault; no worker
+        # (which would print "[rank") starts.
+        with tempfile.TemporaryDirectory() as tmp:
+            model = os.path.join(tmp, "model")
+            run([DP, "--world_size", "1", "--n_epochs", "1", "--max_batches", "1", "--batch_size", "8",
+                 "--benchmark_only", "--fit_vocab", "--workdir", model, "--master_port", str(free_port())] + TINY)
+            with open(os.path.join(model, "config.json")) as f:
+                config = json.load(f)
+            small_vocab = os.path.join(tmp, "small_vocab")  # its tokenizer has more pieces than config.json's vocab
+            shutil.copytree(model, small_vocab)
+            with open(os.path.join(small_vocab, "config.json"), "w") as f:
+                json.dump({**config, "vocab_size": 40}, f)
+            deeper = os.path.join(tmp, "deeper")  # config.json says 3 layers, the weights have 2
+            shutil.copytree(model, deeper)
+            os.remove(os.path.join(deeper, "tokenizer.model"))
+            with open(os.path.join(deeper, "config.json"), "w") as f:
+                json.dump({**config, "n_layer": 3}, f)
+            a_file = os.path.join(tmp, "a_file")
+            open(a_file, "w").close()
+            tiny = [a for a in TINY if a not in ("--model_max_length", "40")]
+            cases = [
+                (["--model", "gpt2-tiny", "--no_progress"],
+                 "--model_max_length 128 needs n_positions >= 129 (generation appends up to one more token) "
+                 "but the model has n_positions 128: pass --model_max_length 127 or less"),
+                (TINY + ["--workdir", os.path.join(a_file, "work")], "--workdir " + os.path.join(a_file, "work")),
+                (TINY + ["--workdir", "/proc/self"], "--workdir /proc/self is not writable"),
+                (TINY + ["--pytest", "--grad_dir", os.path.join(a_file, "g")], "--grad_dir " + os.path.join(a_file, "g")),
+                ([a if a != "64" else "100" for a in TINY] + ["--dataset", os.path.join(tmp, "data")],
+                 "training split has 64 pairs, fewer than --train_size 100"),
+                (tiny + ["--model_path", small_vocab, "--model_max_length", "40"],
+                 os.path.join(small_vocab, "tokenizer.model") + " has "),
+                (tiny + ["--model_path", deeper, "--model_max_length", "40"], os.path.join(deeper, "model.safetensors")),
+            ]
+            if not torch_module().cuda.is_available():
+                cases.append((TINY + ["--device", "cuda"], "--device cuda but no GPU is present"))
+            export = os.path.join(tmp, "data")
+            run([DP, "--export_dataset", export] + TINY)
+            for extra, expected in cases:
+                with self.subTest(extra=extra):
+                    args = [DP, "--world_size", "2", "--batch_size", "8", "--master_port", str(free_port())]
+                    if "--workdir" not in extra:
+                        args += ["--workdir", os.path.join(tmp, "w")]
+                    proc = run(args + extra, check=False)
+                    out = proc.stdout + proc.stderr
+                    self.assertNotEqual(proc.returncode, 0, out)
+                    self.assertIn(expected, out)
+                    self.assertNotIn("[rank", out)
 
 
 class PipelineProgram(unittest.TestCase):

@@ -49,6 +49,7 @@ struct TrainingOptions {
 
   int64_t n_epochs = 1;
   int64_t max_batches = 0;         // batches per epoch, 0: all
+  int64_t gradient_accumulation_steps = 1;  // batches per optimizer step (the last of an epoch may have fewer)
   int64_t global_batch_size = 0;   // checked on resume: batch positions mean nothing otherwise
   int64_t model_max_length = 128;
   bool benchmark_only = false;
@@ -86,9 +87,11 @@ struct TrainingSummary {
 TrainingSummary run_training(TrainStep& step, const TrainingData& data, const TrainingOptions& options,
                              const data_parallel::DistContext* world = nullptr);
 
-// --pytest: one step on the first batch, after which each rank writes its averaged (unsplit)
-// gradients to `path` as a torch.load-able dict, before the optimizer step.
-void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path);
+// --pytest: one step on the first batch (the first `accumulation_steps` batches, accumulated),
+// after which each rank writes its averaged (unsplit) gradients to `path` as a torch.load-able
+// dict, before the optimizer step.
+void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path,
+                                 int64_t accumulation_steps = 1);
 
 // Validation loss, generations and BLEU of `model` (SPEC §3).
 struct EpochEvaluation {

@@ -48,8 +48,11 @@ class PipelineTrainStep : public GPT2TrainStep {
   PipelineTrainStep(model::GPT2LMHeadModel model, double learning_rate, PipelineStepOptions options);
   ~PipelineTrainStep() override;
 
-  // Micro-batches: the batch cut into min(M, rows) nearly equal parts (tensor_split).
-  double step(const data::Batch& batch) override;
+  // Micro-batches: each batch cut into min(M, rows) nearly equal parts (tensor_split), one
+  // schedule run per batch (several under gradient accumulation, their gradients summed, every
+  // loss over the label weight of all the batches).
+  using TrainStep::step;
+  double step(const std::vector<data::Batch>& batches) override;
   c10::Device input_device() const override;
   void set_global_step(int64_t global_step) override { global_step_ = global_step; }
 

@@ -24,6 +24,7 @@ struct RunConfig {
   std::string dataset;
   bool benchmark_only = false;
   int64_t max_batches = 0;
+  int64_t gradient_accumulation_steps = 1;  // batches per optimizer step
   ModelSource model;
   std::string workdir = "./workdir";
   uint64_t seed = 1234;

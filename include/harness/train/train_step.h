@@ -37,9 +37,15 @@ class TrainStep {
  public:
   virtual ~TrainStep() = default;
 
-  // zero_grad, forward, SPEC §3's loss, backward, the layout's gradient work, optimizer step.
-  // Returns the loss; the step's work is finished on return on every device type.
-  virtual double step(const data::Batch& batch) = 0;
+  // One optimizer step over `batches` (gradient accumulation when there are several, as
+  // --gradient_accumulation_steps): zero_grad, then each batch's forward, SPEC §3's loss and
+  // backward in turn, every loss weighted by the label weight of all the batches together (so the
+  // step equals one on the batches concatenated), the layout's gradient synchronisation once,
+  // after the last backward (DDP's no_sync before it), then the optimizer step. Returns the loss
+  // of the combined batch; the step's work is finished on return on every device type.
+  virtual double step(const std::vector<data::Batch>& batches) = 0;
+  // One optimizer step on one batch.
+  double step(const data::Batch& batch) { return step(std::vector<data::Batch>{batch}); }
   // Where a batch's tensors must be before step() (the model's first device).
   virtual c10::Device input_device() const = 0;
   // train() or eval() on everything that trains.
@@ -82,7 +88,8 @@ class GPT2TrainStep : public TrainStep {
                 data_parallel::GradientSynchronizer* synchronizer = nullptr);
   ~GPT2TrainStep() override;
 
-  double step(const data::Batch& batch) override;
+  using TrainStep::step;
+  double step(const std::vector<data::Batch>& batches) override;
   c10::Device input_device() const override;
   void set_training(bool training) override;
   model::GPT2LMHeadModel unsplit_model() override { return model_; }
@@ -112,7 +119,8 @@ class TensorParallelTrainStep : public TrainStep {
                           data_parallel::GradientSynchronizer* synchronizer = nullptr);
   ~TensorParallelTrainStep() override;
 
-  double step(const data::Batch& batch) override;
+  using TrainStep::step;
+  double step(const std::vector<data::Batch>& batches) override;
   c10::Device input_device() const override;
   void set_training(bool training) override;
   model::GPT2LMHeadModel unsplit_model() override;

@@ -26,6 +26,7 @@ struct EpochTiming;
 struct TrainEpochOptions {
   int64_t max_batches = 0;                      // 0: the whole epoch
   int64_t first_batch = 0;                      // batches of this epoch already trained (resume)
+  int64_t accumulation_steps = 1;               // batches per optimizer step (fewer at the epoch's end)
   std::string description = "train";            // progress label
   bool show_progress = true;
   Tracer* tracer = nullptr;
@@ -37,15 +38,15 @@ struct TrainEpochOptions {
 
 struct EpochTiming {
   double seconds = 0.0;                   // wall time of the epoch's batches
-  std::vector<double> batch_token_rates;  // tokens / seconds of each batch
+  std::vector<double> batch_token_rates;  // tokens / seconds of each optimizer step's batches
   int64_t tokens = 0;                     // sum over batches of B * T of input_ids
   int64_t batches = 0;                    // batches trained (the resumed part included)
   double last_loss = 0.0;
   double mean_batch_token_rate() const;
 };
 
-// The batches of one epoch, each one step of `step`, from options.first_batch up to max_batches
-// (or the end). `resumed` holds the figures of the part of the epoch trained before a resume
+// The batches of one epoch, options.accumulation_steps of them per step of `step` (the last step
+// of the epoch takes what is left), from options.first_batch up to max_batches (or the end). `resumed` holds the figures of the part of the epoch trained before a resume
 // (first_batch batches); the result covers the whole epoch.
 EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoch,
                         const TrainEpochOptions& options, const EpochTiming& resumed = {});
