@@ -32,6 +32,7 @@ inline void add_common_options(cxxopts::Options& options, int64_t default_batch_
       ("dataset", "folder with train/validation/test .jsonl or fairseq train/valid/test.{de,en}; default: the embedded corpus", cxxopts::value<std::string>()->default_value(""))
       ("benchmark_only", "train only: no validation loss, generation or BLEU")
       ("max_batches", "batches per epoch (0 = the whole epoch)", cxxopts::value<int64_t>()->default_value("0"))
+      ("precision", "fp32 | bf16: bf16 runs the matmuls and attention of training steps under autocast in bfloat16 (weights, gradients and optimizer state stay fp32; layer norm, softmax statistics and the loss in fp32)", cxxopts::value<std::string>()->default_value("fp32"))
       ("gradient_accumulation_steps", "batches per optimizer step: their gradients are accumulated (synchronised across data-parallel ranks once, after the last) and the losses weighted as one batch N times as large", cxxopts::value<int64_t>()->default_value("1"))
       ("model", "preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny", cxxopts::value<std::string>()->default_value("gpt2-mini"))
       ("model_path", "Hugging Face folder (config.json + model.safetensors [+ tokenizer.model]) to start from", cxxopts::value<std::string>()->default_value(""))
@@ -64,6 +65,8 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.benchmark_only = r.count("benchmark_only") > 0;
   f.max_batches = r["max_batches"].as<int64_t>();
   f.gradient_accumulation_steps = r["gradient_accumulation_steps"].as<int64_t>();
+  f.precision = r["precision"].as<std::string>();
+  model::parse_precision(f.precision);  // an unknown value fails here, naming --precision
   f.model.preset = r["model"].as<std::string>();
   f.model.path = r["model_path"].as<std::string>();
   if (r.count("dropout")) f.model.dropout = r["dropout"].as<double>();

@@ -133,6 +133,7 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
     pieces.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({p.numel()}, p.options()));
   }
   bucket.buffer = torch::cat(pieces);
+  if (reduce_dtype_ && *reduce_dtype_ != bucket.buffer.scalar_type()) bucket.buffer = bucket.buffer.to(*reduce_dtype_);
   communicated_bytes_ += bucket.buffer.numel() * static_cast<int64_t>(bucket.buffer.element_size());
   if (ring_) {
     bucket.work = ring_->all_reduce_async(bucket.buffer, ReduceKind::kSum);

@@ -14,9 +14,10 @@ namespace {
 // take leaves none there); a MAX all-reduce of one flag per parameter agrees on it first, as DDP's
 // find_unused_parameters does, so that every rank issues the same all-reduces: a parameter with
 // a gradient on any rank is averaged on all, a rank without one contributing zeros.
-// Returns the bytes this rank put into the all-reduces.
+// Returns the bytes this rank put into the all-reduces. With `reduce_dtype`, each gradient goes
+// through the all-reduce in that dtype.
 int64_t average_in_place(const DistContext& ctx, const std::vector<at::Tensor>& parameters,
-                         AllReduceAlgorithm allreduce) {
+                         AllReduceAlgorithm allreduce, std::optional<at::ScalarType> reduce_dtype = std::nullopt) {
   torch::NoGradGuard no_grad;
   TORCH_CHECK(ctx.group, "average_gradients: the DistContext has no process group");
   at::Tensor has_grad = torch::zeros({static_cast<int64_t>(parameters.size())}, torch::kInt);
@@ -36,6 +37,13 @@ int64_t average_in_place(const DistContext& ctx, const std::vector<at::Tensor>& 
     at::Tensor parameter = parameters[i];
     at::Tensor& grad = parameter.mutable_grad();
     if (!grad.defined()) grad = torch::zeros_like(parameter);
+    if (reduce_dtype && *reduce_dtype != grad.scalar_type()) {
+      at::Tensor wire = grad.to(*reduce_dtype);
+      all_reduce(ctx, wire, allreduce, ReduceKind::kMean);
+      grad.copy_(wire);
+      bytes += wire.numel() * static_cast<int64_t>(wire.element_size());
+      continue;
+    }
     all_reduce(ctx, grad, allreduce, ReduceKind::kMean);
     bytes += grad.numel() * static_cast<int64_t>(grad.element_size());
   }
@@ -52,7 +60,7 @@ void NaiveAllReduce::attach(std::vector<at::Tensor> parameters) {
 }
 
 void NaiveAllReduce::finalize() {
-  communicated_bytes_ += average_in_place(ctx_, parameters_, allreduce_);
+  communicated_bytes_ += average_in_place(ctx_, parameters_, allreduce_, reduce_dtype_);
   ++finalized_steps_;
 }
 

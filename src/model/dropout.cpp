@@ -93,7 +93,10 @@ at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, cons
     const at::Tensor causal = at::ones({T, S}, q.options().dtype(at::kBool)).tril();
     scores = scores.masked_fill(causal.logical_not(), -std::numeric_limits<float>::infinity());
   }
-  at::Tensor probabilities = at::softmax(scores, -1);
+  // Softmax statistics in fp32 whatever the matmuls ran in (CPU autocast would keep bf16 here).
+  at::Tensor probabilities = scores.scalar_type() == at::kFloat
+                                 ? at::softmax(scores, -1)
+                                 : at::softmax(scores, -1, at::kFloat).to(scores.scalar_type());
   if (p > 0.0) {
     at::Tensor keep = at::empty_like(probabilities).bernoulli_(1.0 - p, generator);
     keep.div_(1.0 - p);

@@ -137,6 +137,8 @@ double PipelineTrainStep::step(const std::vector<data::Batch>& batches) {
     const std::vector<at::Tensor> weight_parts =
         batch.label_token_weights.to(last_device, torch::kFloat32).tensor_split(M, 0);
     const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
+      // On the stage's worker thread (autocast state is per thread), recomputation included.
+      model::AutocastScope autocast(precision, options_.devices[s % D].torch_device().type());
       at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
       for (size_t unit : units_of_stage_[s]) {
         auto block = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(unit / 2);

@@ -123,6 +123,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   broadcast_parameters(world, *model);
   std::unique_ptr<dp::GradientSynchronizer> sync =
       dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
+  if (flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
   std::unique_ptr<TrainStep> step;
   if (parallel) {
     // The split model trains; the unsplit one is kept for evaluation and saving.
@@ -133,6 +134,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   } else {
     step = std::make_unique<GPT2TrainStep>(model, f.learning_rate, sync.get());
   }
+  step->precision = model::parse_precision(f.precision);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
@@ -147,6 +149,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
               << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
               << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
               << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
+              << " precision=" << f.precision << " grad_reduce_dtype=" << flags.grad_reduce_dtype
               << (flags.debug_sync ? " debug_sync=true" : "")
               << (f.gradient_accumulation_steps > 1
                       ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)

@@ -89,6 +89,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
     step = std::move(made);
   }
 
+  step->precision = model::parse_precision(f.precision);
   std::cerr << "run_pipeline: mode=" << (pipeline.mode.empty() ? "single_device" : pipeline.mode)
             << " devices=";
   for (size_t i = 0; i < devices.size(); ++i) std::cerr << (i ? "," : "") << devices[i].str();
@@ -96,7 +97,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
             << (f.model.path.empty() ? f.model.preset : f.model.path) << " (" << config.n_layer
             << " layers, n_embd " << config.n_embd << ", "
             << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
-            << " batch_size=" << f.batch_size << " n_chunk=" << pipeline.n_chunk
+            << " batch_size=" << f.batch_size << " n_chunk=" << pipeline.n_chunk << " precision=" << f.precision
             << (f.gradient_accumulation_steps > 1
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "")

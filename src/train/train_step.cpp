@@ -34,7 +34,7 @@ at::Tensor combined_label_weight(const std::vector<data::Batch>& batches, const 
 // weighted over all batches, the synchronisation once after the last backward (no_sync before),
 // the hook, the optimizer step.
 double accumulate_and_step(const std::vector<data::Batch>& batches,
-                           const std::function<at::Tensor(const at::Tensor&)>& logits_of,
+                           const std::function<at::Tensor(const at::Tensor&)>& logits_of, model::Precision precision,
                            torch::optim::AdamW& optimizer, data_parallel::GradientSynchronizer* synchronizer,
                            const std::function<void()>& after_backward, Tracer* tracer, const std::string& track) {
   if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
@@ -44,15 +44,18 @@ double accumulate_and_step(const std::vector<data::Batch>& batches,
   for (size_t k = 0; k < batches.size(); ++k) {
     if (synchronizer) synchronizer->set_no_sync(k + 1 < batches.size());
     const data::Batch& batch = batches[k];
-    const at::Tensor logits = logits_of(batch.input_ids);
-    const at::Tensor labels = batch.labels.to(logits.device());
-    const at::Tensor weights = batch.label_token_weights.to(logits.device());
     at::Tensor loss;
-    if (batches.size() == 1) {
-      loss = weighted_cross_entropy(logits, labels, weights);
-    } else {
-      if (!weight_sum.defined()) weight_sum = combined_label_weight(batches, logits.device());
-      loss = weighted_cross_entropy(logits, labels, weights, weight_sum);
+    {
+      model::AutocastScope autocast(precision, batch.input_ids.device().type());
+      const at::Tensor logits = logits_of(batch.input_ids);
+      const at::Tensor labels = batch.labels.to(logits.device());
+      const at::Tensor weights = batch.label_token_weights.to(logits.device());
+      if (batches.size() == 1) {
+        loss = weighted_cross_entropy(logits, labels, weights);
+      } else {
+        if (!weight_sum.defined()) weight_sum = combined_label_weight(batches, logits.device());
+        loss = weighted_cross_entropy(logits, labels, weights, weight_sum);
+      }
     }
     loss.backward();
     total = total.defined() ? total + loss.detach() : loss.detach();
@@ -107,7 +110,7 @@ GPT2TrainStep::~GPT2TrainStep() = default;
 
 double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
   return accumulate_and_step(
-      batches, [this](const at::Tensor& ids) { return model_->forward(ids); }, *optimizer_, synchronizer_,
+      batches, [this](const at::Tensor& ids) { return model_->forward(ids); }, precision, *optimizer_, synchronizer_,
       after_backward, tracer, trace_track);
 }
 
@@ -151,7 +154,7 @@ TensorParallelTrainStep::~TensorParallelTrainStep() = default;
 
 double TensorParallelTrainStep::step(const std::vector<data::Batch>& batches) {
   return accumulate_and_step(
-      batches, [this](const at::Tensor& ids) { return split_->forward(ids); }, *optimizer_, synchronizer_,
+      batches, [this](const at::Tensor& ids) { return split_->forward(ids); }, precision, *optimizer_, synchronizer_,
       after_backward, tracer, trace_track);
 }
 

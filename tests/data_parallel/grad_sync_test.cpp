@@ -88,6 +88,40 @@ TEST(GradSync, NoSyncAccumulatesLocallyAndReducesOnce) {
   }
 }
 
+// --grad_reduce_dtype bf16: the gradients cross the wire as bf16 (half the bytes) and come back
+// as fp32 holding the bf16-rounded values (one rank: the rounding is all that happens).
+TEST(GradSync, Bf16ReductionHalvesTheBytesAndRoundsToBf16) {
+  DistOptions o;
+  o.master_port = testing::free_port();
+  o.timeout = std::chrono::seconds(30);
+  const DistContext ctx = init_process_group(o);
+  for (const std::string kind : {"bucketed", "naive"}) {
+    SCOPED_TRACE(kind);
+    int64_t fp32_bytes = 0;
+    for (const bool bf16 : {false, true}) {
+      torch::manual_seed(3);
+      torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+      auto sync = make_gradient_synchronizer(kind, ctx);
+      if (bf16) sync->set_reduce_dtype(at::kBFloat16);
+      sync->attach(*model);
+      model->forward(torch::randn({5, 4})).pow(2).sum().backward();
+      std::vector<at::Tensor> local;
+      for (const auto& p : model->parameters()) local.push_back(p.grad().clone());
+      sync->finalize();
+      const auto params = model->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_EQ(params[i].grad().scalar_type(), at::kFloat);
+        const at::Tensor expected = bf16 ? local[i].to(at::kBFloat16).to(at::kFloat) : local[i];
+        EXPECT_TRUE(torch::equal(params[i].grad(), expected)) << "parameter " << i;
+      }
+      // Gradient bytes halve; the agreement flags (int32, one per parameter) stay.
+      const int64_t flags = 4 * static_cast<int64_t>(params.size()) + (kind == "bucketed" ? 4 : 0);
+      if (!bf16) fp32_bytes = sync->communicated_bytes();
+      if (bf16) EXPECT_EQ(2 * (sync->communicated_bytes() - flags), fp32_bytes - flags);
+    }
+  }
+}
+
 TEST(GradSync, BucketedEqualsNaiveAcrossTwoProcesses) {
   const auto run = testing::launch_scenario("bucketed", 2);
   EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();

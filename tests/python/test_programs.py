@@ -147,6 +147,31 @@ class DataParallelProgram(unittest.TestCase):
             self.assertEqual(per_step, single_per_step)
             self.assertEqual(accumulated_bytes * 5, single_bytes * 3)
 
+    def test_bf16_precision_and_reduction_stay_close_to_fp32_in_every_layout(self):
+        # Autocast bf16 forward, gradients all-reduced in bf16: both ranks hold the same gradients,
+        # within bf16's rounding of fp32's; tensor parallelism runs under autocast too.
+        torch = torch_module()
+        with tempfile.TemporaryDirectory() as tmp:
+            fp32 = self.pytest_gradients(tmp, "fp32", ["--world_size", "2"])
+            bf16 = self.pytest_gradients(tmp, "bf16", ["--world_size", "2", "--precision", "bf16",
+                                                       "--grad_reduce_dtype", "bf16"])
+            other = torch.load(os.path.join(tmp, "bf16", "model1_gradients.pth"))
+            for name, g in fp32.items():
+                self.assertEqual(bf16[name].dtype, torch.float32, name)
+                self.assertTrue(torch.equal(bf16[name], other[name]), name)
+                if g.dim() == 2 and g.norm() > 0:
+                    self.assertLess(float((bf16[name] - g).norm() / g.norm()), 0.1, name)
+            self.assertFalse(all(torch.equal(bf16[n], fp32[n]) for n in fp32))
+            split = self.pytest_gradients(tmp, "split", ["--world_size", "2", "--tensor_parallel_size", "2",
+                                                         "--precision", "bf16"])
+            alone = self.pytest_gradients(tmp, "alone", ["--world_size", "1", "--precision", "bf16"])
+            for name, g in alone.items():
+                if g.dim() == 2 and g.norm() > 0:
+                    self.assertLess(float((split[name] - g).norm() / g.norm()), 0.1, name)
+            proc = run([DP, "--world_size", "1", "--precision", "fp16"] + TINY, check=False)
+            self.assertNotEqual(proc.returncode, 0)
+            self.assertIn("--precision fp16", proc.stderr)
+
     def test_tensor_parallel_gradients_equal_one_ranks(self):
         # One replica split over two ranks sees the whole batch, as one rank alone does: the
         # unsplit gradients must agree (a constant factor or a missing all-reduce would not).
@@ -467,6 +492,14 @@ class PipelineProgram(unittest.TestCase):
             with open(os.path.join(work, "config.json")) as f:
                 self.assertEqual(json.load(f)["vocab_size"], vocab)
             self.assertLess(vocab, 4096)
+
+    def test_bf16_trains_every_mode(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in ("", "model_parallel", "pipeline_parallel"):
+                proc = self.run_mode(os.path.join(tmp, mode or "single"), mode, ["--precision", "bf16", "--max_batches", "2",
+                                                  "--gradient_accumulation_steps", "2"])
+                self.assertIn("precision=bf16", proc.stderr)
+                self.assertEqual(len(matching(PP_LOSS, proc.stdout)), 1)
 
     def test_bad_flags_get_clear_errors(self):
         cases = [

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,10 +51,16 @@ class GradientSynchronizer {
   // finalize() calls so far: the optimizer steps those bytes served.
   int64_t finalized_steps() const { return finalized_steps_; }
 
+  // --grad_reduce_dtype: the dtype gradients are all-reduced in (nullopt: their own, fp32). bf16
+  // halves the bytes on the wire; the sum of the ranks' gradients is rounded to bf16's 8-bit
+  // mantissa (relative error up to 2^-8 per element) before the average is written back in fp32.
+  void set_reduce_dtype(std::optional<at::ScalarType> dtype) { reduce_dtype_ = dtype; }
+
  protected:
   std::atomic<bool> no_sync_{false};
   std::atomic<int64_t> communicated_bytes_{0};
   std::atomic<int64_t> finalized_steps_{0};
+  std::optional<at::ScalarType> reduce_dtype_;
 };
 
 // The original's average_gradients: after backward, one blocking SUM all-reduce per parameter

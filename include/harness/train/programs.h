@@ -25,6 +25,7 @@ struct RunConfig {
   bool benchmark_only = false;
   int64_t max_batches = 0;
   int64_t gradient_accumulation_steps = 1;  // batches per optimizer step
+  std::string precision = "fp32";           // --precision: fp32 | bf16 (model/precision.h)
   ModelSource model;
   std::string workdir = "./workdir";
   uint64_t seed = 1234;
@@ -73,6 +74,7 @@ struct DataParallelConfig {
   int max_restarts = 0;
   int dist_timeout_s = 300;  // rendezvous and collectives
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
+  std::string grad_reduce_dtype = "fp32";  // dtype of the gradient all-reduce: fp32 | bf16
 };
 int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
 

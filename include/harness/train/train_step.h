@@ -14,6 +14,7 @@
 
 #include "harness/data/collate.h"
 #include "harness/model/gpt2.h"
+#include "harness/model/precision.h"
 #include "harness/model/safetensors.h"
 #include "harness/train/training_state.h"
 
@@ -73,6 +74,8 @@ class TrainStep {
 
   // Runs after backward and the gradient synchronisation, before the optimizer step.
   std::function<void()> after_backward;
+  // --precision: the forward passes (and the loss) of step() run under autocast in it.
+  model::Precision precision = model::Precision::kFp32;
   Tracer* tracer = nullptr;  // records the gradient synchronisation when set
   std::string trace_track = "main";
 };
