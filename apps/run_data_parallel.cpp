@@ -44,6 +44,7 @@ DataParallelFlags parse(int argc, char** argv) {
       ("max_restarts", "as torchrun's --max-restarts: when a worker dies, restart the whole group up to N times, resuming from the newest complete checkpoint", cxxopts::value<int>()->default_value("0"))
       ("dist_timeout_s", "seconds the rendezvous and each collective may take before the run fails", cxxopts::value<int>()->default_value("300"))
       ("grad_reduce_dtype", "fp32 | bf16: the dtype gradients are all-reduced in (bf16 halves the bytes; the summed gradient is rounded to bf16 before the fp32 average is written back)", cxxopts::value<std::string>()->default_value("fp32"))
+      ("zero_stage", "0 | 1: 1 shards AdamW's state over the data-parallel ranks (ZeRO-1): gradients are reduce-scattered during backward, each rank steps its shard, parameters are all-gathered; checkpoints keep the unsharded format", cxxopts::value<int>()->default_value("0"))
       ("debug_sync", "before each collective, the ranks compare its fingerprint (sequence number, operation, dtypes and shapes) through the store: a mismatch or a rank that never arrives fails with every rank's view instead of hanging (as TORCH_DISTRIBUTED_DEBUG=DETAIL; costs one store round trip per collective)")
       ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"));
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
@@ -70,6 +71,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.dist_timeout_s = result["dist_timeout_s"].as<int>();
     c.debug_sync = result.count("debug_sync") > 0;
     c.grad_reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
+    c.zero_stage = result["zero_stage"].as<int>();
     if (c.grad_reduce_dtype != "fp32" && c.grad_reduce_dtype != "bf16") {
       throw std::invalid_argument("--grad_reduce_dtype '" + c.grad_reduce_dtype + "': expected fp32 or bf16");
     }

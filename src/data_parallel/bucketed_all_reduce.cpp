@@ -52,8 +52,12 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& par
 }
 
 BucketedAllReduce::BucketedAllReduce(DistContext ctx, double bucket_cap_mb,
-                                     AllReduceAlgorithm allreduce)
-    : ctx_(std::move(ctx)), allreduce_(allreduce) {
+                                     AllReduceAlgorithm allreduce, GradientReduction reduction)
+    : ctx_(std::move(ctx)), allreduce_(allreduce), reduction_(reduction) {
+  if (reduction_ == GradientReduction::kReduceScatter && allreduce_ == AllReduceAlgorithm::kRing) {
+    throw std::invalid_argument("--zero_stage 1 reduce-scatters with the process group's collectives: "
+                                "it cannot take --allreduce ring");
+  }
   if (!(bucket_cap_mb > 0.0)) {
     throw std::invalid_argument("--bucket_cap_mb " + std::to_string(bucket_cap_mb) +
                                 " must be positive");
@@ -135,7 +139,16 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
   bucket.buffer = torch::cat(pieces);
   if (reduce_dtype_ && *reduce_dtype_ != bucket.buffer.scalar_type()) bucket.buffer = bucket.buffer.to(*reduce_dtype_);
   communicated_bytes_ += bucket.buffer.numel() * static_cast<int64_t>(bucket.buffer.element_size());
-  if (ring_) {
+  if (reduction_ == GradientReduction::kReduceScatter) {
+    const int64_t n = bucket.buffer.numel(), chunk = (n + ctx_.world_size - 1) / ctx_.world_size;
+    if (chunk * ctx_.world_size > n) {
+      bucket.buffer = torch::cat({bucket.buffer, torch::zeros({chunk * ctx_.world_size - n}, bucket.buffer.options())});
+    }
+    bucket.shard = torch::empty({chunk}, bucket.buffer.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    bucket.work = ctx_.group->_reduce_scatter_base(bucket.shard, bucket.buffer, options);
+  } else if (ring_) {
     bucket.work = ring_->all_reduce_async(bucket.buffer, ReduceKind::kSum);
   } else {
     std::vector<at::Tensor> tensors{bucket.buffer};
@@ -184,6 +197,23 @@ void BucketedAllReduce::finalize() {
     buckets_[b].work->wait();
   }
   torch::NoGradGuard no_grad;
+  if (reduction_ == GradientReduction::kReduceScatter) {
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      if (bucket_of_[i] != kNoBucket && agreed[static_cast<int64_t>(n_buckets + i)] == 0) {
+        reset_step_locked();
+        throw std::runtime_error("--zero_stage 1: parameter " + std::to_string(i) +
+                                 " got no gradient on any rank this step; a sharded AdamW step needs every "
+                                 "parameter's (use --zero_stage 0 for a model with unused parameters)");
+      }
+    }
+    for (auto& bucket : buckets_) {
+      bucket.shard = bucket.shard.to(parameters_[bucket.params.front()].scalar_type()).div_(
+          static_cast<double>(ctx_.world_size));
+    }
+    reset_step_locked();
+    ++finalized_steps_;
+    return;
+  }
   for (auto& bucket : buckets_) {
     bucket.buffer.div_(static_cast<double>(ctx_.world_size));
     int64_t offset = 0;
@@ -198,6 +228,24 @@ void BucketedAllReduce::finalize() {
   }
   reset_step_locked();
   ++finalized_steps_;
+}
+
+int64_t BucketedAllReduce::bucket_elements(size_t b) const {
+  int64_t n = 0;
+  for (size_t index : plan_.at(b)) n += parameters_[index].numel();
+  return n;
+}
+
+int64_t BucketedAllReduce::chunk_elements(size_t b) const {
+  return (bucket_elements(b) + ctx_.world_size - 1) / ctx_.world_size;
+}
+
+const at::Tensor& BucketedAllReduce::gradient_shard(size_t b) const {
+  const at::Tensor& shard = buckets_.at(b).shard;
+  if (reduction_ != GradientReduction::kReduceScatter || !shard.defined()) {
+    throw std::logic_error("BucketedAllReduce::gradient_shard: no reduce-scattered step has been finalized");
+  }
+  return shard;
 }
 
 void BucketedAllReduce::reset_step_locked() {

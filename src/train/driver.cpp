@@ -117,7 +117,7 @@ std::string checkpoint_root(const TrainingOptions& o) {
 void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& at,
                      const RankProgress& progress, const dp::DistContext* world) {
   const bool writer = o.rank == 0;
-  const bool collective = o.tensor_parallel_size > 1;  // unsplitting gathers over each TP group
+  const bool collective = step.collective_state();  // unsplitting gathers (tensor parallelism, ZeRO)
   const double start = now_seconds();
   model::GPT2LMHeadModel model{nullptr};
   OptimizerState optimizer;

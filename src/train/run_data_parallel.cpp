@@ -9,11 +9,13 @@
 #include <memory>
 #include <optional>
 
+#include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/debug_sync.h"
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/sharded_loader.h"
+#include "harness/data_parallel/zero.h"
 #include "harness/model/safetensors.h"
 #include "harness/tensor_parallel/gpt2_tensor_parallel.h"
 #include "harness/tensor_parallel/parallel_context.h"
@@ -67,8 +69,29 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
 
 }  // namespace
 
+void check_zero_stage(const DataParallelConfig& flags) {
+  if (flags.zero_stage != 0 && flags.zero_stage != 1) {
+    throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) + ": expected 0 or 1");
+  }
+  if (flags.zero_stage == 0) return;
+  if (flags.tensor_parallel_size > 1) {
+    throw std::invalid_argument("--zero_stage 1 shards the optimizer over data-parallel replicas of the whole "
+                                "model: it does not take --tensor_parallel_size " +
+                                std::to_string(flags.tensor_parallel_size));
+  }
+  if (flags.grad_sync != "bucketed") {
+    throw std::invalid_argument("--zero_stage 1 reduce-scatters gradient buckets: it needs --grad_sync bucketed, not " +
+                                flags.grad_sync);
+  }
+  if (flags.allreduce != dp::AllReduceAlgorithm::kBuiltin) {
+    throw std::invalid_argument("--zero_stage 1 reduce-scatters with the process group's collectives: "
+                                "it cannot take --allreduce ring");
+  }
+}
+
 void check_data_parallel_run(const DataParallelConfig& flags) {
   const RunConfig& f = flags.run;
+  check_zero_stage(flags);
   const tp::ParallelLayout layout = tp::parallel_layout(flags.world_size, flags.tensor_parallel_size, 0);
   dp::per_device_batch_size(f.batch_size, layout.data_parallel_size);
   dp::resolve_backend(flags.backend, worker_device(flags, flags.world_size - 1));
@@ -96,6 +119,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   options.debug_sync = flags.debug_sync;
   // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
   // same shard) is what the batch is partitioned over and the gradients are averaged over.
+  check_zero_stage(flags);
   const int T = flags.tensor_parallel_size;
   const tp::ParallelLayout layout = tp::parallel_layout(env.world_size, T, rank);
   const dp::DistContext world = dp::init_process_group(options);
@@ -122,10 +146,21 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   model->to(device.torch_device());
   broadcast_parameters(world, *model);
   std::unique_ptr<dp::GradientSynchronizer> sync =
-      dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
+      flags.zero_stage == 1 ? std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
+                                                                      dp::GradientReduction::kReduceScatter)
+                            : dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
   if (flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
   std::unique_ptr<TrainStep> step;
-  if (parallel) {
+  if (flags.zero_stage == 1) {
+    auto zero = std::make_unique<ZeroTrainStep>(model, f.learning_rate, static_cast<dp::BucketedAllReduce*>(sync.get()));
+    if (rank == 0) {
+      int64_t replicated = 0;
+      for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
+      std::cerr << "run_data_parallel: --zero_stage 1 keeps " << zero->optimizer().state_bytes()
+                << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)" << std::endl;
+    }
+    step = std::move(zero);
+  } else if (parallel) {
     // The split model trains; the unsplit one is kept for evaluation and saving.
     tp::TensorParallelGPT2LMHeadModel split(config, parallel->tensor);
     split->to(device.torch_device());
@@ -150,6 +185,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
               << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
               << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
               << " precision=" << f.precision << " grad_reduce_dtype=" << flags.grad_reduce_dtype
+              << " zero_stage=" << flags.zero_stage
               << (flags.debug_sync ? " debug_sync=true" : "")
               << (f.gradient_accumulation_steps > 1
                       ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)

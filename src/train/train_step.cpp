@@ -4,7 +4,9 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
+#include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/grad_sync.h"
+#include "harness/data_parallel/zero.h"
 #include "harness/tensor_parallel/comm_ops.h"
 #include "harness/tensor_parallel/gpt2_tensor_parallel.h"
 #include "harness/tensor_parallel/layers.h"
@@ -33,12 +35,14 @@ at::Tensor combined_label_weight(const std::vector<data::Batch>& batches, const 
 // The part every layout shares: each batch's forward (`logits_of`) and backward, the losses
 // weighted over all batches, the synchronisation once after the last backward (no_sync before),
 // the hook, the optimizer step.
+// `zero_grad` and `optimizer_step` are the optimizer's (AdamW's, or ZeRO's sharded one).
 double accumulate_and_step(const std::vector<data::Batch>& batches,
                            const std::function<at::Tensor(const at::Tensor&)>& logits_of, model::Precision precision,
-                           torch::optim::AdamW& optimizer, data_parallel::GradientSynchronizer* synchronizer,
+                           const std::function<void()>& zero_grad, const std::function<void()>& optimizer_step,
+                           data_parallel::GradientSynchronizer* synchronizer,
                            const std::function<void()>& after_backward, Tracer* tracer, const std::string& track) {
   if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
-  optimizer.zero_grad();
+  zero_grad();
   at::Tensor total;
   at::Tensor weight_sum;
   for (size_t k = 0; k < batches.size(); ++k) {
@@ -65,7 +69,7 @@ double accumulate_and_step(const std::vector<data::Batch>& batches,
     synchronizer->finalize();
   }
   if (after_backward) after_backward();
-  optimizer.step();
+  optimizer_step();
   // Reading the loss also waits for the step, so a step's time is finished work on every device.
   return total.item<double>();
 }
@@ -110,8 +114,9 @@ GPT2TrainStep::~GPT2TrainStep() = default;
 
 double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
   return accumulate_and_step(
-      batches, [this](const at::Tensor& ids) { return model_->forward(ids); }, precision, *optimizer_, synchronizer_,
-      after_backward, tracer, trace_track);
+      batches, [this](const at::Tensor& ids) { return model_->forward(ids); }, precision,
+      [this] { optimizer_->zero_grad(); }, [this] { optimizer_->step(); }, synchronizer_, after_backward, tracer,
+      trace_track);
 }
 
 c10::Device GPT2TrainStep::input_device() const { return model_->first_device().torch_device(); }
@@ -154,8 +159,9 @@ TensorParallelTrainStep::~TensorParallelTrainStep() = default;
 
 double TensorParallelTrainStep::step(const std::vector<data::Batch>& batches) {
   return accumulate_and_step(
-      batches, [this](const at::Tensor& ids) { return split_->forward(ids); }, precision, *optimizer_, synchronizer_,
-      after_backward, tracer, trace_track);
+      batches, [this](const at::Tensor& ids) { return split_->forward(ids); }, precision,
+      [this] { optimizer_->zero_grad(); }, [this] { optimizer_->step(); }, synchronizer_, after_backward, tracer,
+      trace_track);
 }
 
 c10::Device TensorParallelTrainStep::input_device() const {
@@ -227,6 +233,105 @@ void TensorParallelTrainStep::restore_extra_generator_states(const GeneratorStat
     if (name.rfind(prefix, 0) == 0) streams[name.substr(prefix.size())] = bytes_to_tensor(bytes);
   }
   split_->transformer->rng().set_states(streams);
+}
+
+}  // namespace harness::train
+
+// ----- ZeRO-1 ------------------------------------------------------------------------------------
+
+namespace harness::train {
+
+ZeroTrainStep::ZeroTrainStep(model::GPT2LMHeadModel model, double learning_rate,
+                             data_parallel::BucketedAllReduce* gradients)
+    : model_(std::move(model)), gradients_(gradients) {
+  if (gradients_ == nullptr) throw std::invalid_argument("ZeroTrainStep needs a reduce-scattering synchronizer");
+  gradients_->attach(*model_);
+  data_parallel::AdamWHyperparameters options;
+  options.lr = learning_rate;
+  adam_ = std::make_unique<data_parallel::ShardedAdamW>(*gradients_, model_->parameters(), options);
+}
+
+ZeroTrainStep::~ZeroTrainStep() = default;
+
+double ZeroTrainStep::step(const std::vector<data::Batch>& batches) {
+  return accumulate_and_step(
+      batches, [this](const at::Tensor& ids) { return model_->forward(ids); }, precision,
+      [this] {
+        for (auto& p : model_->parameters()) p.mutable_grad() = at::Tensor();
+      },
+      [this] { adam_->step(); }, gradients_, after_backward, tracer, trace_track);
+}
+
+c10::Device ZeroTrainStep::input_device() const { return model_->first_device().torch_device(); }
+
+void ZeroTrainStep::set_training(bool training) { model_->train(training); }
+
+OptimizerState ZeroTrainStep::optimizer_state() {
+  const data_parallel::ShardedAdamW::FullState full = adam_->gather_state();  // collective
+  OptimizerState out;
+  if (full.moments.empty()) return out;
+  const NamedParameters named = named_parameters_of(*model_);
+  for (size_t i = 0; i < named.size(); ++i) {
+    if (!full.moments[i].first.defined()) continue;
+    out[named[i].first] = {full.step, full.moments[i].first.to(torch::kFloat), full.moments[i].second.to(torch::kFloat)};
+  }
+  return out;
+}
+
+void ZeroTrainStep::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
+  load_weights(*model_, weights);
+  const NamedParameters named = named_parameters_of(*model_);
+  data_parallel::ShardedAdamW::FullState full;
+  if (!optimizer.empty()) {
+    full.moments.resize(named.size());
+    bool first = true;
+    for (size_t i = 0; i < named.size(); ++i) {
+      auto it = optimizer.find(named[i].first);
+      if (it == optimizer.end()) {
+        if (!named[i].second.requires_grad()) continue;
+        throw std::invalid_argument("optimizer state: none for " + named[i].first + ", which --zero_stage 1 steps");
+      }
+      if (!first && it->second.step != full.step) {
+        throw std::invalid_argument("optimizer state: " + named[i].first + " took " + std::to_string(it->second.step) +
+                                    " steps, other parameters " + std::to_string(full.step) +
+                                    "; --zero_stage 1 steps every parameter together");
+      }
+      full.step = it->second.step;
+      first = false;
+      full.moments[i] = {it->second.exp_avg, it->second.exp_avg_sq};
+    }
+    for (const auto& [name, state] : optimizer) {
+      bool known = false;
+      for (const auto& [n, p] : named) known = known || n == name;
+      if (!known) throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
+    }
+  }
+  adam_->load_state(full);
+}
+
+model::NamedTensors ZeroTrainStep::unsplit_gradients() {
+  // The averaged gradient exists only as the ranks' chunks: all-gathered here (collective).
+  torch::NoGradGuard no_grad;
+  const data_parallel::DistContext& ctx = gradients_->context();
+  const NamedParameters named = named_parameters_of(*model_);
+  std::vector<at::Tensor> full(named.size());
+  const auto& plan = gradients_->bucket_plan();
+  for (size_t b = 0; b < plan.size(); ++b) {
+    at::Tensor mine = gradients_->gradient_shard(b).contiguous();
+    at::Tensor all = torch::empty({mine.numel() * ctx.world_size}, mine.options());
+    ctx.group->_allgather_base(all, mine)->wait();
+    int64_t offset = 0;
+    for (size_t index : plan[b]) {
+      const at::Tensor& p = named[index].second;
+      full[index] = all.narrow(0, offset, p.numel()).view(p.sizes()).to(torch::kCPU).contiguous();
+      offset += p.numel();
+    }
+  }
+  model::NamedTensors out;
+  for (size_t i = 0; i < named.size(); ++i) {
+    if (full[i].defined()) out.emplace_back(named[i].first, full[i]);
+  }
+  return out;
 }
 
 }  // namespace harness::train

@@ -19,6 +19,7 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/ring_all_reduce.h"
+#include "harness/data_parallel/zero.h"
 #include "test_support.h"
 
 namespace harness::data_parallel {
@@ -219,6 +220,50 @@ void unused_on_one_rank_scenario(const DistContext& ctx, const std::string& kind
       EXPECT_TRUE(torch::allclose(params[i].grad(), local[i] / 2.0, 1e-6, 1e-7))
           << "parameter " << i << " step " << step;
     }
+  }
+}
+
+// ZeRO-1 against the replicated AdamW: the same model on every rank, per-rank data; one copy
+// steps with ShardedAdamW over reduce-scattered buckets (several, of lengths the world size does
+// not divide), the other with torch::optim::AdamW over naive-averaged gradients. After 3 steps
+// the weights agree, each rank holds about 1/N of the state, and the gathered state is AdamW's.
+void zero_scenario(const DistContext& ctx) {
+  auto sharded = make_model(), replicated = make_model();
+  BucketedAllReduce gradients(ctx, 64.0 / (1024 * 1024), AllReduceAlgorithm::kBuiltin,
+                              GradientReduction::kReduceScatter);
+  gradients.attach(*sharded);
+  EXPECT_GE(gradients.bucket_plan().size(), 2u);
+  AdamWHyperparameters options;
+  options.lr = 0.05;
+  ShardedAdamW zero(gradients, sharded->parameters(), options);
+  NaiveAllReduce average(ctx);
+  average.attach(*replicated);
+  torch::optim::AdamW adamw(replicated->parameters(), torch::optim::AdamWOptions(0.05));
+  for (int step = 0; step < 3; ++step) {
+    for (auto* model : {&sharded, &replicated}) {
+      for (auto& p : (*model)->parameters()) p.mutable_grad() = at::Tensor();
+      (*model)->forward(rank_input(ctx.rank) * (step + 1)).pow(2).sum().backward();
+    }
+    gradients.finalize();
+    zero.step();
+    average.finalize();
+    adamw.step();
+  }
+  const auto a = sharded->parameters(), b = replicated->parameters();
+  int64_t elements = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-7)) << "parameter " << i << "\n" << a[i] - b[i];
+    elements += a[i].numel();
+  }
+  const int64_t buckets = static_cast<int64_t>(gradients.bucket_plan().size());
+  EXPECT_LE(zero.state_bytes(), 2 * 4 * ((elements + ctx.world_size - 1) / ctx.world_size + buckets));
+  const ShardedAdamW::FullState full = zero.gather_state();
+  EXPECT_EQ(full.step, 3);
+  auto& states = adamw.state();
+  for (size_t i = 0; i < b.size(); ++i) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*states.at(b[i].unsafeGetTensorImpl()));
+    EXPECT_TRUE(torch::allclose(full.moments[i].first, s.exp_avg(), 1e-6, 1e-9)) << "exp_avg " << i;
+    EXPECT_TRUE(torch::allclose(full.moments[i].second, s.exp_avg_sq(), 1e-6, 1e-12)) << "exp_avg_sq " << i;
   }
 }
 
@@ -443,6 +488,8 @@ TEST(DpWorker, Run) {
     }
   } else if (scenario == "bucketed_unused_on_one_rank" || scenario == "naive_unused_on_one_rank") {
     unused_on_one_rank_scenario(connect(*env), scenario.substr(0, scenario.find('_')));
+  } else if (scenario == "zero") {
+    zero_scenario(connect(*env));
   } else if (scenario == "debug_sync_agree") {
     debug_sync_agree_scenario(*env);
   } else if (scenario == "debug_sync_mismatch") {

@@ -172,6 +172,51 @@ class DataParallelProgram(unittest.TestCase):
             self.assertNotEqual(proc.returncode, 0)
             self.assertIn("--precision fp16", proc.stderr)
 
+    def test_zero_stage_1_takes_the_replicated_steps_and_resumes_either_way(self):
+        torch = torch_module()
+        from safetensors.torch import load_file
+        with tempfile.TemporaryDirectory() as tmp:
+            def train(name, world, zero, epochs, resume=False, extra=()):
+                work = os.path.join(tmp, name)
+                proc = run([DP, "--world_size", str(world), "--zero_stage", str(zero), "--batch_size", "16",
+                            "--max_batches", "2", "--n_epochs", str(epochs), "--benchmark_only", "--dropout", "0",
+                            "--learning_rate", "1e-3", "--workdir", work, "--master_port", str(free_port())]
+                           + (["--resume", "auto"] if resume else []) + TINY + list(extra))
+                return work, proc
+
+            def weights(work):
+                return load_file(os.path.join(work, "model.safetensors"))
+
+            def assert_same_weights(actual, expected, rtol):
+                n_embd = 64
+                for name, w in expected.items():
+                    a = actual[name]
+                    if name.endswith("attn.c_attn.bias"):  # the key third's gradient is 0 up to rounding
+                        a = torch.cat([a[:n_embd], a[2 * n_embd:]])
+                        w = torch.cat([w[:n_embd], w[2 * n_embd:]])
+                    self.assertLessEqual(float((a - w).norm() / w.norm().clamp_min(1e-12)), rtol, name)
+
+            for world in (2, 4):
+                replicated, _ = train(f"replicated{world}", world, 0, 2)
+                sharded, proc = train(f"sharded{world}", world, 1, 2)
+                assert_same_weights(weights(sharded), weights(replicated), 1e-6)
+                state = re.search(r"--zero_stage 1 keeps (\d+) bytes of AdamW state on rank 0 \(replicated: (\d+)", proc.stderr)
+                mine, full = int(state[1]), int(state[2])
+                self.assertLessEqual(mine, full / world + 2 * 4 * world)  # 1/N, plus each bucket's padding
+            # Checkpoints keep the unsharded format: sharded for epoch 0, replicated for epoch 1, and back.
+            for first, second in ((1, 0), (0, 1)):
+                work, _ = train(f"mixed{first}{second}", 2, first, 1)
+                train(f"mixed{first}{second}", 2, second, 2, resume=True)
+                assert_same_weights(weights(work), weights(os.path.join(tmp, "replicated2")), 1e-6)
+            # --pytest gradients are the replicated run's.
+            plain = self.pytest_gradients(tmp, "plain", ["--world_size", "2"])
+            zero = self.pytest_gradients(tmp, "zero", ["--world_size", "2", "--zero_stage", "1"])
+            self.assert_same_gradients(zero, plain, rtol=1e-6)
+            proc = run([DP, "--world_size", "2", "--zero_stage", "1", "--grad_sync", "naive"] + TINY, check=False)
+            self.assertNotEqual(proc.returncode, 0)
+            self.assertIn("--zero_stage 1 reduce-scatters gradient buckets: it needs --grad_sync bucketed", proc.stderr)
+            self.assertNotIn("[rank", proc.stderr)
+
     def test_tensor_parallel_gradients_equal_one_ranks(self):
         # One replica split over two ranks sees the whole batch, as one rank alone does: the
         # unsplit gradients must agree (a constant factor or a missing all-reduce would not).

@@ -30,10 +30,19 @@ namespace harness::data_parallel {
 std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& parameters,
                                               int64_t cap_bytes);
 
+// What a bucket's collective leaves on each rank: the whole average (DDP), or the rank's chunk of
+// it (ZeRO: reduce-scatter; each rank steps only that chunk, zero.h).
+enum class GradientReduction { kAllReduce, kReduceScatter };
+
 class BucketedAllReduce : public GradientSynchronizer {
  public:
+  // kReduceScatter: bucket b's flattened gradients, zero-padded to a multiple of the world size,
+  // are reduce-scattered; finalize() leaves this rank's chunk of the average in gradient_shard(b)
+  // and the parameters' .grad() as they were (local). It needs the builtin collectives (not
+  // --allreduce ring) and every parameter to get a gradient on some rank in every step.
   explicit BucketedAllReduce(DistContext ctx, double bucket_cap_mb = 25.0,
-                             AllReduceAlgorithm allreduce = AllReduceAlgorithm::kBuiltin);
+                             AllReduceAlgorithm allreduce = AllReduceAlgorithm::kBuiltin,
+                             GradientReduction reduction = GradientReduction::kAllReduce);
   ~BucketedAllReduce() override;  // removes its hooks
   BucketedAllReduce(const BucketedAllReduce&) = delete;
   BucketedAllReduce& operator=(const BucketedAllReduce&) = delete;
@@ -60,6 +69,13 @@ class BucketedAllReduce : public GradientSynchronizer {
   // Buckets whose all-reduce started during backward in the last finalized step.
   int64_t launched_during_backward() const { return launched_during_backward_; }
 
+  // kReduceScatter: the elements of bucket b (its parameters flattened in bucket_plan() order), the
+  // chunk each rank owns (ceil(elements / world size)), and after finalize() this rank's chunk of
+  // the averaged gradient (fp32; past the bucket's end, zeros).
+  int64_t bucket_elements(size_t b) const;
+  int64_t chunk_elements(size_t b) const;
+  const at::Tensor& gradient_shard(size_t b) const;
+  const DistContext& context() const { return ctx_; }
  private:
   struct Bucket {
     std::vector<size_t> params;
@@ -67,6 +83,7 @@ class BucketedAllReduce : public GradientSynchronizer {
     bool launched = false;
     bool stale = false;      // a gradient changed after the launch
     at::Tensor buffer;       // the flattened gradients being reduced
+    at::Tensor shard;        // kReduceScatter: this rank's chunk of the sum, then of the average
     c10::intrusive_ptr<c10d::Work> work;
   };
 
@@ -76,6 +93,7 @@ class BucketedAllReduce : public GradientSynchronizer {
 
   DistContext ctx_;
   AllReduceAlgorithm allreduce_;
+  GradientReduction reduction_;
   std::unique_ptr<RingAllReduceThread> ring_;  // with kRing: where the buckets are reduced
   int64_t cap_bytes_;
   std::vector<at::Tensor> parameters_;

@@ -75,6 +75,7 @@ struct DataParallelConfig {
   int dist_timeout_s = 300;  // rendezvous and collectives
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
   std::string grad_reduce_dtype = "fp32";  // dtype of the gradient all-reduce: fp32 | bf16
+  int zero_stage = 0;                      // 1: AdamW state sharded over the data-parallel ranks
 };
 int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
 

@@ -27,6 +27,8 @@ class Tracer;
 }
 namespace harness::data_parallel {
 class GradientSynchronizer;
+class BucketedAllReduce;
+class ShardedAdamW;
 }
 namespace harness::tensor_parallel {
 class TensorParallelGPT2LMHeadModelImpl;
@@ -57,8 +59,10 @@ class TrainStep {
   virtual model::GPT2LMHeadModel unsplit_model() = 0;
 
   // Checkpoints. The AdamW state under Hugging Face names, unsplit (collective for tensor
-  // parallelism; every rank gets it).
+  // parallelism and ZeRO; every rank gets it).
   virtual OptimizerState optimizer_state() = 0;
+  // Whether unsplit_model() or optimizer_state() is a collective every rank must call.
+  virtual bool collective_state() const { return false; }
   // Unsplit weights and optimizer state in (each rank keeps its part). Errors name the tensor.
   virtual void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) = 0;
   // Generator streams the layout owns besides the default generators (tensor parallelism's
@@ -131,6 +135,7 @@ class TensorParallelTrainStep : public TrainStep {
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
   GeneratorStates extra_generator_states() override;
   void restore_extra_generator_states(const GeneratorStates& states) override;
+  bool collective_state() const override { return true; }
 
   model::NamedTensors unsplit_gradients() override;
 
@@ -141,6 +146,35 @@ class TensorParallelTrainStep : public TrainStep {
   model::GPT2LMHeadModel full_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   data_parallel::GradientSynchronizer* synchronizer_;
+};
+
+// ZeRO stage 1 (--zero_stage 1, data_parallel/zero.h): the replicated model trains with
+// gradients reduce-scattered by `gradients` (a BucketedAllReduce in kReduceScatter mode, overlapped
+// with backward) and AdamW's state sharded over the data-parallel ranks (ShardedAdamW), the
+// updated chunks all-gathered into every rank's parameters. Checkpoints hold the full AdamW state
+// in the unsharded format (optimizer_state() gathers it; load_state() takes this rank's chunks),
+// so a sharded run resumes unsharded and back.
+class ZeroTrainStep : public TrainStep {
+ public:
+  ZeroTrainStep(model::GPT2LMHeadModel model, double learning_rate, data_parallel::BucketedAllReduce* gradients);
+  ~ZeroTrainStep() override;
+
+  using TrainStep::step;
+  double step(const std::vector<data::Batch>& batches) override;
+  c10::Device input_device() const override;
+  void set_training(bool training) override;
+  model::GPT2LMHeadModel unsplit_model() override { return model_; }
+  OptimizerState optimizer_state() override;  // collective
+  bool collective_state() const override { return true; }
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
+  model::NamedTensors unsplit_gradients() override;  // collective
+
+  const data_parallel::ShardedAdamW& optimizer() const { return *adam_; }
+
+ private:
+  model::GPT2LMHeadModel model_;
+  data_parallel::BucketedAllReduce* gradients_;
+  std::unique_ptr<data_parallel::ShardedAdamW> adam_;
 };
 
 // The parameters of `module` as (name, tensor), in registration order.

@@ -1,0 +1,140 @@
+// ShardedAdamW (see zero.h). A bucket's flat layout is its parameters, each flattened, in
+// bucket_plan() order (as BucketedAllReduce concatenates them), zero-padded to world size x chunk;
+// rank r owns [r * chunk, (r + 1) * chunk).
+#include "harness/data_parallel/zero.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace harness::data_parallel {
+
+ShardedAdamW::ShardedAdamW(const BucketedAllReduce& gradients, std::vector<at::Tensor> parameters,
+                           AdamWHyperparameters options)
+    : gradients_(gradients), parameters_(std::move(parameters)), options_(options) {
+  const DistContext& ctx = gradients_.context();
+  const auto& plan = gradients_.bucket_plan();
+  for (size_t b = 0; b < plan.size(); ++b) {
+    Shard shard;
+    shard.bucket = b;
+    shard.chunk = gradients_.chunk_elements(b);
+    const int64_t begin = ctx.rank * shard.chunk, end = begin + shard.chunk;
+    int64_t offset = 0;
+    for (size_t index : plan[b]) {
+      const at::Tensor& p = parameters_.at(index);
+      if (!p.is_contiguous()) {
+        throw std::invalid_argument("--zero_stage 1: parameter " + std::to_string(index) + " is not contiguous");
+      }
+      const int64_t n = p.numel();
+      const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
+      if (from < to) shard.pieces.push_back({index, from - offset, from - begin, to - from});
+      offset += n;
+    }
+    const auto options_of = parameters_.at(plan[b].front()).options();
+    shard.exp_avg = torch::zeros({shard.chunk}, options_of);
+    shard.exp_avg_sq = torch::zeros({shard.chunk}, options_of);
+    shards_.push_back(std::move(shard));
+  }
+}
+
+void ShardedAdamW::step() {
+  torch::NoGradGuard no_grad;
+  const DistContext& ctx = gradients_.context();
+  ++step_;
+  const double bias_correction1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
+  const double bias_correction2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
+  const double step_size = options_.lr / bias_correction1;
+  const auto& plan = gradients_.bucket_plan();
+  for (Shard& shard : shards_) {
+    const at::Tensor& grad = gradients_.gradient_shard(shard.bucket);
+    at::Tensor mine = torch::zeros({shard.chunk}, shard.exp_avg.options());
+    for (const Piece& piece : shard.pieces) {
+      mine.narrow(0, piece.chunk_offset, piece.length)
+          .copy_(parameters_[piece.parameter].detach().view(-1).narrow(0, piece.parameter_offset, piece.length));
+    }
+    // torch::optim::AdamW's step, on the chunk.
+    mine.mul_(1.0 - options_.lr * options_.weight_decay);
+    shard.exp_avg.mul_(options_.beta1).add_(grad, 1.0 - options_.beta1);
+    shard.exp_avg_sq.mul_(options_.beta2).addcmul_(grad, grad, 1.0 - options_.beta2);
+    const at::Tensor denom = (shard.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(options_.eps);
+    mine.addcdiv_(shard.exp_avg, denom, -step_size);
+
+    at::Tensor full = torch::empty({shard.chunk * ctx.world_size}, mine.options());
+    ctx.group->_allgather_base(full, mine)->wait();
+    gathered_bytes_ += mine.numel() * static_cast<int64_t>(mine.element_size());
+    int64_t offset = 0;
+    for (size_t index : plan[shard.bucket]) {
+      at::Tensor p = parameters_[index].detach();
+      p.view(-1).copy_(full.narrow(0, offset, p.numel()));
+      offset += p.numel();
+    }
+  }
+}
+
+ShardedAdamW::FullState ShardedAdamW::gather_state() const {
+  torch::NoGradGuard no_grad;
+  const DistContext& ctx = gradients_.context();
+  FullState out;
+  out.step = step_;
+  if (step_ == 0) return out;
+  out.moments.resize(parameters_.size());
+  const auto& plan = gradients_.bucket_plan();
+  for (const Shard& shard : shards_) {
+    std::pair<at::Tensor, at::Tensor> full;
+    for (int m = 0; m < 2; ++m) {
+      at::Tensor mine = (m == 0 ? shard.exp_avg : shard.exp_avg_sq).contiguous();
+      at::Tensor all = torch::empty({shard.chunk * ctx.world_size}, mine.options());
+      ctx.group->_allgather_base(all, mine)->wait();
+      (m == 0 ? full.first : full.second) = all.to(torch::kCPU);
+    }
+    int64_t offset = 0;
+    for (size_t index : plan[shard.bucket]) {
+      const at::Tensor& p = parameters_[index];
+      out.moments[index] = {full.first.narrow(0, offset, p.numel()).view(p.sizes()).clone(),
+                            full.second.narrow(0, offset, p.numel()).view(p.sizes()).clone()};
+      offset += p.numel();
+    }
+  }
+  return out;
+}
+
+void ShardedAdamW::load_state(const FullState& state) {
+  torch::NoGradGuard no_grad;
+  step_ = state.step;
+  for (Shard& shard : shards_) {
+    shard.exp_avg.zero_();
+    shard.exp_avg_sq.zero_();
+  }
+  if (state.moments.empty()) return;
+  if (state.moments.size() != parameters_.size()) {
+    throw std::invalid_argument("--zero_stage 1: optimizer state for " + std::to_string(state.moments.size()) +
+                                " parameters, the model has " + std::to_string(parameters_.size()));
+  }
+  for (Shard& shard : shards_) {
+    for (const Piece& piece : shard.pieces) {
+      const auto& [exp_avg, exp_avg_sq] = state.moments[piece.parameter];
+      const at::Tensor& p = parameters_[piece.parameter];
+      for (const at::Tensor* moment : {&exp_avg, &exp_avg_sq}) {
+        if (!moment->defined() || moment->numel() != p.numel()) {
+          throw std::invalid_argument("--zero_stage 1: optimizer state of parameter " +
+                                      std::to_string(piece.parameter) + " does not have its shape");
+        }
+      }
+      shard.exp_avg.narrow(0, piece.chunk_offset, piece.length)
+          .copy_(exp_avg.reshape({-1}).narrow(0, piece.parameter_offset, piece.length));
+      shard.exp_avg_sq.narrow(0, piece.chunk_offset, piece.length)
+          .copy_(exp_avg_sq.reshape({-1}).narrow(0, piece.parameter_offset, piece.length));
+    }
+  }
+}
+
+int64_t ShardedAdamW::state_bytes() const {
+  int64_t bytes = 0;
+  for (const Shard& shard : shards_) {
+    bytes += (shard.exp_avg.numel() + shard.exp_avg_sq.numel()) * static_cast<int64_t>(shard.exp_avg.element_size());
+  }
+  return bytes;
+}
+
+}  // namespace harness::data_parallel
