@@ -12,6 +12,14 @@
 namespace harness::data_parallel {
 namespace {
 
+// A world of this process alone (Gloo on a free port).
+DistContext one_rank() {
+  DistOptions o;
+  o.master_port = testing::free_port();
+  o.timeout = std::chrono::seconds(30);
+  return init_process_group(o);
+}
+
 TEST(BucketPlan, ReverseOrderCappedAndSplitByDtype) {
   // float32 sizes in bytes: 320, 64, 1024, 64, 192, 12; cap 400.
   std::vector<at::Tensor> params = {
@@ -29,10 +37,7 @@ TEST(BucketPlan, ReverseOrderCappedAndSplitByDtype) {
 }
 
 TEST(BucketedAllReduce, HooksLaunchBucketsDuringBackwardOnOneRank) {
-  DistOptions o;
-  o.master_port = testing::free_port();
-  o.timeout = std::chrono::seconds(30);
-  const DistContext ctx = init_process_group(o);
+  const DistContext ctx = one_rank();
   torch::manual_seed(3);
   torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
   auto sync = make_gradient_synchronizer("bucketed", ctx, 64.0 / (1024 * 1024));
@@ -55,10 +60,7 @@ TEST(BucketedAllReduce, HooksLaunchBucketsDuringBackwardOnOneRank) {
 // sum of the 4, the buckets start during the last backward only, and the bytes sent are one
 // step's, for both kinds.
 TEST(GradSync, NoSyncAccumulatesLocallyAndReducesOnce) {
-  DistOptions o;
-  o.master_port = testing::free_port();
-  o.timeout = std::chrono::seconds(30);
-  const DistContext ctx = init_process_group(o);
+  const DistContext ctx = one_rank();
   for (const std::string kind : {"bucketed", "naive"}) {
     SCOPED_TRACE(kind);
     torch::manual_seed(3);
@@ -91,10 +93,7 @@ TEST(GradSync, NoSyncAccumulatesLocallyAndReducesOnce) {
 // --grad_reduce_dtype bf16: the gradients cross the wire as bf16 (half the bytes) and come back
 // as fp32 holding the bf16-rounded values (one rank: the rounding is all that happens).
 TEST(GradSync, Bf16ReductionHalvesTheBytesAndRoundsToBf16) {
-  DistOptions o;
-  o.master_port = testing::free_port();
-  o.timeout = std::chrono::seconds(30);
-  const DistContext ctx = init_process_group(o);
+  const DistContext ctx = one_rank();
   for (const std::string kind : {"bucketed", "naive"}) {
     SCOPED_TRACE(kind);
     int64_t fp32_bytes = 0;

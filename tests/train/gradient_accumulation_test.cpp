@@ -19,17 +19,8 @@
 namespace harness::train {
 namespace {
 
-model::GPT2Config tiny_config() {
-  model::GPT2Config config = model::GPT2Config::preset("gpt2-tiny");
-  config.n_layer = 2;
-  config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = 0.0;
-  return config;
-}
-
-model::GPT2LMHeadModel make_model(const model::GPT2Config& config) {
-  torch::manual_seed(1234);
-  return model::GPT2LMHeadModel(config);
-}
+model::GPT2Config tiny_config() { return testing::tiny_config(2, 0.0); }
+using testing::make_model;
 
 // `count` batches of `rows` rows whose label weights differ (so that a plain mean of the batches'
 // own means would not equal the combined batch's).
@@ -60,17 +51,8 @@ data::Batch concatenated(const std::vector<data::Batch>& batches) {
   return out;
 }
 
-std::map<std::string, at::Tensor> gradients_of(TrainStep& step) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [name, grad] : step.unsplit_gradients()) out[name] = grad;
-  return out;
-}
-
-std::map<std::string, at::Tensor> weights_of(TrainStep& step) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : step.unsplit_model()->named_parameters()) out[p.key()] = p.value().detach().clone();
-  return out;
-}
+using testing::gradients_of;
+using testing::weights_of;
 
 using testing::relative;
 

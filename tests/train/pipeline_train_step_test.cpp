@@ -23,17 +23,8 @@ namespace {
 
 using pipeline::ActivationCheckpointing;
 
-model::GPT2Config tiny_config(double dropout) {
-  model::GPT2Config config = model::GPT2Config::preset("gpt2-tiny");
-  config.n_layer = 4;
-  config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = dropout;
-  return config;
-}
-
-model::GPT2LMHeadModel make_model(const model::GPT2Config& config) {
-  torch::manual_seed(1234);
-  return model::GPT2LMHeadModel(config);
-}
+model::GPT2Config tiny_config(double dropout) { return testing::tiny_config(4, dropout); }
+using testing::make_model;
 
 std::vector<data::Batch> make_batches(const model::GPT2Config& config, int count, int64_t rows) {
   torch::manual_seed(99);
@@ -48,17 +39,8 @@ std::vector<data::Batch> make_batches(const model::GPT2Config& config, int count
   return batches;
 }
 
-std::map<std::string, at::Tensor> gradients_of(TrainStep& step) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [name, grad] : step.unsplit_gradients()) out[name] = grad;
-  return out;
-}
-
-std::map<std::string, at::Tensor> weights_of(TrainStep& step) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : step.unsplit_model()->named_parameters()) out[p.key()] = p.value().detach().clone();
-  return out;
-}
+using testing::gradients_of;
+using testing::weights_of;
 
 struct TrainedRun {
   std::vector<double> losses;

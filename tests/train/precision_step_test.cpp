@@ -13,21 +13,13 @@
 #include "harness/model/gpt2.h"
 #include "harness/train/pipeline_train_step.h"
 #include "harness/train/train_step.h"
+#include "test_support.h"
 
 namespace harness::train {
 namespace {
 
-model::GPT2Config tiny_config() {
-  model::GPT2Config config = model::GPT2Config::preset("gpt2-tiny");
-  config.n_layer = 2;
-  config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = 0.0;
-  return config;
-}
-
-model::GPT2LMHeadModel make_model(const model::GPT2Config& config) {
-  torch::manual_seed(1234);
-  return model::GPT2LMHeadModel(config);
-}
+model::GPT2Config tiny_config() { return testing::tiny_config(2, 0.0); }
+using testing::make_model;
 
 data::Batch make_batch(const model::GPT2Config& config) {
   torch::manual_seed(42);

@@ -1,4 +1,5 @@
-// Shared by the train tests: comparing the weights of two GPT-2 training runs.
+// Shared by the train tests: a small GPT-2, and the gradients and weights of two training runs
+// compared.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -8,7 +9,37 @@
 #include <map>
 #include <string>
 
+#include "harness/model/gpt2.h"
+#include "harness/train/train_step.h"
+
 namespace harness::train::testing {
+
+// gpt2-tiny with `n_layer` blocks and every dropout `dropout`.
+inline model::GPT2Config tiny_config(int64_t n_layer, double dropout) {
+  model::GPT2Config config = model::GPT2Config::preset("gpt2-tiny");
+  config.n_layer = n_layer;
+  config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = dropout;
+  return config;
+}
+
+// A model of `config` initialised from seed 1234 (the same weights for every caller).
+inline model::GPT2LMHeadModel make_model(const model::GPT2Config& config) {
+  torch::manual_seed(1234);
+  return model::GPT2LMHeadModel(config);
+}
+
+// The step's last gradients (unsplit_gradients) and current weights, by name.
+inline std::map<std::string, at::Tensor> gradients_of(TrainStep& step) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, grad] : step.unsplit_gradients()) out[name] = grad;
+  return out;
+}
+
+inline std::map<std::string, at::Tensor> weights_of(TrainStep& step) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : step.unsplit_model()->named_parameters()) out[p.key()] = p.value().detach().clone();
+  return out;
+}
 
 // |a - b| / |b| (|b| at least 1e-12).
 inline double relative(const at::Tensor& a, const at::Tensor& b) {
