@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--balance", default="auto", help="pipeline_bench's --balance (auto, N,N,... or '' for the default)")
     p.add_argument("--compare-grad-sync", action="store_true",
                    help="also run 2-rank data parallel with the other --grad-sync; writes ddp_grad_sync.png")
+    p.add_argument("--precision-memory", action="store_true",
+                   help="also run scripts/precision_memory_bench.py (bf16, ZeRO-1, gradient accumulation, matmul "
+                        "peaks): precision_memory.png and benchmark_details.json's \"precision_memory\"")
     p.add_argument("--grad-sync", choices=("bucketed", "naive"), default="bucketed")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--model", default="gpt2-mini", help="model preset of both programs")
@@ -631,6 +634,11 @@ def run(args: argparse.Namespace) -> int:
     with open(os.path.join(out_dir, "benchmark_details.json"), "w") as f:
         json.dump(details, f, indent=2)
         f.write("\n")
+
+    if args.precision_memory:  # after benchmark_details.json is written: it merges its key into it
+        import precision_memory_bench
+        precision_memory_bench.main(["--build-dir", args.build_dir, "--workdir", args.workdir, "--out-dir", out_dir,
+                                     "--model", args.model, "--model-max-length", str(args.model_max_length)])
 
     print(f"\n{device_text}; {args.model}, {args.model_max_length} tokens/example, {batches_text}, "
           f"{n_measured} measured epoch(s) after {args.warmup_epochs} warm-up")

@@ -335,5 +335,32 @@ class RunnerTest(unittest.TestCase):
         self.assertIn("--warmup-epochs", err.getvalue())
 
 
+class PrecisionMemoryBench(unittest.TestCase):
+    """scripts/precision_memory_bench.py end to end with the built program on the tiny model."""
+
+    def test_writes_every_measure_goal_and_the_figure(self):
+        import precision_memory_bench
+        source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        build = os.environ.get("HARNESS_BINARY_DIR", os.path.join(source, "build"))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out")
+            with contextlib.redirect_stdout(io.StringIO()):
+                precision_memory_bench.main(["--build-dir", build, "--workdir", tmp, "--out-dir", out,
+                                             "--model", "gpt2-tiny", "--model-max-length", "40", "--epochs", "2",
+                                             "--max-batches", "1", "--batch-size", "16", "--matmul-size", "128"])
+            with open(os.path.join(out, "benchmark_details.json")) as f:
+                r = json.load(f)["precision_memory"]
+            self.assertTrue(os.path.isfile(os.path.join(out, "precision_memory.png")))
+            for key in ("fp32_two_processes", "bf16_two_processes", "fp32_one_process", "bf16_one_process"):
+                self.assertGreater(r["peaks_gflops"][key], 0.0, key)
+            for run in ("fp32", "bf16", "zero1", "accumulation4"):
+                self.assertGreater(r["runs"][run]["tokens_per_sec"], 0.0, run)
+            self.assertEqual(r["accumulation"]["n4_over_n1_bytes_per_batch_x"], 0.25)
+            self.assertLessEqual(r["zero"]["n2_fraction"], 0.5 + 1e-3)
+            self.assertLessEqual(r["zero"]["n4_fraction"], 0.25 + 1e-3)
+            self.assertGreater(r["fp32_mfu"], 0.0)
+            self.assertEqual(len(r["goals"]), 5)
+
+
 if __name__ == "__main__":
     unittest.main()

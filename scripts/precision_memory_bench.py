@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Precision and memory benchmark (issue: beyond fp32 replicas), every ratio from this one run.
+
+Measures, on this machine:
+  * the matmul peak: one single-thread process, and two at once (fp32 and bf16, N x N matrices);
+  * run_data_parallel, 2 ranks x 1 thread, gpt2-mini: fp32, --precision bf16, --zero_stage 1,
+    and --gradient_accumulation_steps 4 on a quarter of the batch (the same examples per optimizer
+    step); tokens/s, model-FLOPs utilisation against the two-process fp32 peak, bytes put into
+    gradient all-reduces per optimizer step;
+  * --zero_stage 1's AdamW state per rank at 2 and 4 ranks against the replicated run's.
+
+Writes WORKDIR/perf_precision/*.log, merges "precision_memory" into OUT_DIR/benchmark_details.json
+and draws OUT_DIR/precision_memory.png. On CPUs a "device" is one core of a shared machine.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = re.compile(r"^Epoch (\d+) on Rank (\d+): Training Time = ([\d.]+), Tokens_per_sec = ([\d.]+)$")
+SENT = re.compile(r"gradient sync put (\d+) bytes into all-reduces in (\d+) optimizer steps \((\d+) per step\)")
+STATE = re.compile(r"--zero_stage 1 keeps (\d+) bytes of AdamW state on rank 0 \(replicated: (\d+)")
+VOCAB = re.compile(r"vocab=(\d+)")
+
+
+def matmul_worker(dtype_name, n, repeats, barrier, out):
+    import torch
+    torch.set_num_threads(1)
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # warm-up
+    barrier.wait()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    out.put(2.0 * n ** 3 * repeats / (time.perf_counter() - start) / 1e9)
+
+
+def matmul_peak(dtype_name, processes, n, repeats):
+    """GFLOP/s of `processes` single-thread processes multiplying at once (summed)."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    workers = [ctx.Process(target=matmul_worker, args=(dtype_name, n, repeats, barrier, out))
+               for _ in range(processes)]
+    for w in workers:
+        w.start()
+    rates = [out.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join()
+    return sum(rates)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_dp(args, name, world, batch, extra, epochs, max_batches):
+    perf = os.path.join(args.workdir, "perf_precision")
+    os.makedirs(perf, exist_ok=True)
+    cmd = [os.path.join(args.build_dir, "run_data_parallel"), "--world_size", str(world), "--batch_size", str(batch),
+           "--device", "cpu", "--model", args.model, "--model_max_length", str(args.model_max_length),
+           "--fit_vocab", "--benchmark_only", "--no_progress", "--threads_per_device", "1",
+           "--n_epochs", str(epochs), "--max_batches", str(max_batches), "--master_port", str(free_port()),
+           "--workdir", os.path.join(perf, "runs", name)] + extra
+    print(f"[precision] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+    with open(os.path.join(perf, name + ".log"), "w") as f:
+        f.write(proc.stdout)
+    with open(os.path.join(perf, name + ".stderr.log"), "w") as f:
+        f.write(proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    per_epoch = {}
+    for line in proc.stdout.splitlines():
+        m = TRAIN.match(line)
+        if m:
+            per_epoch.setdefault(int(m[1]), []).append(float(m[4]))
+    measured = [sum(v) for e, v in sorted(per_epoch.items()) if e >= args.warmup_epochs]
+    sent = SENT.search(proc.stderr)
+    state = STATE.search(proc.stderr)
+    return {"command": " ".join(cmd),
+            "tokens_per_sec": sum(measured) / len(measured) if measured else None,
+            "tokens_per_sec_per_epoch": measured,
+            "bytes_per_optimizer_step": int(sent[3]) if sent else None,
+            "optimizer_steps": int(sent[2]) if sent else None,
+            "state_bytes_rank0": int(state[1]) if state else None,
+            "replicated_state_bytes": int(state[2]) if state else None,
+            "vocab": int(VOCAB.search(proc.stderr)[1])}
+
+
+def flops_per_token(n_layer, n_embd, vocab, tokens):
+    """Training FLOPs per token: 6 x the matmul parameters (blocks and the tied head) plus
+    attention's 12 L C T (PaLM's appendix B), T = the padded length (an upper bound)."""
+    return 6 * (12 * n_layer * n_embd ** 2 + vocab * n_embd) + 12 * n_layer * n_embd * tokens
+
+
+def figure(path, r, footer):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.4))
+    ax = axes[0]
+    names = ["fp32", "bf16", "ZeRO-1", "accum. 4"]
+    values = [r["runs"][k]["tokens_per_sec"] for k in ("fp32", "bf16", "zero1", "accumulation4")]
+    ax.bar(names, values, color=["#4477aa", "#ee6677", "#228833", "#ccbb44"])
+    ax.set_title(f"2 ranks: tokens/s (bf16/fp32 {r['bf16_over_fp32_throughput_x']:.2f}×)")
+    ax = axes[1]
+    labels = ["replicated", "ZeRO-1 N=2", "ZeRO-1 N=4"]
+    b = [r["zero"]["replicated_state_bytes"], r["zero"]["state_bytes_n2"], r["zero"]["state_bytes_n4"]]
+    ax.bar(labels, [x / 1e6 for x in b], color=["#4477aa", "#228833", "#66aa55"])
+    ax.set_title("AdamW state per rank (MB)")
+    ax = axes[2]
+    a = r["accumulation"]
+    ax.bar(["N=1", "N=4"], [a["bytes_per_optimizer_step_n1"] / 1e6, a["bytes_per_optimizer_step_n4"] / 1e6],
+           color=["#4477aa", "#ccbb44"])
+    ax.set_title(f"all-reduced MB per optimizer step\n(per batch, N=4 sends {a['n4_over_n1_bytes_per_batch_x']:.2f}× N=1's)")
+    ax = axes[3]
+    p = r["peaks_gflops"]
+    ax.bar(["fp32 peak\n2 procs", "ours fp32", "bf16 peak\n2 procs", "ours bf16"],
+           [p["fp32_two_processes"], r["achieved_gflops"]["fp32"], p["bf16_two_processes"], r["achieved_gflops"]["bf16"]],
+           color=["#bbbbbb", "#4477aa", "#dddddd", "#ee6677"])
+    ax.set_title(f"GFLOP/s: fp32 MFU {100 * r['fp32_mfu']:.0f}%")
+    fig.suptitle("Precision and memory: bf16 autocast, ZeRO-1, gradient accumulation (one run)")
+    fig.text(0.5, 0.01, footer, ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build-dir", default=os.path.join(REPO_ROOT, "build"))
+    p.add_argument("--workdir", default="./workdir")
+    p.add_argument("--out-dir", default=os.path.join(REPO_ROOT, "submit_figures"))
+    p.add_argument("--model", default="gpt2-mini")
+    p.add_argument("--model-max-length", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=64, help="global batch of the 2-rank runs")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--warmup-epochs", type=int, default=1)
+    p.add_argument("--max-batches", type=int, default=8, help="batches per rank and epoch")
+    p.add_argument("--matmul-size", type=int, default=2048)
+    p.add_argument("--run-timeout", type=float, default=1800.0)
+    args = p.parse_args(argv)
+
+    peaks = {f"{d}_{label}": matmul_peak(d, n, args.matmul_size, 4)
+             for d in ("float32", "bfloat16") for label, n in (("one_process", 1), ("two_processes", 2))}
+    peaks = {k.replace("float32", "fp32").replace("bfloat16", "bf16"): v for k, v in peaks.items()}
+    print(f"[precision] matmul peaks (GFLOP/s): {peaks}", file=sys.stderr)
+
+    E, K, B = args.epochs, args.max_batches, args.batch_size
+    runs = {
+        "fp32": run_dp(args, "dp2_fp32", 2, B, [], E, K),
+        "bf16": run_dp(args, "dp2_bf16", 2, B, ["--precision", "bf16"], E, K),
+        "zero1": run_dp(args, "dp2_zero1", 2, B, ["--zero_stage", "1"], E, K),
+        "accumulation4": run_dp(args, "dp2_accum4", 2, B // 4, ["--gradient_accumulation_steps", "4"], E, 4 * K),
+    }
+    zero4 = run_dp(args, "dp4_zero1_state", 4, B, ["--zero_stage", "1"], 1, 1)
+
+    from_config = {"gpt2-mini": (4, 256), "gpt2-tiny": (2, 64), "gpt2": (12, 768)}
+    n_layer, n_embd = from_config[args.model]
+    fpt = flops_per_token(n_layer, n_embd, runs["fp32"]["vocab"], args.model_max_length)
+    achieved = {k: runs[k]["tokens_per_sec"] * fpt / 1e9 for k in ("fp32", "bf16")}
+    zero = {"replicated_state_bytes": runs["zero1"]["replicated_state_bytes"],
+            "state_bytes_n2": runs["zero1"]["state_bytes_rank0"], "state_bytes_n4": zero4["state_bytes_rank0"]}
+    zero["n2_fraction"] = zero["state_bytes_n2"] / zero["replicated_state_bytes"]
+    zero["n4_fraction"] = zero["state_bytes_n4"] / zero["replicated_state_bytes"]
+    n1, n4 = runs["fp32"]["bytes_per_optimizer_step"], runs["accumulation4"]["bytes_per_optimizer_step"]
+    result = {
+        "device": "CPU ranks, one core each, of a shared 2-core machine; peaks measured in the same run",
+        "model": args.model, "model_max_length": args.model_max_length, "global_batch": B,
+        "flops_per_token": fpt, "peaks_gflops": peaks, "achieved_gflops": achieved,
+        "fp32_mfu": achieved["fp32"] / peaks["fp32_two_processes"],
+        "bf16_mfu_of_bf16_peak": achieved["bf16"] / peaks["bf16_two_processes"],
+        "bf16_over_fp32_throughput_x": runs["bf16"]["tokens_per_sec"] / runs["fp32"]["tokens_per_sec"],
+        "zero1_over_replicated_throughput_x": runs["zero1"]["tokens_per_sec"] / runs["fp32"]["tokens_per_sec"],
+        "zero": zero,
+        "accumulation": {"bytes_per_optimizer_step_n1": n1, "bytes_per_optimizer_step_n4": n4,
+                         "n4_over_n1_bytes_per_batch_x": (n4 / 4) / n1,
+                         "throughput_over_n1_x": runs["accumulation4"]["tokens_per_sec"] / runs["fp32"]["tokens_per_sec"]},
+        "goals": {},
+        "runs": runs, "zero_n4_run": zero4,
+        "command": " ".join([sys.executable] + sys.argv),
+    }
+    result["goals"] = {
+        "fp32 MFU >= 0.80 of the two-process fp32 peak": result["fp32_mfu"] >= 0.80,
+        "bf16 / fp32 tokens/s >= 1.6": result["bf16_over_fp32_throughput_x"] >= 1.6,
+        "ZeRO-1 state <= 1/N of replicated + one bucket (N=2, 4)":
+            zero["state_bytes_n2"] <= zero["replicated_state_bytes"] / 2 + 25 * 2 ** 20
+            and zero["state_bytes_n4"] <= zero["replicated_state_bytes"] / 4 + 25 * 2 ** 20,
+        "ZeRO-1 tokens/s >= replicated": result["zero1_over_replicated_throughput_x"] >= 1.0,
+        "accumulation N=4: communication per batch 1/4 of N=1's": (n4 / 4) / n1 == 0.25,
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    details_path = os.path.join(args.out_dir, "benchmark_details.json")
+    details = json.load(open(details_path)) if os.path.isfile(details_path) else {}
+    details["precision_memory"] = result
+    with open(details_path, "w") as f:
+        json.dump(details, f, indent=2)
+        f.write("\n")
+    footer = (f"{args.model}, {args.model_max_length} tokens, global batch {B}, 2 ranks x 1 thread on CPU cores of a "
+              f"shared machine, {E} epochs of {K} batches/rank, {args.warmup_epochs} warm-up dropped")
+    figure(os.path.join(args.out_dir, "precision_memory.png"), result, footer)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "zero_n4_run")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
