@@ -347,7 +347,8 @@ class PrecisionMemoryBench(unittest.TestCase):
             with contextlib.redirect_stdout(io.StringIO()):
                 precision_memory_bench.main(["--build-dir", build, "--workdir", tmp, "--out-dir", out,
                                              "--model", "gpt2-tiny", "--model-max-length", "40", "--epochs", "2",
-                                             "--max-batches", "1", "--batch-size", "16", "--matmul-size", "128"])
+                                             "--max-batches", "1", "--batch-size", "16", "--matmul-size", "128",
+                                             "--force-bf16"])
             with open(os.path.join(out, "benchmark_details.json")) as f:
                 r = json.load(f)["precision_memory"]
             self.assertTrue(os.path.isfile(os.path.join(out, "precision_memory.png")))
