@@ -11,16 +11,15 @@
 #include <thread>
 
 #include "harness/pipeline/pipe.h"
+#include "test_support.h"
 #include "harness/pipeline/with_device.h"
 
 namespace harness::pipeline {
 namespace {
 
-size_t thread_count() {
-  size_t count = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++count;
-  return count;
-}
+using testing::thread_count;
+using testing::thread_count_settled;
+using testing::thread_count_stable;
 
 // The original's model: Linear - Sigmoid on the first device, Linear - Sigmoid on the second.
 torch::nn::Sequential two_device_model() {
@@ -119,7 +118,7 @@ TEST(Pipe, a5_2_2_FailingTaskSurfacesItsMessageAndLeavesNoThread) {
     Pipe warm_up(two_device_model(), 2, {1});  // lazily created process-wide threads, if any
     warm_up.forward(torch::randn({4, 8}, torch::requires_grad())).sum().backward();
   }
-  const size_t before = thread_count();
+  const size_t before = thread_count_stable();
   {
     torch::nn::Sequential model(WithDevice(torch::nn::Linear(8, 8), Device::cpu(0)),
                                 WithDevice(FailOnCall(1), Device::cpu(1)));
@@ -134,11 +133,11 @@ TEST(Pipe, a5_2_2_FailingTaskSurfacesItsMessageAndLeavesNoThread) {
       EXPECT_NE(message.find("micro-batch 1, partition 1 on cpu:1"), std::string::npos) << message;
     }
   }
-  EXPECT_EQ(thread_count(), before);
+  EXPECT_EQ(thread_count_settled(before), before);
 }
 
 TEST(Pipe, a5_2_2_TwoPipesAtOnceAndDestructorsJoin) {
-  const size_t before = thread_count();
+  const size_t before = thread_count_stable();
   {
     torch::nn::Sequential a = two_device_model();
     torch::nn::Sequential b = two_device_model();
@@ -157,9 +156,9 @@ TEST(Pipe, a5_2_2_TwoPipesAtOnceAndDestructorsJoin) {
     tb.join();
     EXPECT_TRUE(torch::allclose(ya, yb, 1e-6, 1e-6));
     pipe_a.reset();
-    EXPECT_EQ(thread_count(), before + 2);
+    EXPECT_EQ(thread_count_settled(before + 2), before + 2);
   }
-  EXPECT_EQ(thread_count(), before);
+  EXPECT_EQ(thread_count_settled(before), before);
 }
 
 TEST(Pipe, BackwardAfterThePipeIsGoneIsAClearError) {
@@ -273,7 +272,7 @@ struct FailingBackwardLayerImpl : torch::nn::Module {
 TORCH_MODULE(FailingBackwardLayer);
 
 TEST(Pipe, FailingBackwardTaskSurfacesFromLossBackward) {
-  const size_t before = thread_count();
+  const size_t before = thread_count_stable();
   {
     Pipe pipe(torch::nn::Sequential(WithDevice(torch::nn::Linear(4, 4), Device::cpu(0)),
                                     WithDevice(FailingBackwardLayer(), Device::cpu(1))),
@@ -289,7 +288,7 @@ TEST(Pipe, FailingBackwardTaskSurfacesFromLossBackward) {
           << message;
     }
   }
-  EXPECT_EQ(thread_count(), before);
+  EXPECT_EQ(thread_count_settled(before), before);
 }
 
 }  // namespace

@@ -4,19 +4,20 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <stdexcept>
+#include <thread>
 
 #include "harness/pipeline/worker.h"
+#include "test_support.h"
 
 namespace harness::pipeline {
 namespace {
 
-size_t thread_count() {
-  size_t count = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++count;
-  return count;
-}
+using testing::thread_count;
+using testing::thread_count_settled;
+using testing::thread_count_stable;
 
 TEST(Worker, RunsTasksOnItsOwnThreadUnderTheCallersGradMode) {
   Worker worker(Device::cpu(1), 1);
@@ -39,7 +40,7 @@ TEST(Worker, RunsTasksOnItsOwnThreadUnderTheCallersGradMode) {
 }
 
 TEST(Worker, FailureNamesTaskAndDeviceAndWaitsForTheOthers) {
-  const size_t before = thread_count();
+  const size_t before = thread_count_stable();
   {
     Workers workers({Device::cpu(0), Device::cpu(1)}, 1);
     std::atomic<bool> slow_done{false};
@@ -63,7 +64,7 @@ TEST(Worker, FailureNamesTaskAndDeviceAndWaitsForTheOthers) {
     EXPECT_EQ(value, 7);
     EXPECT_EQ(thread_count(), before + 2);
   }
-  EXPECT_EQ(thread_count(), before);
+  EXPECT_EQ(thread_count_settled(before), before);
 }
 
 TEST(Worker, TorchErrorsKeepTheirMessageWithoutBacktrace) {
