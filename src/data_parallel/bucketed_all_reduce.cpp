@@ -106,9 +106,12 @@ void BucketedAllReduce::attach(std::vector<at::Tensor> parameters) {
 }
 
 void BucketedAllReduce::add(size_t index) {
-  if (no_sync_) return;  // a micro-step that only accumulates; finalize() follows a later backward
   std::lock_guard<std::mutex> lock(mutex_);
   if (index >= bucket_of_.size() || bucket_of_[index] == kNoBucket) return;
+  if (no_sync_) {  // a micro-step that only accumulates; finalize() follows a later backward
+    fired_[index] = 1;  // used in this optimizer step: not presumed unused in the next
+    return;
+  }
   Bucket& bucket = buckets_[bucket_of_[index]];
   fired_[index] = 1;
   if (ready_[index]) {  // accumulated again (another backward), or presumed unused after all
@@ -215,6 +218,9 @@ void BucketedAllReduce::finalize() {
     return;
   }
   for (auto& bucket : buckets_) {
+    // The average in the parameters' dtype (a bf16-reduced sum is rounded once, not twice).
+    const at::ScalarType dtype = parameters_[bucket.params.front()].scalar_type();
+    if (bucket.buffer.scalar_type() != dtype) bucket.buffer = bucket.buffer.to(dtype);
     bucket.buffer.div_(static_cast<double>(ctx_.world_size));
     int64_t offset = 0;
     for (size_t index : bucket.params) {

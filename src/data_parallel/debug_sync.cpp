@@ -67,7 +67,9 @@ DebugSyncBackend::DebugSyncBackend(c10::intrusive_ptr<c10d::Backend> inner,
       inner_(std::move(inner)),
       store_(c10::make_intrusive<c10d::PrefixStore>("harness/debug_sync/", std::move(store))),
       group_name_(std::move(group_name)),
-      timeout_(timeout) {}
+      timeout_(timeout) {
+  setBoundDeviceId(inner_->getBoundDeviceId());
+}
 
 void DebugSyncBackend::setTimeout(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -91,16 +93,28 @@ void DebugSyncBackend::check(const std::string& op, const std::string& detail,
   try {
     store_->wait(keys, timeout_);
   } catch (const std::exception& e) {
-    std::ostringstream msg;
-    msg << "--debug_sync: rank " << getRank() << " of " << group_name_ << " waited "
-        << timeout_.count() / 1000.0 << " s before collective " << mine << " for rank";
+    // Which ranks never posted this collective, if the store still answers.
     std::vector<int> missing;
-    for (int r = 0; r < getSize(); ++r) {
-      if (r != getRank() && !store_->check({keys[r]})) missing.push_back(r);
+    bool store_answers = true;
+    try {
+      for (int r = 0; r < getSize(); ++r) {
+        if (r != getRank() && !store_->check({keys[r]})) missing.push_back(r);
+      }
+    } catch (const std::exception&) {
+      store_answers = false;
     }
-    msg << (missing.size() == 1 ? " " : "s ");
-    for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
-    msg << ", which never reached it (stuck, dead, or issuing fewer collectives)";
+    const std::string what = e.what();
+    std::ostringstream msg;
+    msg << "--debug_sync: rank " << getRank() << " of " << group_name_ << " waited before collective " << mine;
+    if (store_answers && !missing.empty()) {
+      msg << " for rank" << (missing.size() == 1 ? " " : "s ");
+      for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
+      msg << ", which never reached it within " << timeout_.count() / 1000.0
+          << " s (stuck, dead, or issuing fewer collectives)";
+    } else {
+      msg << " and the store " << (store_answers ? "" : "(rank 0's) stopped answering: ")
+          << what.substr(0, what.find('\n'));
+    }
     throw std::runtime_error(msg.str());
   }
   const std::vector<std::vector<uint8_t>> views = store_->multiGet(keys);
@@ -228,6 +242,20 @@ c10::intrusive_ptr<c10d::Work> DebugSyncBackend::barrier(const c10d::BarrierOpti
   std::lock_guard<std::mutex> lock(mutex_);
   check("barrier", "", {});
   return inner_->barrier(opts);
+}
+
+c10::intrusive_ptr<c10d::Work> DebugSyncBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check("allgather_coalesced", "", concat(inputs, flatten(outputs)));
+  return inner_->allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> DebugSyncBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                                  const c10d::AllreduceOptions& opts) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check("allreduce_sparse", reduce_op_name(opts.reduceOp), tensors);
+  return inner_->allreduce_sparse(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> DebugSyncBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {

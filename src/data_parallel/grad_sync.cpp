@@ -39,8 +39,8 @@ int64_t average_in_place(const DistContext& ctx, const std::vector<at::Tensor>& 
     if (!grad.defined()) grad = torch::zeros_like(parameter);
     if (reduce_dtype && *reduce_dtype != grad.scalar_type()) {
       at::Tensor wire = grad.to(*reduce_dtype);
-      all_reduce(ctx, wire, allreduce, ReduceKind::kMean);
-      grad.copy_(wire);
+      all_reduce(ctx, wire, allreduce, ReduceKind::kSum);
+      grad.copy_(wire).div_(static_cast<double>(ctx.world_size));  // the mean in the gradient's dtype
       bytes += wire.numel() * static_cast<int64_t>(wire.element_size());
       continue;
     }

@@ -296,6 +296,13 @@ void ZeroTrainStep::load_state(const model::NamedTensors& weights, const Optimiz
                                     " steps, other parameters " + std::to_string(full.step) +
                                     "; --zero_stage 1 steps every parameter together");
       }
+      for (const at::Tensor* moment : {&it->second.exp_avg, &it->second.exp_avg_sq}) {
+        // Checked for every parameter on every rank (not only the chunks this rank keeps), so
+        // that a bad checkpoint fails on all ranks alike instead of leaving some to wait.
+        if (!moment->defined() || moment->sizes() != named[i].second.sizes()) {
+          throw std::invalid_argument("optimizer state of " + named[i].first + " does not have the parameter's shape");
+        }
+      }
       full.step = it->second.step;
       first = false;
       full.moments[i] = {it->second.exp_avg, it->second.exp_avg_sq};

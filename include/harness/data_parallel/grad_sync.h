@@ -52,8 +52,9 @@ class GradientSynchronizer {
   int64_t finalized_steps() const { return finalized_steps_; }
 
   // --grad_reduce_dtype: the dtype gradients are all-reduced in (nullopt: their own, fp32). bf16
-  // halves the bytes on the wire; the sum of the ranks' gradients is rounded to bf16's 8-bit
-  // mantissa (relative error up to 2^-8 per element) before the average is written back in fp32.
+  // halves the bytes on the wire; each gradient is rounded to bf16's 8-bit mantissa, and so is
+  // every partial sum the collective forms (where values cancel, the relative error of the sum can
+  // be large); the average is then taken and written back in the gradients' dtype.
   void set_reduce_dtype(std::optional<at::ScalarType> dtype) { reduce_dtype_ = dtype; }
 
  protected:
