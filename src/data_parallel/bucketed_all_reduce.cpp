@@ -254,6 +254,20 @@ const at::Tensor& BucketedAllReduce::gradient_shard(size_t b) const {
   return shard;
 }
 
+std::vector<at::Tensor> BucketedAllReduce::gather_bucket(size_t b, const at::Tensor& chunk) const {
+  at::Tensor mine = chunk.contiguous();
+  at::Tensor all = torch::empty({mine.numel() * ctx_.world_size}, mine.options());
+  ctx_.group->_allgather_base(all, mine)->wait();
+  std::vector<at::Tensor> parts;
+  int64_t offset = 0;
+  for (size_t index : plan_.at(b)) {
+    const at::Tensor& p = parameters_[index];
+    parts.push_back(all.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+  return parts;
+}
+
 void BucketedAllReduce::reset_step_locked() {
   // Parameters that got no gradient this step (unused by the forward) are taken as ready from
   // the start of the next one, so that they do not hold their bucket, and every bucket after it,

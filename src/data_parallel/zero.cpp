@@ -40,7 +40,6 @@ ShardedAdamW::ShardedAdamW(const BucketedAllReduce& gradients, std::vector<at::T
 
 void ShardedAdamW::step() {
   torch::NoGradGuard no_grad;
-  const DistContext& ctx = gradients_.context();
   ++step_;
   const double bias_correction1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
   const double bias_correction2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
@@ -60,40 +59,25 @@ void ShardedAdamW::step() {
     const at::Tensor denom = (shard.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(options_.eps);
     mine.addcdiv_(shard.exp_avg, denom, -step_size);
 
-    at::Tensor full = torch::empty({shard.chunk * ctx.world_size}, mine.options());
-    ctx.group->_allgather_base(full, mine)->wait();
+    const std::vector<at::Tensor> updated = gradients_.gather_bucket(shard.bucket, mine);
     gathered_bytes_ += mine.numel() * static_cast<int64_t>(mine.element_size());
-    int64_t offset = 0;
-    for (size_t index : plan[shard.bucket]) {
-      at::Tensor p = parameters_[index].detach();
-      p.view(-1).copy_(full.narrow(0, offset, p.numel()));
-      offset += p.numel();
-    }
+    for (size_t k = 0; k < updated.size(); ++k) parameters_[plan[shard.bucket][k]].detach().copy_(updated[k]);
   }
 }
 
 ShardedAdamW::FullState ShardedAdamW::gather_state() const {
   torch::NoGradGuard no_grad;
-  const DistContext& ctx = gradients_.context();
   FullState out;
   out.step = step_;
   if (step_ == 0) return out;
   out.moments.resize(parameters_.size());
   const auto& plan = gradients_.bucket_plan();
   for (const Shard& shard : shards_) {
-    std::pair<at::Tensor, at::Tensor> full;
-    for (int m = 0; m < 2; ++m) {
-      at::Tensor mine = (m == 0 ? shard.exp_avg : shard.exp_avg_sq).contiguous();
-      at::Tensor all = torch::empty({shard.chunk * ctx.world_size}, mine.options());
-      ctx.group->_allgather_base(all, mine)->wait();
-      (m == 0 ? full.first : full.second) = all.to(torch::kCPU);
-    }
-    int64_t offset = 0;
-    for (size_t index : plan[shard.bucket]) {
-      const at::Tensor& p = parameters_[index];
-      out.moments[index] = {full.first.narrow(0, offset, p.numel()).view(p.sizes()).clone(),
-                            full.second.narrow(0, offset, p.numel()).view(p.sizes()).clone()};
-      offset += p.numel();
+    const std::vector<at::Tensor> exp_avg = gradients_.gather_bucket(shard.bucket, shard.exp_avg);
+    const std::vector<at::Tensor> exp_avg_sq = gradients_.gather_bucket(shard.bucket, shard.exp_avg_sq);
+    for (size_t k = 0; k < exp_avg.size(); ++k) {
+      out.moments[plan[shard.bucket][k]] = {exp_avg[k].to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true),
+                                            exp_avg_sq[k].to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true)};
     }
   }
   return out;

@@ -66,4 +66,16 @@ at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& la
                            weight_sum.to(logits.device(), torch::kFloat32));
 }
 
+at::Tensor combined_label_weight(const std::vector<data::Batch>& batches, const c10::Device& device) {
+  if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
+  at::Tensor sum = batches[0].label_token_weights.to(device, torch::kFloat32).sum();
+  for (size_t k = 1; k < batches.size(); ++k) {
+    sum = sum + batches[k].label_token_weights.to(device, torch::kFloat32).sum();
+  }
+  if (sum.item<float>() == 0.0f) {
+    throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
+  }
+  return sum;
+}
+
 }  // namespace harness::train

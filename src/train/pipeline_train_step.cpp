@@ -98,19 +98,12 @@ std::string PipelineTrainStep::balance_text() const { return pipeline::format_ha
 c10::Device PipelineTrainStep::input_device() const { return options_.devices.front().torch_device(); }
 
 double PipelineTrainStep::step(const std::vector<data::Batch>& batches) {
-  if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
-  optimizer().zero_grad();
-  model::GPT2LMHeadModelImpl& gpt2 = *model();
   const int D = static_cast<int>(options_.devices.size());
   const int S = stages();
   const c10::Device last_device = options_.devices[(S - 1) % D].torch_device();
-  at::Tensor weight_sum = batches[0].label_token_weights.to(last_device, torch::kFloat32).sum();
-  for (size_t k = 1; k < batches.size(); ++k) {
-    weight_sum = weight_sum + batches[k].label_token_weights.to(last_device, torch::kFloat32).sum();
-  }
-  if (weight_sum.item<float>() == 0.0f) {
-    throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
-  }
+  const at::Tensor weight_sum = combined_label_weight(batches, last_device);
+  optimizer().zero_grad();
+  model::GPT2LMHeadModelImpl& gpt2 = *model();
   // The tied head on the last stage: a leaf of its own with wte's values (sharing wte's storage
   // when the last stage's device holds wte, a copy otherwise) whose gradient is added to wte's
   // after the step, so each parameter's gradient accumulates on one worker only, in the

@@ -4,6 +4,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
+#include <map>
+
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/zero.h"
@@ -17,20 +19,6 @@ namespace harness::train {
 namespace {
 
 namespace tp = harness::tensor_parallel;
-
-// The label weight of all `batches` together (SPEC §3's denominator over the combined batch), as a
-// float32 scalar on `device`; an error when it is 0.
-at::Tensor combined_label_weight(const std::vector<data::Batch>& batches, const c10::Device& device) {
-  if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
-  at::Tensor sum = batches[0].label_token_weights.to(device, torch::kFloat32).sum();
-  for (size_t k = 1; k < batches.size(); ++k) {
-    sum = sum + batches[k].label_token_weights.to(device, torch::kFloat32).sum();
-  }
-  if (sum.item<float>() == 0.0f) {
-    throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
-  }
-  return sum;
-}
 
 // The part every layout shares: each batch's forward (`logits_of`) and backward, the losses
 // weighted over all batches, the synchronisation once after the last backward (no_sync before),
@@ -283,34 +271,31 @@ void ZeroTrainStep::load_state(const model::NamedTensors& weights, const Optimiz
   const NamedParameters named = named_parameters_of(*model_);
   data_parallel::ShardedAdamW::FullState full;
   if (!optimizer.empty()) {
+    std::map<std::string, size_t> index_of;
+    for (size_t i = 0; i < named.size(); ++i) index_of[named[i].first] = i;
     full.moments.resize(named.size());
-    bool first = true;
-    for (size_t i = 0; i < named.size(); ++i) {
-      auto it = optimizer.find(named[i].first);
-      if (it == optimizer.end()) {
-        if (!named[i].second.requires_grad()) continue;
-        throw std::invalid_argument("optimizer state: none for " + named[i].first + ", which --zero_stage 1 steps");
-      }
-      if (!first && it->second.step != full.step) {
-        throw std::invalid_argument("optimizer state: " + named[i].first + " took " + std::to_string(it->second.step) +
+    full.step = optimizer.begin()->second.step;
+    // Every entry is checked on every rank (not only the chunks this rank keeps), so that a bad
+    // checkpoint fails on all ranks alike instead of leaving some to wait.
+    for (const auto& [name, state] : optimizer) {
+      auto it = index_of.find(name);
+      if (it == index_of.end()) throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
+      if (state.step != full.step) {
+        throw std::invalid_argument("optimizer state: " + name + " took " + std::to_string(state.step) +
                                     " steps, other parameters " + std::to_string(full.step) +
                                     "; --zero_stage 1 steps every parameter together");
       }
-      for (const at::Tensor* moment : {&it->second.exp_avg, &it->second.exp_avg_sq}) {
-        // Checked for every parameter on every rank (not only the chunks this rank keeps), so
-        // that a bad checkpoint fails on all ranks alike instead of leaving some to wait.
-        if (!moment->defined() || moment->sizes() != named[i].second.sizes()) {
-          throw std::invalid_argument("optimizer state of " + named[i].first + " does not have the parameter's shape");
+      for (const at::Tensor* moment : {&state.exp_avg, &state.exp_avg_sq}) {
+        if (!moment->defined() || moment->sizes() != named[it->second].second.sizes()) {
+          throw std::invalid_argument("optimizer state of " + name + " does not have the parameter's shape");
         }
       }
-      full.step = it->second.step;
-      first = false;
-      full.moments[i] = {it->second.exp_avg, it->second.exp_avg_sq};
+      full.moments[it->second] = {state.exp_avg, state.exp_avg_sq};
     }
-    for (const auto& [name, state] : optimizer) {
-      bool known = false;
-      for (const auto& [n, p] : named) known = known || n == name;
-      if (!known) throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
+    for (size_t i = 0; i < named.size(); ++i) {
+      if (named[i].second.requires_grad() && !full.moments[i].first.defined()) {
+        throw std::invalid_argument("optimizer state: none for " + named[i].first + ", which --zero_stage 1 steps");
+      }
     }
   }
   adam_->load_state(full);
@@ -319,20 +304,12 @@ void ZeroTrainStep::load_state(const model::NamedTensors& weights, const Optimiz
 model::NamedTensors ZeroTrainStep::unsplit_gradients() {
   // The averaged gradient exists only as the ranks' chunks: all-gathered here (collective).
   torch::NoGradGuard no_grad;
-  const data_parallel::DistContext& ctx = gradients_->context();
   const NamedParameters named = named_parameters_of(*model_);
   std::vector<at::Tensor> full(named.size());
   const auto& plan = gradients_->bucket_plan();
   for (size_t b = 0; b < plan.size(); ++b) {
-    at::Tensor mine = gradients_->gradient_shard(b).contiguous();
-    at::Tensor all = torch::empty({mine.numel() * ctx.world_size}, mine.options());
-    ctx.group->_allgather_base(all, mine)->wait();
-    int64_t offset = 0;
-    for (size_t index : plan[b]) {
-      const at::Tensor& p = named[index].second;
-      full[index] = all.narrow(0, offset, p.numel()).view(p.sizes()).to(torch::kCPU).contiguous();
-      offset += p.numel();
-    }
+    const std::vector<at::Tensor> parts = gradients_->gather_bucket(b, gradients_->gradient_shard(b));
+    for (size_t k = 0; k < parts.size(); ++k) full[plan[b][k]] = parts[k].to(torch::kCPU).contiguous();
   }
   model::NamedTensors out;
   for (size_t i = 0; i < named.size(); ++i) {

@@ -1,5 +1,4 @@
 // One training epoch, validation loss and greedy generation (SPEC §3, §7).
-#include "harness/train/setup.h"
 #include "harness/train/trainer.h"
 
 #include <torch/torch.h>
@@ -13,6 +12,7 @@
 #include "harness/trace.h"
 #include "harness/train/loss.h"
 #include "harness/train/report.h"
+#include "harness/train/setup.h"
 
 namespace harness::train {
 namespace {

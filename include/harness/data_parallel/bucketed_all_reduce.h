@@ -75,6 +75,10 @@ class BucketedAllReduce : public GradientSynchronizer {
   int64_t bucket_elements(size_t b) const;
   int64_t chunk_elements(size_t b) const;
   const at::Tensor& gradient_shard(size_t b) const;
+  // kReduceScatter's inverse layout: all-gathers every rank's `chunk` of bucket b (collective) and
+  // returns the parts of the result that belong to the bucket's parameters, in bucket_plan() order,
+  // each a view shaped like its parameter.
+  std::vector<at::Tensor> gather_bucket(size_t b, const at::Tensor& chunk) const;
   const DistContext& context() const { return ctx_; }
  private:
   struct Bucket {

@@ -2,6 +2,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <vector>
+
+#include "harness/data/collate.h"
 
 namespace harness::train {
 
@@ -16,5 +21,10 @@ at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& la
 // micro-batches). Same shape checks; weight_sum must be positive.
 at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
                                   const at::Tensor& weights, const at::Tensor& weight_sum);
+
+// The label weight of all `batches` together (the weight_sum above for batches accumulated into
+// one optimizer step), a float32 scalar on `device`. Throws std::invalid_argument when there is no
+// batch or the weights sum to zero.
+at::Tensor combined_label_weight(const std::vector<data::Batch>& batches, const c10::Device& device);
 
 }  // namespace harness::train
