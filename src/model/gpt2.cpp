@@ -10,17 +10,10 @@
 #include <unordered_set>
 
 #include "harness/model/dropout.h"
+#include "shape_text.h"
 
 namespace harness::model {
 namespace {
-
-std::string shape_str(at::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
-  out << ']';
-  return out.str();
-}
 
 torch::nn::LayerNorm make_layer_norm(const GPT2Config& config) {
   return torch::nn::LayerNorm(
@@ -31,14 +24,58 @@ torch::nn::LayerNorm make_layer_norm(const GPT2Config& config) {
 
 // ----- Conv1D -------------------------------------------------------------------------------
 
-Conv1DImpl::Conv1DImpl(int64_t in_features, int64_t out_features) {
-  weight = register_parameter("weight", torch::empty({in_features, out_features}).normal_(0, 0.02));
-  bias = register_parameter("bias", torch::zeros({out_features}));
+Conv1DImpl::Conv1DImpl(int64_t in_features, int64_t out_features, ParallelStyle style,
+                       std::shared_ptr<TensorParallelGroup> tp, int64_t fused_parts)
+    : in_features_(in_features),
+      out_features_(out_features),
+      style_(tp ? style : ParallelStyle::kReplicated),
+      tp_(std::move(tp)),
+      fused_parts_(fused_parts) {
+  // Drawn whole, then sliced: every group size consumes the same random numbers.
+  torch::Tensor full_weight = torch::empty({in_features, out_features}).normal_(0, 0.02);
+  torch::Tensor full_bias = torch::zeros({out_features});
+  if (tp_) {
+    full_weight = shard_tensor(full_weight, weight_spec(), tp_->rank(), tp_->size()).clone();
+    full_bias = shard_tensor(full_bias, bias_spec(), tp_->rank(), tp_->size()).clone();
+  }
+  weight = register_parameter("weight", full_weight);
+  bias = register_parameter("bias", full_bias);
+}
+
+ShardSpec Conv1DImpl::weight_spec() const {
+  switch (style_) {
+    case ParallelStyle::kColumn: return {ShardSpec::Kind::kColumns, fused_parts_};
+    case ParallelStyle::kRow: return {ShardSpec::Kind::kRows, 1};
+    case ParallelStyle::kReplicated: break;
+  }
+  return {};
+}
+
+ShardSpec Conv1DImpl::bias_spec() const {
+  return style_ == ParallelStyle::kColumn ? weight_spec() : ShardSpec{};
 }
 
 torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = weight.size(1);
+  switch (style_) {
+    case ParallelStyle::kReplicated: break;
+    case ParallelStyle::kColumn: {
+      const torch::Tensor in = tp_->copy_to_region(x);
+      return torch::addmm(bias, in.reshape({-1, in.size(-1)}), weight).view(out_sizes);
+    }
+    case ParallelStyle::kRow: {
+      if (x.size(-1) != weight.size(0)) {
+        throw std::invalid_argument("row-parallel Conv1D: input slice has " + std::to_string(x.size(-1)) +
+                                    " features (shape " + shape_str(x.sizes()) + "), expected " +
+                                    std::to_string(weight.size(0)) + " (in_features " +
+                                    std::to_string(in_features_) + " / " + std::to_string(tp_->size()) +
+                                    " ranks)");
+      }
+      const torch::Tensor partial = torch::mm(x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+      return tp_->reduce_from_region(partial) + bias;
+    }
+  }
   return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
 }
 
@@ -51,16 +88,18 @@ int64_t KVCache::length() const {
 
 // ----- attention ----------------------------------------------------------------------------
 
-GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& config)
-    : n_head_(config.n_head), head_dim_(config.head_dim()) {
-  c_attn = register_module("c_attn", Conv1D(config.n_embd, 3 * config.n_embd));
-  c_proj = register_module("c_proj", Conv1D(config.n_embd, config.n_embd));
+GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp)
+    : n_head_(config.n_head / (tp ? tp->size() : 1)), head_dim_(config.head_dim()), tp_(tp) {
+  c_attn = register_module("c_attn", Conv1D(config.n_embd, 3 * config.n_embd, ParallelStyle::kColumn, tp,
+                                            /*fused_parts=*/3));
+  c_proj = register_module("c_proj", Conv1D(config.n_embd, config.n_embd, ParallelStyle::kRow, tp));
   attn_dropout = register_module("attn_dropout", torch::nn::Dropout(config.attn_pdrop));
   resid_dropout = register_module("resid_dropout", torch::nn::Dropout(config.resid_pdrop));
 }
 
 torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* cache) {
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t C = n_head_ * head_dim_;  // this rank's heads (all of them without a group)
   auto qkv = c_attn(x).split(C, /*dim=*/2);
   auto heads = [&](const torch::Tensor& t) {  // [B, T, C] -> [B, n_head, T, head_dim]
     return t.view({B, T, n_head_, head_dim_}).transpose(1, 2);
@@ -91,19 +130,24 @@ torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* c
   }
   const double dropout_p = attn_dropout->is_training() ? attn_dropout->options.p() : 0.0;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
-  std::optional<at::Generator> stream = current_dropout_generator();
-  auto y = stream && dropout_p > 0.0
+  auto attend = [&] {
+    std::optional<at::Generator> stream = current_dropout_generator();
+    return stream && dropout_p > 0.0
                ? attention_with_dropout(q, k, v, mask, is_causal, dropout_p, scale, *stream)
                : at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale);
+  };
+  // Split over a group, these heads' probabilities exist on this rank alone: their mask comes
+  // from the rank's own stream, leaving the default generator in step with the other ranks.
+  auto y = tp_ && dropout_p > 0.0 ? tp_->run_in_rank_stream(x.device(), attend) : attend();
   y = y.transpose(1, 2).reshape({B, T, C});
   return model::dropout(c_proj(y), resid_dropout);
 }
 
 // ----- MLP and block ------------------------------------------------------------------------
 
-GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config) {
-  c_fc = register_module("c_fc", Conv1D(config.n_embd, config.inner_dim()));
-  c_proj = register_module("c_proj", Conv1D(config.inner_dim(), config.n_embd));
+GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) {
+  c_fc = register_module("c_fc", Conv1D(config.n_embd, config.inner_dim(), ParallelStyle::kColumn, tp));
+  c_proj = register_module("c_proj", Conv1D(config.inner_dim(), config.n_embd, ParallelStyle::kRow, tp));
   dropout = register_module("dropout", torch::nn::Dropout(config.resid_pdrop));
 }
 
@@ -112,11 +156,11 @@ torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x) {
   return model::dropout(c_proj(torch::gelu(c_fc(x), "tanh")), dropout);
 }
 
-GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config) {
+GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) {
   ln_1 = register_module("ln_1", make_layer_norm(config));
-  attn = register_module("attn", GPT2Attention(config));
+  attn = register_module("attn", GPT2Attention(config, tp));
   ln_2 = register_module("ln_2", make_layer_norm(config));
-  mlp = register_module("mlp", GPT2MLP(config));
+  mlp = register_module("mlp", GPT2MLP(config, tp));
 }
 
 torch::Tensor GPT2BlockImpl::forward(const torch::Tensor& x) { return forward_mlp(forward_attention(x)); }
@@ -134,19 +178,34 @@ torch::Tensor GPT2BlockImpl::forward_cached(const torch::Tensor& x, LayerKVCache
 
 // ----- the transformer and the LM head ------------------------------------------------------
 
-GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& config) {
+GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) {
   wte = register_module("wte", torch::nn::Embedding(config.vocab_size, config.n_embd));
   wpe = register_module("wpe", torch::nn::Embedding(config.n_positions, config.n_embd));
   drop = register_module("drop", torch::nn::Dropout(config.embd_pdrop));
   h = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config.n_layer; ++i) h->push_back(GPT2Block(config));
+  for (int64_t i = 0; i < config.n_layer; ++i) h->push_back(GPT2Block(config, tp));
   ln_f = register_module("ln_f", make_layer_norm(config));
 }
 
-GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config) : config_(config) {
-  config_.validate();
-  transformer = register_module("transformer", GPT2Model(config_));
+GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp)
+    : config_(config), tp_(std::move(tp)) {
+  validate_tensor_parallel(config_, tp_ ? tp_->size() : 1);
+  transformer = register_module("transformer", GPT2Model(config_, tp_));
   block_devices_.assign(static_cast<size_t>(config_.n_layer), Device::cpu(0));
+  for (const auto& item : named_parameters()) shards_[item.key()] = {ShardSpec{}, item.value().sizes().vec()};
+  auto record = [&](const std::string& prefix, const Conv1D& layer, int64_t in, int64_t out) {
+    shards_[prefix + ".weight"] = {layer->weight_spec(), {in, out}};
+    shards_[prefix + ".bias"] = {layer->bias_spec(), {out}};
+  };
+  const int64_t C = config_.n_embd, inner = config_.inner_dim();
+  for (size_t i = 0; i < transformer->h->size(); ++i) {
+    auto block = transformer->h->ptr<GPT2BlockImpl>(i);
+    const std::string prefix = "transformer.h." + std::to_string(i);
+    record(prefix + ".attn.c_attn", block->attn->c_attn, C, 3 * C);
+    record(prefix + ".attn.c_proj", block->attn->c_proj, C, C);
+    record(prefix + ".mlp.c_fc", block->mlp->c_fc, C, inner);
+    record(prefix + ".mlp.c_proj", block->mlp->c_proj, inner, C);
+  }
   reset_parameters();
 }
 
@@ -171,7 +230,19 @@ void init_gpt2_parameter(const std::string& name, torch::Tensor& tensor, const G
 }
 
 void GPT2LMHeadModelImpl::reset_parameters() {
-  for (auto& item : named_parameters()) init_gpt2_parameter(item.key(), item.value(), config_);
+  // A split parameter is drawn whole and sliced, in the same order as unsplit: every rank draws
+  // the same numbers (staying in step) and holds its part of the unsplit model's weights.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const ParameterShard& shard = shards_.at(item.key());
+    if (shard.spec.kind == ShardSpec::Kind::kReplicated) {
+      init_gpt2_parameter(item.key(), item.value(), config_);
+    } else {
+      torch::Tensor full = torch::empty(shard.full_shape, item.value().options());
+      init_gpt2_parameter(item.key(), full, config_);
+      item.value().copy_(shard_tensor(full, shard.spec, tp_->rank(), tp_->size()));
+    }
+  }
 }
 
 torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t past_length) {
@@ -281,6 +352,98 @@ void GPT2LMHeadModelImpl::place(const std::vector<Device>& attention_devices, co
     block->mlp->to(mlp_devices[i].torch_device());
   }
   transformer->ln_f->to(last_device_.torch_device());
+}
+
+// ----- the unsplit model's view ---------------------------------------------------------------
+
+int64_t GPT2LMHeadModelImpl::unsplit_parameter_count() const {
+  int64_t total = 0;
+  for (const auto& [name, shard] : shards_) {
+    int64_t n = 1;
+    for (int64_t d : shard.full_shape) n *= d;
+    total += n;
+  }
+  return total;
+}
+
+torch::Tensor GPT2LMHeadModelImpl::unshard(const std::string& name, const torch::Tensor& local) {
+  auto shard = shards_.find(name);
+  if (shard == shards_.end()) throw std::invalid_argument("unshard: the model has no parameter " + name);
+  torch::NoGradGuard no_grad;
+  if (!tp_ || shard->second.spec.kind == ShardSpec::Kind::kReplicated) {
+    return local.detach().to(torch::kCPU).contiguous();
+  }
+  // The group's collectives run on the parameters' device.
+  const auto params = named_parameters();
+  const torch::Tensor here = local.detach().to(params.find(name)->device());
+  return unshard_tensor(tp_->all_gather(here), shard->second.spec).to(torch::kCPU).contiguous();
+}
+
+torch::Tensor GPT2LMHeadModelImpl::shard(const std::string& name, const torch::Tensor& full) const {
+  auto shard = shards_.find(name);
+  if (shard == shards_.end()) throw std::invalid_argument("shard: the model has no parameter " + name);
+  if (full.sizes() != at::IntArrayRef(shard->second.full_shape)) {
+    throw std::invalid_argument("tensor " + name + " has shape " + shape_str(full.sizes()) +
+                                ", expected the unsplit " + shape_str(shard->second.full_shape));
+  }
+  return tp_ ? shard_tensor(full, shard->second.spec, tp_->rank(), tp_->size()) : full;
+}
+
+NamedTensors GPT2LMHeadModelImpl::gather(bool gradients) {
+  NamedTensors out;
+  // Every rank of the group walks the parameters in the same order and has the same gradients
+  // defined (the graphs are the same), so the gathers match across the group.
+  for (const auto& item : named_parameters()) {
+    const torch::Tensor local = gradients ? item.value().grad() : item.value();
+    if (!local.defined()) continue;
+    out.emplace_back(item.key(), unshard(item.key(), local));
+  }
+  return out;
+}
+
+NamedTensors GPT2LMHeadModelImpl::full_state() { return gather(false); }
+NamedTensors GPT2LMHeadModelImpl::full_gradients() { return gather(true); }
+
+void GPT2LMHeadModelImpl::load_full_state(const NamedTensors& full) {
+  std::map<std::string, torch::Tensor> given;
+  for (const auto& [raw_name, tensor] : full) {
+    const std::string name = raw_name.rfind("transformer.", 0) == 0 ? raw_name : "transformer." + raw_name;
+    if (!shards_.count(name)) {
+      throw std::invalid_argument("weights for " + raw_name + ", which the model does not have (n_layer " +
+                                  std::to_string(config_.n_layer) + ")");
+    }
+    if (!given.emplace(name, tensor).second) throw std::invalid_argument("weights for " + name + " are given twice");
+  }
+  std::vector<std::string> missing;
+  for (const auto& [name, shard] : shards_) {
+    if (!given.count(name)) missing.push_back(name);
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", " : "") + missing[i];
+    throw std::invalid_argument(std::to_string(missing.size()) + " of the model's parameters have no weights: " +
+                                list + (missing.size() > 8 ? ", ..." : ""));
+  }
+  auto params = named_parameters();
+  torch::NoGradGuard no_grad;
+  for (auto& item : params) {
+    const torch::Tensor local = shard(item.key(), given.at(item.key()));  // checks the unsplit shape
+    item.value().copy_(local.to(item.value().device(), item.value().scalar_type()));
+  }
+}
+
+double GPT2LMHeadModelImpl::replicated_gradient_divergence() {
+  if (!tp_) return 0.0;
+  torch::NoGradGuard no_grad;
+  double worst = 0.0;
+  for (const auto& item : named_parameters()) {
+    if (shards_.at(item.key()).spec.kind != ShardSpec::Kind::kReplicated) continue;
+    const torch::Tensor& grad = item.value().grad();
+    if (!grad.defined()) continue;
+    const std::vector<torch::Tensor> all = tp_->all_gather(grad);
+    worst = std::max(worst, (grad - all.front()).abs().max().item<double>());
+  }
+  return worst;
 }
 
 int64_t count_parameters(torch::nn::Module& module) {

@@ -4,6 +4,7 @@
 #include "harness/model/safetensors.h"
 
 #include "json_depth.h"
+#include "shape_text.h"
 
 #include <torch/torch.h>
 
@@ -19,6 +20,9 @@
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace harness::model {
 namespace {
@@ -42,14 +46,6 @@ struct Header {
   std::vector<Entry> entries;
   std::map<std::string, std::string> metadata;
 };
-
-std::string shape_str(at::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
-  out << ']';
-  return out.str();
-}
 
 [[noreturn]] void fail(const std::string& origin, const std::string& what) {
   throw std::runtime_error(origin + ": " + what);
@@ -284,37 +280,129 @@ SafetensorsContents parse_safetensors(const uint8_t* data, size_t size, const st
   return contents;
 }
 
-SafetensorsContents read_safetensors_with_metadata(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, "cannot open safetensors file");
-  in.seekg(0, std::ios::end);
-  const std::streamoff end = in.tellg();  // -1 when the file cannot seek (a pipe, /proc)
+// ----- reading a file on demand --------------------------------------------------------------
+
+struct SafetensorsReader::State {
+  std::string path;
+  int fd = -1;
+  uint64_t data_start = 0;  // 8 + header length
+  Header header;
+  std::map<std::string, size_t> index;  // name -> entry
+  std::vector<TensorInfo> infos;
+  uint64_t bytes_read = 0;
+
+  ~State() {
+    if (fd >= 0) ::close(fd);
+  }
+  const Entry& entry(const std::string& name) const {
+    auto it = index.find(name);
+    if (it == index.end()) fail(path, "no tensor " + printable(name) + " in the file");
+    return header.entries[it->second];
+  }
+  // `n` bytes at data offset `offset` of entry `e` into `out`.
+  void read(const Entry& e, uint64_t offset, uint64_t n, void* out) {
+    uint64_t done = 0;
+    while (done < n) {
+      const ssize_t got = ::pread(fd, static_cast<char*>(out) + done, n - done,
+                                  static_cast<off_t>(data_start + e.begin + offset + done));
+      if (got <= 0) {
+        fail(path, "tensor " + printable(e.name) + ": read of its data failed (file changed or truncated?)");
+      }
+      done += static_cast<uint64_t>(got);
+    }
+    bytes_read += n;
+  }
+};
+
+SafetensorsReader::SafetensorsReader(const std::string& path) : state_(std::make_unique<State>()) {
+  State& st = *state_;
+  st.path = path;
+  st.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (st.fd < 0) fail(path, std::string("cannot open safetensors file: ") + std::strerror(errno));
+  const off_t end = ::lseek(st.fd, 0, SEEK_END);  // fails on a pipe or a seq_file (/proc)
   if (end < 0) {
     fail(path, "cannot determine the file size (not a regular file: a pipe or a special file?); "
                "expected a seekable safetensors file");
   }
   const uint64_t size = static_cast<uint64_t>(end);
-  in.seekg(0);
   if (size < 8) fail(path, "file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   uint8_t prefix[8];
-  if (!in.read(reinterpret_cast<char*>(prefix), 8)) fail(path, "cannot read the 8-byte header length");
+  if (::pread(st.fd, prefix, 8, 0) != 8) fail(path, "cannot read the 8-byte header length");
   const uint64_t header_len = check_header_length(read_u64_le(prefix), size, path);
   std::string text(header_len, '\0');
-  if (!in.read(text.data(), static_cast<std::streamsize>(header_len))) fail(path, "cannot read the header");
-  Header header = parse_header(text.data(), text.size(), size - 8 - header_len, path);
+  uint64_t done = 0;
+  while (done < header_len) {
+    const ssize_t got = ::pread(st.fd, text.data() + done, header_len - done, static_cast<off_t>(8 + done));
+    if (got <= 0) fail(path, "cannot read the header");
+    done += static_cast<uint64_t>(got);
+  }
+  st.header = parse_header(text.data(), text.size(), size - 8 - header_len, path);
+  st.data_start = 8 + header_len;
+  for (size_t i = 0; i < st.header.entries.size(); ++i) {
+    const Entry& e = st.header.entries[i];
+    st.index[e.name] = i;
+    st.infos.push_back({e.name, e.dtype, e.shape});
+  }
+}
 
-  SafetensorsContents contents;
-  contents.metadata = std::move(header.metadata);
-  for (const Entry& e : header.entries) {
-    torch::Tensor t = empty_for(e);
-    if (e.end > e.begin) {
-      in.seekg(static_cast<std::streamoff>(8 + header_len + e.begin));
-      if (!in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(e.end - e.begin))) {
-        fail(path, "tensor " + printable(e.name) + ": read of its data failed (file changed or truncated?)");
+SafetensorsReader::~SafetensorsReader() = default;
+
+const std::vector<SafetensorsReader::TensorInfo>& SafetensorsReader::tensors() const { return state_->infos; }
+const std::map<std::string, std::string>& SafetensorsReader::metadata() const { return state_->header.metadata; }
+uint64_t SafetensorsReader::bytes_read() const { return state_->bytes_read; }
+
+torch::Tensor SafetensorsReader::read(const std::string& name) {
+  const Entry& e = state_->entry(name);
+  torch::Tensor t = empty_for(e);
+  if (e.end > e.begin) state_->read(e, 0, e.end - e.begin, t.data_ptr());
+  return t;
+}
+
+torch::Tensor SafetensorsReader::read_ranges(const std::string& name, int64_t dim,
+                                             const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+  const Entry& e = state_->entry(name);
+  const int64_t dims = static_cast<int64_t>(e.shape.size());
+  if (dims < 1 || dims > 2 || (dim != 0 && dim != dims - 1)) {
+    fail(state_->path, "tensor " + printable(name) + " of shape " + shape_str(e.shape) +
+                           ": only the first or last dimension of a 1- or 2-dimensional tensor can be read in ranges");
+  }
+  int64_t total = 0;
+  for (const auto& [start, length] : ranges) {
+    if (start < 0 || length < 0 || start + length > e.shape[dim]) {
+      fail(state_->path, "tensor " + printable(name) + ": range [" + std::to_string(start) + ", " +
+                             std::to_string(start + length) + ") is outside dimension " + std::to_string(dim) +
+                             " of shape " + shape_str(e.shape));
+    }
+    total += length;
+  }
+  std::vector<int64_t> shape = e.shape;
+  shape[dim] = total;
+  torch::Tensor t = torch::empty(shape, torch::TensorOptions().dtype(e.dtype));
+  const uint64_t element = static_cast<uint64_t>(t.element_size());
+  char* out = static_cast<char*>(t.data_ptr());
+  if (dim == 0) {  // whole rows: one contiguous read per range
+    const uint64_t row = (dims == 2 ? static_cast<uint64_t>(e.shape[1]) : 1) * element;
+    for (const auto& [start, length] : ranges) {
+      state_->read(e, static_cast<uint64_t>(start) * row, static_cast<uint64_t>(length) * row, out);
+      out += static_cast<uint64_t>(length) * row;
+    }
+  } else {  // columns of a matrix: one read per row and range
+    const uint64_t rows = static_cast<uint64_t>(e.shape[0]), columns = static_cast<uint64_t>(e.shape[1]);
+    for (uint64_t r = 0; r < rows; ++r) {
+      for (const auto& [start, length] : ranges) {
+        state_->read(e, (r * columns + static_cast<uint64_t>(start)) * element, static_cast<uint64_t>(length) * element, out);
+        out += static_cast<uint64_t>(length) * element;
       }
     }
-    contents.tensors.push_back(named(e.name, std::move(t)));
   }
+  return t;
+}
+
+SafetensorsContents read_safetensors_with_metadata(const std::string& path) {
+  SafetensorsReader file(path);
+  SafetensorsContents contents;
+  contents.metadata = file.metadata();
+  for (const auto& info : file.tensors()) contents.tensors.push_back(named(info.name, file.read(info.name)));
   return contents;
 }
 
@@ -379,38 +467,37 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
 void load_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "model.safetensors").string();
   const std::string& origin = path;
-  NamedTensors tensors = read_safetensors(path);
-
-  std::unordered_map<std::string, torch::Tensor> params;
-  for (auto& item : model.named_parameters()) params.emplace(item.key(), item.value());
+  SafetensorsReader file(path);
+  const auto& shards = model.shards();
 
   auto ends_with = [](const std::string& s, const std::string& suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
-  std::unordered_map<std::string, torch::Tensor> loaded;
-  torch::Tensor lm_head;
-  for (auto& [raw_name, raw] : tensors) {
+  std::map<std::string, std::string> stored_as;  // parameter -> the file's name for it
+  bool has_lm_head = false;
+  for (const auto& info : file.tensors()) {
+    const std::string& raw_name = info.name;
     if (ends_with(raw_name, ".attn.bias") || ends_with(raw_name, ".attn.masked_bias")) continue;
     if (raw_name == "lm_head.weight") {
-      lm_head = raw.to(torch::kFloat);
+      has_lm_head = true;
       continue;
     }
     const std::string name = raw_name.rfind("transformer.", 0) == 0 ? raw_name : "transformer." + raw_name;
-    auto p = params.find(name);
-    if (p == params.end()) {
+    auto shard = shards.find(name);
+    if (shard == shards.end()) {
       fail(origin, "tensor " + printable(raw_name) + " is not a parameter of this model (n_layer " +
                        std::to_string(model.config().n_layer) + "; config.json and weights disagree?)");
     }
-    if (loaded.count(name)) fail(origin, "tensor " + printable(name) + " is given twice (with and without \"transformer.\")");
-    if (raw.sizes() != p->second.sizes()) {
-      fail(origin, "tensor " + name + " has shape " + shape_str(raw.sizes()) + ", expected " +
-                       shape_str(p->second.sizes()));
+    if (stored_as.count(name)) fail(origin, "tensor " + printable(name) + " is given twice (with and without \"transformer.\")");
+    if (at::IntArrayRef(info.shape) != at::IntArrayRef(shard->second.full_shape)) {
+      fail(origin, "tensor " + name + " has shape " + shape_str(info.shape) + ", expected " +
+                       shape_str(shard->second.full_shape));
     }
-    loaded.emplace(name, raw.to(torch::kFloat));
+    stored_as.emplace(name, raw_name);
   }
   std::vector<std::string> missing;
   for (auto& item : model.named_parameters()) {
-    if (!loaded.count(item.key())) missing.push_back(item.key());
+    if (!stored_as.count(item.key())) missing.push_back(item.key());
   }
   if (!missing.empty()) {
     std::string list;
@@ -423,16 +510,28 @@ void load_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
     }
     fail(origin, std::to_string(missing.size()) + " tensor(s) missing: " + list);
   }
-  if (lm_head.defined()) {
-    const torch::Tensor& wte = loaded.at("transformer.wte.weight");
+  if (has_lm_head) {
+    const torch::Tensor lm_head = file.read("lm_head.weight").to(torch::kFloat);
+    const torch::Tensor wte = file.read(stored_as.at("transformer.wte.weight")).to(torch::kFloat);
     if (lm_head.sizes() != wte.sizes() || !torch::equal(lm_head, wte)) {
       fail(origin, "lm_head.weight differs from transformer.wte.weight; untied LM heads are not supported");
     }
   }
+  // Split over a tensor-parallel group, each rank reads its own slices alone.
+  const TensorParallelGroup* tp = model.tensor_parallel();
   torch::NoGradGuard no_grad;
-  for (auto& [name, t] : loaded) {
-    torch::Tensor& p = params.at(name);
-    p.copy_(t.to(p.scalar_type()));
+  for (auto& item : model.named_parameters()) {
+    const std::string& stored = stored_as.at(item.key());
+    const ShardSpec& spec = shards.at(item.key()).spec;
+    torch::Tensor local;
+    if (tp == nullptr || spec.kind == ShardSpec::Kind::kReplicated) {
+      local = file.read(stored);
+    } else {
+      const auto& full_shape = shards.at(item.key()).full_shape;
+      const int64_t dim = spec.split_dim(static_cast<int64_t>(full_shape.size()));
+      local = file.read_ranges(stored, dim, shard_ranges(full_shape[dim], spec, tp->rank(), tp->size()));
+    }
+    item.value().copy_(local.to(torch::kFloat).to(item.value().scalar_type()));
   }
 }
 
@@ -443,14 +542,18 @@ GPT2LMHeadModel from_pretrained(const std::string& dir) {
   return model;
 }
 
-void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
+void save_pretrained(const GPT2Config& config, const NamedTensors& weights, const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) fail(dir, "cannot create directory: " + ec.message());
-  model.config().save_json_file((std::filesystem::path(dir) / "config.json").string());
-  NamedTensors tensors;
-  for (auto& item : model.named_parameters()) tensors.push_back(named(item.key(), item.value()));
-  write_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), tensors);
+  config.save_json_file((std::filesystem::path(dir) / "config.json").string());
+  write_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), weights);
+}
+
+void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
+  const NamedTensors weights = model.full_state();  // collective when split
+  if (model.tensor_parallel() != nullptr && model.tensor_parallel()->rank() != 0) return;
+  save_pretrained(model.config(), weights, dir);
 }
 
 }  // namespace harness::model

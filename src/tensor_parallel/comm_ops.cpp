@@ -44,22 +44,6 @@ std::vector<at::Tensor> gather_parts(const at::Tensor& x, const Group& group) {
   return output[0];
 }
 
-at::Tensor gather_last_dim(const at::Tensor& x, const Group& group) {
-  return torch::cat(gather_parts(x, group), /*dim=*/-1);
-}
-
-at::Tensor slice_last_dim(const at::Tensor& x, const Group& group) {
-  const int size = group->getSize();
-  const int64_t last = x.size(-1);
-  if (last % size != 0) {
-    throw std::invalid_argument("scatter_to_tp_region: last dimension " + std::to_string(last) +
-                                " is not divisible by the tensor-parallel size " +
-                                std::to_string(size));
-  }
-  const int64_t width = last / size;
-  return x.narrow(-1, group->getRank() * width, width).contiguous();
-}
-
 struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
     save_group(ctx, group);
@@ -79,26 +63,6 @@ struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
   }
 };
 
-struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
-    save_group(ctx, group);
-    return gather_last_dim(x, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {slice_last_dim(grads[0], saved_group(ctx)), at::Tensor()};
-  }
-};
-
-struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
-    save_group(ctx, group);
-    return slice_last_dim(x, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {gather_last_dim(grads[0], saved_group(ctx)), at::Tensor()};
-  }
-};
-
 const Group& checked(const dp::DistContext& tp, const char* what) {
   if (!tp.group) {
     throw std::invalid_argument(std::string(what) + ": the tensor-parallel context has no process group");
@@ -114,14 +78,6 @@ at::Tensor copy_to_tp_region(const at::Tensor& x, const dp::DistContext& tp) {
 
 at::Tensor reduce_from_tp_region(const at::Tensor& x, const dp::DistContext& tp) {
   return ReduceFromRegion::apply(x, checked(tp, "reduce_from_tp_region"));
-}
-
-at::Tensor gather_from_tp_region(const at::Tensor& x, const dp::DistContext& tp) {
-  return GatherFromRegion::apply(x, checked(tp, "gather_from_tp_region"));
-}
-
-at::Tensor scatter_to_tp_region(const at::Tensor& x, const dp::DistContext& tp) {
-  return ScatterToRegion::apply(x, checked(tp, "scatter_to_tp_region"));
 }
 
 std::vector<at::Tensor> all_gather(const at::Tensor& x, const dp::DistContext& tp) {

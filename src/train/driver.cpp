@@ -119,10 +119,11 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
   const bool writer = o.rank == 0;
   const bool collective = step.collective_state();  // unsplitting gathers (tensor parallelism, ZeRO)
   const double start = now_seconds();
-  model::GPT2LMHeadModel model{nullptr};
+  model::GPT2LMHeadModel model = step.model();
+  model::NamedTensors weights;
   OptimizerState optimizer;
   if (writer || collective) {
-    model = step.unsplit_model();
+    weights = model->full_state();
     optimizer = step.optimizer_state();
   }
   GeneratorStates generators = capture_generator_states(o.devices);
@@ -137,7 +138,7 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
   const std::string root = checkpoint_root(o);
   make_directories(root);
   CheckpointWriter files(root, at.global_step);
-  model::save_pretrained(*model, files.temp_path());
+  model::save_pretrained(model->config(), weights, files.temp_path());
   files.add_file("config.json");
   files.add_file("model.safetensors");
   write_optimizer_state(files.path_for("optimizer.safetensors"), optimizer);
@@ -347,7 +348,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
   // Which checkpoint, if any: every rank decides alone, then all must agree before anything
   // that depends on it (collectives included) happens.
   // What would otherwise fail after training (evaluation, the first checkpoint) fails now.
-  const model::GPT2Config config = step.unsplit_model()->config();
+  const model::GPT2Config config = step.model()->config();
   check_positions(config, o.model_max_length, o.benchmark_only);
   if (o.rank == 0) make_directories(checkpoint_root(o));
   const double load_start = now_seconds();
@@ -420,7 +421,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
               << ", Tokens_per_sec = " << format_number(rate) << std::endl;
 
     if (!o.benchmark_only) {
-      model::GPT2LMHeadModel model = step.unsplit_model();  // collective for tensor parallelism
+      model::GPT2LMHeadModel model = step.model();  // split: every rank of the group evaluates
       const EpochEvaluation eval = evaluate_epoch(model, *data.validation, *data.tokenizer, *data.test,
                                                   o.model_max_length, o.show_progress);
       std::cout << prefix << "Validation Loss = " << format_number(eval.validation_loss) << std::endl;
@@ -446,8 +447,11 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
             << ", tokens_per_second: avg: " << format_number(rate_stats.mean)
             << ", std:" << format_number(rate_stats.std) << std::endl;
 
-  model::GPT2LMHeadModel model = step.unsplit_model();  // collective for tensor parallelism
-  if (!o.save_dir.empty()) model::save_pretrained(*model, o.save_dir);
+  model::GPT2LMHeadModel model = step.model();
+  if (!o.save_dir.empty() || step.collective_state()) {
+    const model::NamedTensors weights = model->full_state();  // collective when split
+    if (!o.save_dir.empty()) model::save_pretrained(model->config(), weights, o.save_dir);
+  }
   summary.epoch_seconds = progress.seconds;
   summary.epoch_token_rates = progress.rates;
   summary.global_step = at.global_step;

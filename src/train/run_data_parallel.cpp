@@ -17,7 +17,7 @@
 #include "harness/data_parallel/sharded_loader.h"
 #include "harness/data_parallel/zero.h"
 #include "harness/model/safetensors.h"
-#include "harness/tensor_parallel/gpt2_tensor_parallel.h"
+#include "harness/tensor_parallel/group.h"
 #include "harness/tensor_parallel/parallel_context.h"
 #include "harness/trace.h"
 #include "harness/train/programs.h"
@@ -101,7 +101,7 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   const model::GPT2Config config = resolve_config(f.model);
   shipped_tokenizer(f.model, config);
   check_positions(config, f.model_max_length, f.benchmark_only);
-  if (flags.tensor_parallel_size > 1) tp::validate_tensor_parallel(config, flags.tensor_parallel_size);
+  if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
   // config.json against model.safetensors: the weights are read and checked as a worker would.
   if (!f.model.path.empty()) build_model(f.model, config, f.seed);
 }
@@ -141,10 +141,13 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
   if (rank == 0) config.save_json_file(f.workdir + "/config.json");  // as the original, at start
 
-  if (T > 1) tp::validate_tensor_parallel(config, T);
-  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
+  // T > 1: the model is split over the tensor-parallel group from the start (each rank builds
+  // and loads its own slices); the ranks holding the same slices are the data-parallel group.
+  std::shared_ptr<model::TensorParallelGroup> split =
+      parallel ? tp::make_tensor_parallel_group(parallel->tensor) : nullptr;
+  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed, split);
   model->to(device.torch_device());
-  broadcast_parameters(world, *model);
+  broadcast_parameters(ctx, *model);
   std::unique_ptr<dp::GradientSynchronizer> sync =
       flags.zero_stage == 1 ? std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
                                                                       dp::GradientReduction::kReduceScatter)
@@ -160,12 +163,6 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
                 << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)" << std::endl;
     }
     step = std::move(zero);
-  } else if (parallel) {
-    // The split model trains; the unsplit one is kept for evaluation and saving.
-    tp::TensorParallelGPT2LMHeadModel split(config, parallel->tensor);
-    split->to(device.torch_device());
-    split->load_from(*model);
-    step = std::make_unique<TensorParallelTrainStep>(split.ptr(), model, f.learning_rate, sync.get());
   } else {
     step = std::make_unique<GPT2TrainStep>(model, f.learning_rate, sync.get());
   }
@@ -180,7 +177,9 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
     std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << ctx.backend
               << " device=" << device.str() << " threads_per_rank=" << threads << " model="
               << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
-              << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
+              << model->unsplit_parameter_count() << " parameters"
+              << (T > 1 ? ", " + std::to_string(model::count_parameters(*model)) + " on each rank" : std::string())
+              << ") vocab=" << tokenizer.vocab_size()
               << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
               << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
               << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")

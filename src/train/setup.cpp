@@ -129,9 +129,9 @@ void fit_vocabulary(model::GPT2Config& config, const ModelSource& source,
 }
 
 model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2Config& config,
-                                   uint64_t seed) {
+                                   uint64_t seed, std::shared_ptr<model::TensorParallelGroup> tp) {
   torch::manual_seed(seed);
-  model::GPT2LMHeadModel model(config);
+  model::GPT2LMHeadModel model(config, std::move(tp));
   if (source.path.empty()) {
     model->reset_parameters();
   } else {

@@ -90,6 +90,40 @@ TEST_F(SafetensorsTest, WriteThenReadRoundTripsNamesOrderDtypesAndMetadata) {
   EXPECT_EQ(prefix[0] % 8, 0) << "header is padded to 8 bytes";
 }
 
+// A tensor-parallel rank reads its slices alone: rows in one read, fused column blocks row by
+// row, and no other byte of the tensor.
+TEST_F(SafetensorsTest, ReaderReadsRangesOfTheFirstOrLastDimensionAndOnlyThoseBytes) {
+  const torch::Tensor matrix = torch::arange(6 * 12, torch::kFloat32).reshape({6, 12});
+  const torch::Tensor half = torch::arange(12, torch::kFloat32).to(torch::kBFloat16);
+  write_safetensors(path("r.safetensors"), {{"m", matrix}, {"b", half}});
+  SafetensorsReader file(path("r.safetensors"));
+  ASSERT_EQ(file.tensors().size(), 2u);
+  EXPECT_EQ(file.tensors()[0].name, "m");
+  EXPECT_EQ(file.tensors()[0].shape, (std::vector<int64_t>{6, 12}));
+  EXPECT_EQ(file.bytes_read(), 0u);  // the header alone so far
+
+  const std::vector<std::pair<int64_t, int64_t>> fused{{2, 2}, {6, 2}, {10, 2}};  // rank 1 of 2, [q|k|v]
+  const torch::Tensor columns = file.read_ranges("m", 1, fused);
+  EXPECT_TRUE(torch::equal(columns, shard_tensor(matrix, {ShardSpec::Kind::kColumns, 3}, 1, 2)));
+  EXPECT_EQ(file.bytes_read(), 6u * 6 * 4);
+  const torch::Tensor rows = file.read_ranges("m", 0, {{4, 2}});
+  EXPECT_TRUE(torch::equal(rows, matrix.narrow(0, 4, 2)));
+  EXPECT_EQ(file.bytes_read(), 6u * 6 * 4 + 2 * 12 * 4);
+  const torch::Tensor bias = file.read_ranges("b", 0, fused);
+  EXPECT_EQ(bias.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(bias, torch::cat({half.narrow(0, 2, 2), half.narrow(0, 6, 2), half.narrow(0, 10, 2)})));
+  EXPECT_TRUE(torch::equal(file.read("m"), matrix));
+
+  try {
+    file.read_ranges("m", 1, {{10, 4}});
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_CONTAINS(std::string(e.what()), "r.safetensors");
+    EXPECT_CONTAINS(std::string(e.what()), "range [10, 14) is outside dimension 1 of shape [6, 12]");
+  }
+  EXPECT_THROW(file.read("nothing"), std::runtime_error);
+}
+
 TEST_F(SafetensorsTest, WriteRejectsUnsupportedDtypesAndDuplicates) {
   EXPECT_THROW(write_safetensors(path("x"), {{"ids", torch::zeros({2}, torch::kLong)}}), std::runtime_error);
   EXPECT_THROW(write_safetensors(path("x"), {{"a", torch::zeros({2})}, {"a", torch::zeros({2})}}),

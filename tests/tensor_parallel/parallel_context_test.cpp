@@ -3,14 +3,18 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "harness/tensor_parallel/gpt2_tensor_parallel.h"
-#include "harness/tensor_parallel/layers.h"
+#include "harness/model/tensor_parallel.h"
 #include "harness/tensor_parallel/parallel_context.h"
 #include "test_support.h"
 
 namespace harness::tensor_parallel {
 namespace {
 
+using model::shard_ranges;
+using model::shard_tensor;
+using model::ShardSpec;
+using model::unshard_tensor;
+using model::validate_tensor_parallel;
 using Kind = ShardSpec::Kind;
 
 TEST(ParallelLayout, GroupsOfEightRanksWithTensorParallelTwo) {
@@ -76,6 +80,15 @@ TEST(ShardTensor, ColumnsRowsAndFusedParts) {
           << "parts " << spec.fused_parts << " world " << world;
     }
   }
+}
+
+TEST(ShardTensor, RangesAreWhatAReaderReadsForEachRank) {
+  // c_attn of width 3 x 8 over 2 ranks: rank 1 holds [4, 8), [12, 16), [20, 24).
+  EXPECT_EQ(shard_ranges(24, {Kind::kColumns, 3}, 1, 2),
+            (std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {12, 4}, {20, 4}}));
+  EXPECT_EQ(shard_ranges(12, {Kind::kRows, 1}, 2, 3), (std::vector<std::pair<int64_t, int64_t>>{{8, 4}}));
+  EXPECT_EQ(shard_ranges(7, {}, 1, 2), (std::vector<std::pair<int64_t, int64_t>>{{0, 7}}));
+  EXPECT_THROW(shard_ranges(10, {Kind::kColumns, 3}, 0, 2), std::invalid_argument);
 }
 
 TEST(ShardTensor, ErrorsNameTheShape) {

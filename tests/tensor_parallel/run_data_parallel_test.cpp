@@ -6,7 +6,10 @@
 #include <unistd.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 
@@ -35,11 +38,24 @@ ProgramRun run_program(const std::string& args) {
   return run;
 }
 
-std::string small_run_args(const std::string& workdir) {
+std::string small_run_args(const std::string& workdir, bool evaluate = false) {
   return "--model gpt2-tiny --model_max_length 32 --dropout 0 --learning_rate 1e-3 --n_epochs 1 "
-         "--max_batches 2 --batch_size 8 --train_size 64 --validation_size 16 --test_size 2 "
-         "--benchmark_only --no_progress --workdir " + workdir +
+         "--max_batches 2 --batch_size 8 --train_size 64 --validation_size 16 --test_size 2 " +
+         std::string(evaluate ? "" : "--benchmark_only ") + "--no_progress --workdir " + workdir +
          " --master_port " + std::to_string(testing::free_port());
+}
+
+// The number after `key` on the line that starts with `prefix`, or NaN.
+double printed_value(const std::string& output, const std::string& prefix, const std::string& key) {
+  const size_t line = output.find(prefix);
+  if (line == std::string::npos) return std::nan("");
+  const size_t at = output.find(key, line);
+  return at == std::string::npos ? std::nan("") : std::stod(output.substr(at + key.size()));
+}
+
+std::string file_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 TEST(RunDataParallelTensorParallel, TwoRanksSplittingTheModelTrainLikeOneUnsplitRank) {
@@ -74,6 +90,30 @@ TEST(RunDataParallelTensorParallel, TwoRanksSplittingTheModelTrainLikeOneUnsplit
     }
     EXPECT_TRUE(torch::allclose(t, w, 1e-4, 1e-5))
         << name << ": max difference " << (t - w).abs().max().item<double>();
+  }
+  testing::remove_tree(dir);
+}
+
+// Evaluation runs on the split model itself (no unsplit replica): the validation loss each rank
+// prints and the greedy, KV-cached translations it writes are the unsplit run's.
+TEST(RunDataParallelTensorParallel, SplitModelEvaluatesAndGeneratesLikeOneUnsplitRank) {
+  if (::access(kProgram.c_str(), X_OK) != 0) GTEST_SKIP() << kProgram << " is not built";
+  const std::string dir = testing::make_temp_dir();
+  ASSERT_FALSE(dir.empty());
+  const ProgramRun single = run_program("--world_size 1 " + small_run_args(dir + "/single", true));
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  const ProgramRun split =
+      run_program("--world_size 2 --tensor_parallel_size 2 " + small_run_args(dir + "/split", true));
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  const double want = printed_value(single.output, "Epoch 0 on Rank 0: Validation Loss", "= ");
+  ASSERT_FALSE(std::isnan(want)) << single.output;
+  for (int rank : {0, 1}) {
+    const double got =
+        printed_value(split.output, "Epoch 0 on Rank " + std::to_string(rank) + ": Validation Loss", "= ");
+    EXPECT_NEAR(got, want, 1e-5 * std::abs(want)) << "rank " << rank << "\n" << split.output;
+    const std::string generations = file_text(dir + "/split/rank" + std::to_string(rank) + "_gen_epoch0.json");
+    EXPECT_FALSE(generations.empty());
+    EXPECT_EQ(generations, file_text(dir + "/single/rank0_gen_epoch0.json")) << "rank " << rank;
   }
   testing::remove_tree(dir);
 }

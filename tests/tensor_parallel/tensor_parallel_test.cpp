@@ -2,6 +2,11 @@
 // workers (worker_test.cpp) and passes when every rank's comparisons with the unsplit model pass.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
 #include "test_support.h"
 
 namespace harness::tensor_parallel {
@@ -11,14 +16,28 @@ void expect_workers_pass(const testing::CapturedLaunch& run) {
   EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
 }
 
-TEST(TensorParallel, LinearLayersEqualUnsplitForwardAndBackwardWithTwoRanks) {
+TEST(TensorParallel, ColumnAndRowParallelConv1DEqualUnsplitForwardAndBackwardWithTwoRanks) {
   expect_workers_pass(testing::launch_scenario("linear", 2));
 }
 
-TEST(TensorParallel, GPT2OverTwoRanksEqualsUnsplitAndSavesUnsplitWeights) {
+// Logits, gradients, save and load (slices read by each rank), KV-cached generation token for
+// token, dropout streams; then Hugging Face loads what the split model saved and computes the
+// unsplit model's logits.
+TEST(TensorParallel, GPT2OverTwoRanksEqualsUnsplitAndSavesWhatHuggingFaceLoads) {
   const std::string dir = testing::make_temp_dir();
   ASSERT_FALSE(dir.empty());
   expect_workers_pass(testing::launch_scenario("gpt2", 2, {{testing::kDirVariable, dir}}));
+  const std::string python = std::string(HARNESS_SOURCE_DIR) + "/.venv/bin/python";
+  if (std::filesystem::exists(python)) {
+    const std::string cmd = "'" + python + "' '" + HARNESS_SOURCE_DIR + "/tests/model/hf_load_check.py' '" + dir +
+                            "/model' > '" + dir + "/check.log' 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::ifstream log(dir + "/check.log");
+    const std::string output((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(rc, 0) << output;
+  } else {
+    ADD_FAILURE() << "no Python environment at " << python << " to load the saved model with transformers";
+  }
   testing::remove_tree(dir);
 }
 

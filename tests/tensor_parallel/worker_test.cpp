@@ -17,8 +17,7 @@
 #include "harness/model/gpt2.h"
 #include "harness/model/safetensors.h"
 #include "harness/tensor_parallel/comm_ops.h"
-#include "harness/tensor_parallel/gpt2_tensor_parallel.h"
-#include "harness/tensor_parallel/layers.h"
+#include "harness/tensor_parallel/group.h"
 #include "harness/tensor_parallel/parallel_context.h"
 #include "test_support.h"
 
@@ -26,7 +25,18 @@ namespace harness::tensor_parallel {
 namespace {
 
 namespace dp = harness::data_parallel;
+using model::Conv1D;
+using model::ParallelStyle;
+using model::shard_tensor;
+using model::ShardSpec;
 using Kind = ShardSpec::Kind;
+
+// Copies rank `rank`'s shards of an unsplit weight and bias into a layer.
+void load_layer(Conv1D& layer, const at::Tensor& weight, const at::Tensor& bias, int rank, int world) {
+  torch::NoGradGuard no_grad;
+  layer->weight.copy_(shard_tensor(weight, layer->weight_spec(), rank, world));
+  layer->bias.copy_(shard_tensor(bias, layer->bias_spec(), rank, world));
+}
 
 dp::DistOptions options_for(const dp::WorkerEnv& env) {
   dp::DistOptions options = dp::dist_options_for(env, "gloo");
@@ -43,10 +53,11 @@ dp::DistOptions options_for(const dp::WorkerEnv& env) {
   return ::testing::AssertionFailure() << "max abs difference " << diff;
 }
 
-// ----- linear layers against Conv1D and torch::nn::Linear -------------------------------------
+// ----- Conv1D's parallel styles against the unsplit layer and torch::nn::Linear -----------------
 
 void linear_scenario(const dp::DistContext& tp) {
   const int rank = tp.rank, world = tp.world_size;
+  const auto group = make_tensor_parallel_group(tp);
   torch::manual_seed(3);  // the same full tensors on every rank
   const at::Tensor x0 = torch::randn({3, 5, 6});
   const at::Tensor w = torch::randn({6, 12}), b = torch::randn({12});
@@ -61,35 +72,23 @@ void linear_scenario(const dp::DistContext& tp) {
   for (int64_t parts : {1, 3}) {
     SCOPED_TRACE("fused_parts " + std::to_string(parts));
     const ShardSpec spec{Kind::kColumns, parts};
-    for (bool gather : {true, false}) {
-      SCOPED_TRACE(gather ? "gather_output" : "local output");
-      ColumnParallelLinearOptions o;
-      o.in_features = 6;
-      o.out_features = 12;
-      o.fused_parts = parts;
-      o.gather_output = gather;
-      ColumnParallelLinear column(o, tp);
-      column->load_full(w, b);
-      EXPECT_TRUE(torch::equal(column->weight, shard_tensor(w, spec, rank, world)));
-      at::Tensor x = x0.clone().requires_grad_(true);
-      const at::Tensor y = column(x);
-      if (gather) {
-        // The gathered output is in rank order: with fused parts it is [q0 k0 v0 | q1 k1 v1].
-        std::vector<at::Tensor> shards;
-        for (int r = 0; r < world; ++r) shards.push_back(shard_tensor(y_ref.detach(), spec, r, world));
-        EXPECT_TRUE(close(y, torch::cat(shards, -1)));
-        std::vector<at::Tensor> g_shards;
-        for (int r = 0; r < world; ++r) g_shards.push_back(shard_tensor(g, spec, r, world));
-        (y * torch::cat(g_shards, -1)).sum().backward();
-      } else {
-        EXPECT_TRUE(close(y, shard_tensor(y_ref.detach(), spec, rank, world)));
-        // Each rank's part of the loss; the input gradient sums them (copy_to_tp_region).
-        (y * shard_tensor(g, spec, rank, world)).sum().backward();
-      }
-      EXPECT_TRUE(close(x.grad(), x_ref.grad())) << "input gradient";
-      EXPECT_TRUE(close(column->weight.grad(), shard_tensor(w_ref.grad(), spec, rank, world))) << "weight";
-      EXPECT_TRUE(close(column->bias.grad(), shard_tensor(b_ref.grad(), spec, rank, world))) << "bias";
-    }
+    // Built under a group, the layer draws the whole weight and keeps its slice: the same
+    // numbers as the unsplit layer built from the same seed.
+    torch::manual_seed(11);
+    Conv1D whole(6, 12);
+    torch::manual_seed(11);
+    Conv1D column(6, 12, ParallelStyle::kColumn, group, parts);
+    EXPECT_TRUE(torch::equal(column->weight, shard_tensor(whole->weight, spec, rank, world)));
+    EXPECT_EQ(column->weight_spec().kind, Kind::kColumns);
+    load_layer(column, w, b, rank, world);
+    at::Tensor x = x0.clone().requires_grad_(true);
+    const at::Tensor y = column(x);
+    EXPECT_TRUE(close(y, shard_tensor(y_ref.detach(), spec, rank, world)));
+    // Each rank's part of the loss; the input gradient sums them (copy_to_region).
+    (y * shard_tensor(g, spec, rank, world)).sum().backward();
+    EXPECT_TRUE(close(x.grad(), x_ref.grad())) << "input gradient";
+    EXPECT_TRUE(close(column->weight.grad(), shard_tensor(w_ref.grad(), spec, rank, world))) << "weight";
+    EXPECT_TRUE(close(column->bias.grad(), shard_tensor(b_ref.grad(), spec, rank, world))) << "bias";
   }
 
   // Row parallel [12 -> 6] against the transposed problem: y2 = z @ w2 + b2.
@@ -100,50 +99,42 @@ void linear_scenario(const dp::DistContext& tp) {
   const at::Tensor y2_ref = torch::matmul(z_ref, w2_ref) + b2_ref;
   (y2_ref * g2).sum().backward();
   const ShardSpec rows{Kind::kRows, 1};
-  for (bool input_is_parallel : {true, false}) {
-    SCOPED_TRACE(input_is_parallel ? "input_is_parallel" : "replicated input");
-    RowParallelLinearOptions o;
-    o.in_features = 12;
-    o.out_features = 6;
-    o.input_is_parallel = input_is_parallel;
-    RowParallelLinear row(o, tp);
-    row->load_full(w2, b2);
-    at::Tensor z = input_is_parallel ? z0.narrow(-1, rank * 12 / world, 12 / world).clone() : z0.clone();
-    z.requires_grad_(true);
-    const at::Tensor y = row(z);
-    EXPECT_TRUE(close(y, y2_ref.detach()));
-    (y * g2).sum().backward();
-    const at::Tensor z_grad_want =
-        input_is_parallel ? z_ref.grad().narrow(-1, rank * 12 / world, 12 / world) : z_ref.grad();
-    EXPECT_TRUE(close(z.grad(), z_grad_want)) << "input gradient";
-    EXPECT_TRUE(close(row->weight.grad(), shard_tensor(w2_ref.grad(), rows, rank, world))) << "weight";
-    // Added once after the reduction: the bias gradient is the unsplit one, not world x it.
-    EXPECT_TRUE(close(row->bias.grad(), b2_ref.grad())) << "bias";
+  Conv1D row(12, 6, ParallelStyle::kRow, group);
+  EXPECT_EQ(row->bias_spec().kind, Kind::kReplicated);
+  load_layer(row, w2, b2, rank, world);
+  at::Tensor z = z0.narrow(-1, rank * 12 / world, 12 / world).clone().requires_grad_(true);
+  const at::Tensor y = row(z);
+  EXPECT_TRUE(close(y, y2_ref.detach()));
+  (y * g2).sum().backward();
+  EXPECT_TRUE(close(z.grad(), z_ref.grad().narrow(-1, rank * 12 / world, 12 / world))) << "input gradient";
+  EXPECT_TRUE(close(row->weight.grad(), shard_tensor(w2_ref.grad(), rows, rank, world))) << "weight";
+  // Added once after the reduction: the bias gradient is the unsplit one, not world x it.
+  EXPECT_TRUE(close(row->bias.grad(), b2_ref.grad())) << "bias";
+  // A whole input where the slice belongs is refused with both widths.
+  try {
+    row(z0);
+    ADD_FAILURE() << "expected an error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("input slice has 12 features"), std::string::npos) << e.what();
   }
 
   // Column -> tanh -> row (Megatron's MLP) against two torch::nn::Linear (weights [out, in]).
   torch::nn::Linear fc(6, 8), proj(8, 6);
-  ColumnParallelLinearOptions co;
-  co.in_features = 6;
-  co.out_features = 8;
-  RowParallelLinearOptions ro;
-  ro.in_features = 8;
-  ro.out_features = 6;
-  ColumnParallelLinear column(co, tp);
-  RowParallelLinear row(ro, tp);
-  column->load_full(fc->weight.detach().t(), fc->bias.detach());
-  row->load_full(proj->weight.detach().t(), proj->bias.detach());
+  Conv1D column(6, 8, ParallelStyle::kColumn, group);
+  Conv1D row2(8, 6, ParallelStyle::kRow, group);
+  load_layer(column, fc->weight.detach().t(), fc->bias.detach(), rank, world);
+  load_layer(row2, proj->weight.detach().t(), proj->bias.detach(), rank, world);
   at::Tensor xa = x0.clone().requires_grad_(true), xb = x0.clone().requires_grad_(true);
   const at::Tensor want = proj(torch::tanh(fc(xa)));
-  const at::Tensor got = row(torch::tanh(column(xb)));
+  const at::Tensor got = row2(torch::tanh(column(xb)));
   EXPECT_TRUE(close(got, want.detach()));
   want.pow(2).sum().backward();
   got.pow(2).sum().backward();
   EXPECT_TRUE(close(xb.grad(), xa.grad()));
   EXPECT_TRUE(close(column->weight.grad(), shard_tensor(fc->weight.grad().t(), {Kind::kColumns, 1}, rank, world)));
   EXPECT_TRUE(close(column->bias.grad(), shard_tensor(fc->bias.grad(), {Kind::kColumns, 1}, rank, world)));
-  EXPECT_TRUE(close(row->weight.grad(), shard_tensor(proj->weight.grad().t(), rows, rank, world)));
-  EXPECT_TRUE(close(row->bias.grad(), proj->bias.grad()));
+  EXPECT_TRUE(close(row2->weight.grad(), shard_tensor(proj->weight.grad().t(), rows, rank, world)));
+  EXPECT_TRUE(close(row2->bias.grad(), proj->bias.grad()));
 }
 
 // ----- GPT-2 ----------------------------------------------------------------------------------
@@ -157,17 +148,41 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), labels.reshape({-1}));
 }
 
+// Greedy decoding with the KV cache: `steps` new tokens after `prompt`, and the last logits.
+std::pair<std::vector<int64_t>, at::Tensor> greedy(model::GPT2LMHeadModel& m, const at::Tensor& prompt, int steps) {
+  torch::NoGradGuard no_grad;
+  model::KVCache cache;
+  at::Tensor logits = m->forward_cached(prompt, cache);
+  std::vector<int64_t> tokens;
+  for (int i = 0; i < steps; ++i) {
+    const at::Tensor next = logits.select(1, logits.size(1) - 1).argmax(-1, /*keepdim=*/true);
+    tokens.push_back(next.item<int64_t>());
+    logits = m->forward_cached(next, cache);
+  }
+  return {tokens, logits};
+}
+
 void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
   const model::GPT2Config config = testing::tiny_config();
+  const auto group = make_tensor_parallel_group(tp);
   torch::manual_seed(5);
   model::GPT2LMHeadModel full(config);
-  torch::manual_seed(6);
-  TensorParallelGPT2LMHeadModel split(config, tp);
-  split->load_from(*full);
+  // The same seed gives the same weights, split: the one model, with a group.
+  torch::manual_seed(5);
+  model::GPT2LMHeadModel split(config, group);
+  ASSERT_EQ(split->tensor_parallel(), group.get());
+  EXPECT_EQ(split->unsplit_parameter_count(), model::count_parameters(*full));
+  EXPECT_LT(model::count_parameters(*split), model::count_parameters(*full));
+  {
+    auto full_params = full->named_parameters();
+    for (const auto& item : split->named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value(), split->shard(item.key(), full_params[item.key()]))) << item.key();
+    }
+  }
   // Shapes: this rank's heads of q, k and v; halves of the MLP.
-  EXPECT_EQ(split->transformer->h->ptr<TensorParallelGPT2BlockImpl>(0)->attn->c_attn->weight.sizes(),
+  EXPECT_EQ(split->transformer->h->ptr<model::GPT2BlockImpl>(0)->attn->c_attn->weight.sizes(),
             (at::IntArrayRef{32, 3 * 32 / tp.world_size}));
-  EXPECT_EQ(split->transformer->h->ptr<TensorParallelGPT2BlockImpl>(1)->mlp->c_proj->weight.sizes(),
+  EXPECT_EQ(split->transformer->h->ptr<model::GPT2BlockImpl>(1)->mlp->c_proj->weight.sizes(),
             (at::IntArrayRef{128 / tp.world_size, 32}));
 
   const at::Tensor ids = token_batch(3, 9, config.vocab_size, 8);
@@ -178,7 +193,7 @@ void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
   lm_loss(logits_full, labels).backward();
   lm_loss(logits_split, labels).backward();
 
-  const model::NamedTensors grads = split->gather_full_gradients();
+  const model::NamedTensors grads = split->full_gradients();
   auto full_params = full->named_parameters();
   EXPECT_EQ(grads.size(), full_params.size());
   for (const auto& [name, grad] : grads) {
@@ -197,10 +212,18 @@ void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
     for (auto& p : full->parameters()) p.sub_(0.1 * p.grad());
     for (auto& p : split->parameters()) p.sub_(0.1 * p.grad());
   }
-  save_pretrained(*split, dir);
+  const std::string saved = dir + "/model";
+  model::save_pretrained(*split, saved);  // collective; rank 0 writes
+  if (tp.rank == 0) {
+    // What Hugging Face must compute from the split model's files: the unsplit model's logits
+    // (tensor_parallel_test.cpp runs hf_load_check.py on them).
+    const at::Tensor long_ids = token_batch(2, 12, config.vocab_size, 30).narrow(1, 0, 12);
+    model::write_safetensors(dir + "/expected.safetensors",
+                             {{"input_ids", long_ids.to(torch::kFloat)}, {"logits", full->forward(long_ids).detach()}});
+  }
   dp::barrier(tp);
-  const model::NamedTensors state = split->gather_full_state();
-  model::GPT2LMHeadModel loaded = model::from_pretrained(dir);
+  const model::NamedTensors state = split->full_state();
+  model::GPT2LMHeadModel loaded = model::from_pretrained(saved);
   auto loaded_params = loaded->named_parameters();
   EXPECT_EQ(state.size(), loaded_params.size());
   for (const auto& [name, tensor] : state) {
@@ -208,21 +231,38 @@ void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
     EXPECT_TRUE(close(tensor, full_params[name].detach(), 1e-6)) << name;
   }
   EXPECT_TRUE(close(loaded->forward(input), split->forward(input).detach(), 1e-5));
-  // And back into a fresh split model: the same shards.
+  // And back into a fresh split model, each rank reading its slices of the file: the same shards.
   torch::manual_seed(99);
-  TensorParallelGPT2LMHeadModel reloaded(config, tp);
-  load_pretrained(*reloaded, dir);
+  model::GPT2LMHeadModel reloaded(config, group);
+  model::load_pretrained(*reloaded, saved);
   auto reloaded_params = reloaded->named_parameters();
   for (const auto& item : split->named_parameters()) {
     EXPECT_TRUE(torch::equal(reloaded_params[item.key()], item.value())) << item.key();
   }
+  // Unsplit weights in memory load the same way.
+  torch::manual_seed(98);
+  model::GPT2LMHeadModel from_state(config, group);
+  from_state->load_full_state(state);
+  for (const auto& item : from_state->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), reloaded_params[item.key()])) << item.key();
+  }
+
+  // KV-cached greedy generation on the split model: token for token the unsplit model's.
+  {
+    const at::Tensor prompt = token_batch(1, 3, config.vocab_size, 40).narrow(1, 0, 3);
+    const auto [want_tokens, want_logits] = greedy(loaded, prompt, 8);
+    const auto [got_tokens, got_logits] = greedy(split, prompt, 8);
+    EXPECT_EQ(got_tokens, want_tokens);
+    EXPECT_TRUE(close(got_logits, want_logits, 1e-5)) << "logits after 8 cached steps";
+  }
+
   // Training mode with dropout everywhere: the ranks draw the same masks on what they all hold
   // (their default generators stay in step), so the logits agree exactly across the group.
   {
     model::GPT2Config noisy = config;
     noisy.embd_pdrop = noisy.attn_pdrop = noisy.resid_pdrop = 0.2;
     torch::manual_seed(17);
-    TensorParallelGPT2LMHeadModel dropping(noisy, tp);
+    model::GPT2LMHeadModel dropping(noisy, group);
     dropping->train();
     for (int step = 0; step < 2; ++step) {
       const at::Tensor logits = dropping->forward(input).detach();
@@ -232,11 +272,12 @@ void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
     const std::vector<at::Tensor> states =
         all_gather(at::globalContext().defaultGenerator(c10::Device(c10::kCPU)).get_state(), tp);
     EXPECT_TRUE(torch::equal(states[0], states[1]));
+    // The attention dropout drew from each rank's own stream, seeded differently per rank.
+    const auto streams = group->rank_stream_states();
+    ASSERT_EQ(streams.count("cpu"), 1u);
+    const std::vector<at::Tensor> rank_streams = all_gather(streams.at("cpu"), tp);
+    EXPECT_FALSE(torch::equal(rank_streams[0], rank_streams[1]));
   }
-  // copy_into fills an unsplit model with the same numbers.
-  model::GPT2LMHeadModel copy(config);
-  split->copy_into(*copy);
-  EXPECT_TRUE(torch::equal(copy->forward(input), loaded->forward(input)));
   dp::barrier(tp);
 }
 
@@ -295,10 +336,8 @@ void training_step_scenario(const dp::DistContext& world, const dp::DistOptions&
   std::map<std::string, at::Tensor> want_grads;
   model::GPT2LMHeadModel want = reference_step(config, ids, n_dp, want_grads);
 
-  torch::manual_seed(5);
-  model::GPT2LMHeadModel initial(config);
-  TensorParallelGPT2LMHeadModel split(config, parallel.tensor);
-  split->load_from(*initial);
+  torch::manual_seed(5);  // reference_step's seed: the same weights, split
+  model::GPT2LMHeadModel split(config, make_tensor_parallel_group(parallel.tensor));
   torch::optim::AdamW optimizer(split->parameters(), torch::optim::AdamWOptions(kLearningRate));
   auto sync = dp::make_gradient_synchronizer("bucketed", parallel.data, 0.001);
   sync->attach(*split);
@@ -307,7 +346,7 @@ void training_step_scenario(const dp::DistContext& world, const dp::DistOptions&
   lm_loss(split->forward(part.narrow(1, 0, 8)), part.narrow(1, 1, 8)).backward();
   sync->finalize();
   EXPECT_EQ(split->replicated_gradient_divergence(), 0.0);
-  const model::NamedTensors grads = split->gather_full_gradients();
+  const model::NamedTensors grads = split->full_gradients();
   EXPECT_EQ(grads.size(), want_grads.size());
   for (const auto& [name, grad] : grads) EXPECT_TRUE(close(grad, want_grads.at(name), 1e-6)) << "gradient of " << name;
   optimizer.step();
@@ -316,7 +355,7 @@ void training_step_scenario(const dp::DistContext& world, const dp::DistOptions&
   // key bias's, which softmax ignores) moves by a rounding-dependent amount up to lr: the weights
   // are compared to 1% of lr, after checking above that the gradients agree to 1e-6.
   auto want_params = want->named_parameters();
-  for (const auto& [name, tensor] : split->gather_full_state()) {
+  for (const auto& [name, tensor] : split->full_state()) {
     EXPECT_TRUE(close(tensor, want_params[name].detach(), 1e-2 * kLearningRate)) << name;
   }
   dp::barrier(world);

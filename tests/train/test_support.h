@@ -37,7 +37,7 @@ inline std::map<std::string, at::Tensor> gradients_of(TrainStep& step) {
 
 inline std::map<std::string, at::Tensor> weights_of(TrainStep& step) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& p : step.unsplit_model()->named_parameters()) out[p.key()] = p.value().detach().clone();
+  for (const auto& p : step.model()->named_parameters()) out[p.key()] = p.value().detach().clone();
   return out;
 }
 

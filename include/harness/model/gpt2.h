@@ -2,6 +2,10 @@
 // (transformer.wte.weight, transformer.h.0.attn.c_attn.weight stored [in, out], ...), so that
 // Hugging Face weights load unchanged. Placement over several devices (model parallel) and a
 // pluggable executor for the blocks (the pipeline) live here too; the pipeline itself does not.
+// Given a tensor-parallel group, the same model is split Megatron's way (tensor_parallel.h):
+// c_attn and c_fc are column-parallel (attention splits by heads), both c_proj row-parallel,
+// embeddings, layer norms and the tied head replicated; parameter names stay Hugging Face's,
+// the tensors are this rank's shards.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -12,19 +16,47 @@
 #include <torch/nn/pimpl.h>
 
 #include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "harness/device.h"
 #include "harness/model/config.h"
+#include "harness/model/tensor_parallel.h"
 
 namespace harness::model {
 
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// How a linear layer is laid out over a tensor-parallel group (Megatron's styles).
+//   kColumn: this rank holds a slice of the output features; the input is replicated (its
+//            gradient is summed over the group), the output is the rank's slice.
+//   kRow:    this rank holds a slice of the input features and takes the matching slice of the
+//            input; the partial products are summed over the group and the (replicated) bias
+//            added once after the sum.
+enum class ParallelStyle { kReplicated, kColumn, kRow };
+
 // Hugging Face's Conv1D: y = x @ weight + bias with weight stored [in_features, out_features].
+// With a group and a style other than kReplicated, weight and bias are this rank's shards; the
+// initial weights are drawn for the whole layer (the same draws for every group size) and sliced.
 class Conv1DImpl : public torch::nn::Module {
  public:
-  Conv1DImpl(int64_t in_features, int64_t out_features);
+  Conv1DImpl(int64_t in_features, int64_t out_features, ParallelStyle style = ParallelStyle::kReplicated,
+             std::shared_ptr<TensorParallelGroup> tp = nullptr, int64_t fused_parts = 1);
   torch::Tensor forward(const torch::Tensor& x);
+  // How the unsplit [in, out] weight and [out] bias are spread over the group (kReplicated
+  // without one).
+  ShardSpec weight_spec() const;
+  ShardSpec bias_spec() const;
   torch::Tensor weight, bias;
+
+ private:
+  int64_t in_features_, out_features_;
+  ParallelStyle style_;
+  std::shared_ptr<TensorParallelGroup> tp_;
+  int64_t fused_parts_;
 };
 TORCH_MODULE(Conv1D);
 
@@ -38,21 +70,28 @@ struct KVCache {
   int64_t length() const;  // positions cached so far
 };
 
+// With a tensor-parallel group, this rank's n_head / T heads: c_attn holds their q, k and v
+// columns (column-parallel, three fused parts), c_proj the matching rows (row-parallel); the KV
+// cache holds those heads alone, and their attention-probability dropout draws from the rank's
+// own stream.
 class GPT2AttentionImpl : public torch::nn::Module {
  public:
-  explicit GPT2AttentionImpl(const GPT2Config& config);
+  explicit GPT2AttentionImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
   torch::Tensor forward(const torch::Tensor& x, LayerKVCache* cache = nullptr);
   Conv1D c_attn{nullptr}, c_proj{nullptr};
   torch::nn::Dropout attn_dropout{nullptr}, resid_dropout{nullptr};
 
  private:
-  int64_t n_head_, head_dim_;
+  int64_t n_head_, head_dim_;  // n_head_: the heads on this rank
+  std::shared_ptr<TensorParallelGroup> tp_;
 };
 TORCH_MODULE(GPT2Attention);
 
+// With a tensor-parallel group: c_fc column-parallel, c_proj row-parallel (GELU is element-wise,
+// so it applies to each rank's slice of the inner features unchanged).
 class GPT2MLPImpl : public torch::nn::Module {
  public:
-  explicit GPT2MLPImpl(const GPT2Config& config);
+  explicit GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
   torch::Tensor forward(const torch::Tensor& x);
   Conv1D c_fc{nullptr}, c_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
@@ -63,7 +102,7 @@ TORCH_MODULE(GPT2MLP);
 // blocks is a torch::nn::Sequential (what the pipeline drives).
 class GPT2BlockImpl : public torch::nn::Module {
  public:
-  explicit GPT2BlockImpl(const GPT2Config& config);
+  explicit GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
   torch::Tensor forward(const torch::Tensor& x);  // forward_mlp(forward_attention(x))
   // The two residual halves, x + attn(ln_1(x)) and h + mlp(ln_2(h)): a pipeline may cut a block
   // between them (and place them on two devices; forward_mlp moves h to ln_2's device).
@@ -78,7 +117,7 @@ TORCH_MODULE(GPT2Block);
 
 class GPT2ModelImpl : public torch::nn::Module {
  public:
-  explicit GPT2ModelImpl(const GPT2Config& config);
+  explicit GPT2ModelImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::Dropout drop{nullptr};
   torch::nn::ModuleList h{nullptr};
@@ -90,11 +129,21 @@ TORCH_MODULE(GPT2Model);
 // device; the pipeline installs one of these (see set_blocks_executor).
 using BlocksExecutor = std::function<torch::Tensor(const torch::Tensor&)>;
 
+// One parameter of the unsplit model: how it is split and its unsplit shape.
+struct ParameterShard {
+  ShardSpec spec;
+  std::vector<int64_t> full_shape;
+};
+
 class GPT2LMHeadModelImpl : public torch::nn::Module {
  public:
-  explicit GPT2LMHeadModelImpl(const GPT2Config& config);
+  // `tp`: the tensor-parallel group to split over (every rank of it constructs the model with
+  // the same config and the same torch seed, and gets the same weights as the unsplit model's,
+  // sliced); null: the whole model here. Throws when n_head or the MLP does not divide.
+  explicit GPT2LMHeadModelImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
 
   // input_ids [B, T] (int64, on the first device) -> logits [B, T, vocab_size] on the first device.
+  // Split over a group, every rank passes the same input_ids and gets the same logits.
   torch::Tensor forward(const torch::Tensor& input_ids);
   // Same, attending to and extending `cache` (generation); positions continue after the cache.
   torch::Tensor forward_cached(const torch::Tensor& input_ids, KVCache& cache);
@@ -126,12 +175,39 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // Replaces the sequential walk over the blocks (e.g. by a Pipe); an empty function restores it.
   void set_blocks_executor(BlocksExecutor executor) { blocks_executor_ = std::move(executor); }
 
+  // ----- the unsplit model's view (tensor parallelism) -----
+  // The group the model is split over; null when it is whole here.
+  TensorParallelGroup* tensor_parallel() const { return tp_.get(); }
+  // Every parameter by name: how it is split (kReplicated throughout without a group).
+  const std::map<std::string, ParameterShard>& shards() const { return shards_; }
+  // Parameters of the unsplit model, counting the tied head once (gpt2: 124,439,808).
+  int64_t unsplit_parameter_count() const;
+  // The unsplit weights (or gradients of the last backward; parameters without one left out),
+  // detached, on the CPU, in named_parameters() order. Collective over the group when split;
+  // without a group a CPU parameter is returned as it is (storage shared: copy before training).
+  NamedTensors full_state();
+  NamedTensors full_gradients();
+  // Collective when split: the unsplit tensor of parameter `name` from each rank's `local`
+  // (weights, or a tensor shaped like them: an optimizer moment), on the CPU.
+  torch::Tensor unshard(const std::string& name, const torch::Tensor& local);
+  // This rank's part of an unsplit tensor shaped like parameter `name`.
+  torch::Tensor shard(const std::string& name, const torch::Tensor& full) const;
+  // Unsplit weights in: every parameter once, with its unsplit shape (names with or without
+  // "transformer."); each rank keeps its part. Errors name the tensor and the shapes.
+  void load_full_state(const NamedTensors& full);
+  // Collective: the largest absolute difference between a replicated parameter's gradient here
+  // and on the group's rank 0 (0 when they agree, as they must by construction; 0 unsplit).
+  double replicated_gradient_divergence();
+
   GPT2Model transformer{nullptr};
 
  private:
   torch::Tensor head(const torch::Tensor& hidden);  // ln_f, then tied projection on first device
+  NamedTensors gather(bool gradients);
 
   GPT2Config config_;
+  std::shared_ptr<TensorParallelGroup> tp_;
+  std::map<std::string, ParameterShard> shards_;
   std::vector<Device> block_devices_;
   Device first_device_ = Device::cpu(0), last_device_ = Device::cpu(0);
   BlocksExecutor blocks_executor_;

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,8 +16,6 @@
 #include "harness/model/gpt2.h"
 
 namespace harness::model {
-
-using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 struct SafetensorsContents {
   NamedTensors tensors;  // in the file's order (by data offset), i.e. as written
@@ -37,16 +36,47 @@ SafetensorsContents read_safetensors_with_metadata(const std::string& path);
 void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 
+// A safetensors file whose header is read and validated (as parse_safetensors does) when it is
+// opened and whose tensors are read on demand: whole, or as ranges of their first or last
+// dimension, reading only those bytes (a tensor-parallel rank's slices of a large tensor).
+class SafetensorsReader {
+ public:
+  struct TensorInfo {
+    std::string name;
+    torch::ScalarType dtype;
+    std::vector<int64_t> shape;
+  };
+  explicit SafetensorsReader(const std::string& path);
+  ~SafetensorsReader();
+  const std::vector<TensorInfo>& tensors() const;  // in the file's order
+  const std::map<std::string, std::string>& metadata() const;
+  torch::Tensor read(const std::string& name);
+  // The (start, length) ranges of dimension `dim` (0 or the last; 1- or 2-dimensional tensors),
+  // concatenated along it in the order given.
+  torch::Tensor read_ranges(const std::string& name, int64_t dim,
+                            const std::vector<std::pair<int64_t, int64_t>>& ranges);
+  uint64_t bytes_read() const;  // tensor data read so far
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 // Copies dir/model.safetensors into `model`. Names with or without the "transformer." prefix
 // are accepted; attention mask buffers are ignored; lm_head.weight must equal wte (the head is
 // tied). F16/BF16 become float32. Shapes are checked; missing or unknown tensors are errors.
+// A model split over a tensor-parallel group reads the unsplit file, each rank its slices alone.
 void load_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir);
 
 // A model built from dir/config.json with the weights of dir/model.safetensors.
 GPT2LMHeadModel from_pretrained(const std::string& dir);
 
 // Writes dir/config.json and dir/model.safetensors with Hugging Face names (the tied head
-// once), creating dir; works on a parallelized model.
+// once), creating dir; works on a parallelized model. Split over a tensor-parallel group it is a
+// collective: the unsplit weights are gathered and the group's rank 0 writes the same files as
+// the unsplit model's.
 void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir);
+// The same from unsplit weights (GPT2LMHeadModelImpl::full_state()).
+void save_pretrained(const GPT2Config& config, const NamedTensors& weights, const std::string& dir);
 
 }  // namespace harness::model

@@ -1,10 +1,8 @@
-// The four communication steps of Megatron-style tensor parallelism as autograd functions over
-// the tensor-parallel group; each is the other's transpose in the backward pass:
+// The two communication steps of Megatron-style tensor parallelism (f and g) as autograd
+// functions over the tensor-parallel group; each is the other's transpose in the backward pass:
 //
 //   copy_to_tp_region       forward: identity            backward: all-reduce (sum)
 //   reduce_from_tp_region   forward: all-reduce (sum)    backward: identity
-//   gather_from_tp_region   forward: all-gather, last dim backward: keep this rank's slice
-//   scatter_to_tp_region    forward: keep this rank's slice of the last dim   backward: all-gather
 //
 // Every rank of the group must call them in the same order (they are collectives).
 #pragma once
@@ -17,10 +15,6 @@ namespace harness::tensor_parallel {
 
 at::Tensor copy_to_tp_region(const at::Tensor& x, const data_parallel::DistContext& tp);
 at::Tensor reduce_from_tp_region(const at::Tensor& x, const data_parallel::DistContext& tp);
-// Concatenates the ranks' x along the last dimension (rank order); all must have the same shape.
-at::Tensor gather_from_tp_region(const at::Tensor& x, const data_parallel::DistContext& tp);
-// The last dimension must be divisible by the group size (error with both numbers otherwise).
-at::Tensor scatter_to_tp_region(const at::Tensor& x, const data_parallel::DistContext& tp);
 
 // Plain (no autograd) all-gather of equally shaped tensors: result[r] is rank r's tensor.
 std::vector<at::Tensor> all_gather(const at::Tensor& x, const data_parallel::DistContext& tp);

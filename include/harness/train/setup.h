@@ -52,9 +52,9 @@ void fit_vocabulary(model::GPT2Config& config, const ModelSource& source,
                     const data::Tokenizer& tokenizer);
 
 // A model of `config` with the weights of source.path, else freshly initialised from torch's
-// seed `seed`.
+// seed `seed`; split over `tp` when given (each rank reads its own slices of the weights).
 model::GPT2LMHeadModel build_model(const ModelSource& source, const model::GPT2Config& config,
-                                   uint64_t seed);
+                                   uint64_t seed, std::shared_ptr<model::TensorParallelGroup> tp = nullptr);
 
 // Creates the folder (and parents); an error names it.
 void make_directories(const std::string& path);

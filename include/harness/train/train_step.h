@@ -30,9 +30,6 @@ class GradientSynchronizer;
 class BucketedAllReduce;
 class ShardedAdamW;
 }
-namespace harness::tensor_parallel {
-class TensorParallelGPT2LMHeadModelImpl;
-}
 
 namespace harness::train {
 
@@ -54,14 +51,15 @@ class TrainStep {
   // train() or eval() on everything that trains.
   virtual void set_training(bool training) = 0;
 
-  // The model as Hugging Face lays it out, with the current weights: evaluation, generation,
-  // saving. Tensor parallel: a collective over the tensor-parallel group (every rank calls it).
-  virtual model::GPT2LMHeadModel unsplit_model() = 0;
+  // The model that trains, with the current weights: evaluation and generation run on it. Split
+  // over a tensor-parallel group, its forward is a collective (every rank of the group runs the
+  // same evaluation), and its full_state() gathers the unsplit weights for saving.
+  virtual model::GPT2LMHeadModel model() = 0;
 
   // Checkpoints. The AdamW state under Hugging Face names, unsplit (collective for tensor
   // parallelism and ZeRO; every rank gets it).
   virtual OptimizerState optimizer_state() = 0;
-  // Whether unsplit_model() or optimizer_state() is a collective every rank must call.
+  // Whether the model's full_state() or optimizer_state() is a collective every rank must call.
   virtual bool collective_state() const { return false; }
   // Unsplit weights and optimizer state in (each rank keeps its part). Errors name the tensor.
   virtual void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) = 0;
@@ -84,11 +82,12 @@ class TrainStep {
   std::string trace_track = "main";
 };
 
-// A GPT2LMHeadModel trained by AdamW: on one device, or spread over devices by the model's own
-// placement (model parallel) or a Pipe installed as its blocks executor (pipeline). With a
-// GradientSynchronizer (data parallelism) the gradients are averaged over its group between
-// backward and the optimizer step; `after_backward` (e.g. --pytest's gradient files) runs after
-// that. The synchronizer is attached here.
+// A GPT2LMHeadModel trained by AdamW: on one device, spread over devices by the model's own
+// placement (model parallel) or a Pipe installed as its blocks executor (pipeline), or split over
+// a tensor-parallel group (Megatron; each rank's AdamW steps its shards, checkpoints hold the
+// unsplit state). With a GradientSynchronizer (data parallelism) the gradients are averaged over
+// its group between backward and the optimizer step; `after_backward` (e.g. --pytest's gradient
+// files) runs after that. The synchronizer is attached here.
 class GPT2TrainStep : public TrainStep {
  public:
   GPT2TrainStep(model::GPT2LMHeadModel model, double learning_rate,
@@ -99,51 +98,20 @@ class GPT2TrainStep : public TrainStep {
   double step(const std::vector<data::Batch>& batches) override;
   c10::Device input_device() const override;
   void set_training(bool training) override;
-  model::GPT2LMHeadModel unsplit_model() override { return model_; }
+  model::GPT2LMHeadModel model() override { return model_; }
   OptimizerState optimizer_state() override;
+  bool collective_state() const override { return model_->tensor_parallel() != nullptr; }
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
+  GeneratorStates extra_generator_states() override;
+  void restore_extra_generator_states(const GeneratorStates& states) override;
 
   model::NamedTensors unsplit_gradients() override;
-
-  model::GPT2LMHeadModel& model() { return model_; }
 
  protected:
   torch::optim::AdamW& optimizer() { return *optimizer_; }
 
  private:
   model::GPT2LMHeadModel model_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
-  data_parallel::GradientSynchronizer* synchronizer_;
-};
-
-// Megatron-style tensor parallelism: the split model trains (its gradients averaged over the
-// data-parallel group by `synchronizer`, if any); `full` is an unsplit replica of the same
-// config, refreshed from the split weights by unsplit_model() for evaluation and saving.
-class TensorParallelTrainStep : public TrainStep {
- public:
-  TensorParallelTrainStep(std::shared_ptr<tensor_parallel::TensorParallelGPT2LMHeadModelImpl> split,
-                          model::GPT2LMHeadModel full, double learning_rate,
-                          data_parallel::GradientSynchronizer* synchronizer = nullptr);
-  ~TensorParallelTrainStep() override;
-
-  using TrainStep::step;
-  double step(const std::vector<data::Batch>& batches) override;
-  c10::Device input_device() const override;
-  void set_training(bool training) override;
-  model::GPT2LMHeadModel unsplit_model() override;
-  OptimizerState optimizer_state() override;
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
-  GeneratorStates extra_generator_states() override;
-  void restore_extra_generator_states(const GeneratorStates& states) override;
-  bool collective_state() const override { return true; }
-
-  model::NamedTensors unsplit_gradients() override;
-
-  tensor_parallel::TensorParallelGPT2LMHeadModelImpl& split() { return *split_; }
-
- private:
-  std::shared_ptr<tensor_parallel::TensorParallelGPT2LMHeadModelImpl> split_;
-  model::GPT2LMHeadModel full_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   data_parallel::GradientSynchronizer* synchronizer_;
 };
@@ -163,7 +131,7 @@ class ZeroTrainStep : public TrainStep {
   double step(const std::vector<data::Batch>& batches) override;
   c10::Device input_device() const override;
   void set_training(bool training) override;
-  model::GPT2LMHeadModel unsplit_model() override { return model_; }
+  model::GPT2LMHeadModel model() override { return model_; }
   OptimizerState optimizer_state() override;  // collective
   bool collective_state() const override { return true; }
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;

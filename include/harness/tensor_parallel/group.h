@@ -1,0 +1,17 @@
+// The tensor-parallel group a split GPT-2 talks to (model::TensorParallelGroup), over a c10d
+// process group: Megatron's f and g as autograd functions (comm_ops.h) and a per-rank dropout
+// stream (parallel_rng.h).
+#pragma once
+
+#include <memory>
+
+#include "harness/data_parallel/process_group.h"
+#include "harness/model/tensor_parallel.h"
+
+namespace harness::tensor_parallel {
+
+// Every rank of `tp` makes one and passes it to model::GPT2LMHeadModel; the ranks' models then
+// call its collectives in the same order. Throws when `tp` has no process group.
+std::shared_ptr<model::TensorParallelGroup> make_tensor_parallel_group(data_parallel::DistContext tp);
+
+}  // namespace harness::tensor_parallel

@@ -1,0 +1,39 @@
+// model::TensorParallelGroup over a c10d process group (see group.h).
+#include "harness/tensor_parallel/group.h"
+
+#include <stdexcept>
+
+#include "harness/tensor_parallel/comm_ops.h"
+#include "harness/tensor_parallel/parallel_rng.h"
+
+namespace harness::tensor_parallel {
+namespace {
+
+class ProcessGroupTensorParallel : public model::TensorParallelGroup {
+ public:
+  explicit ProcessGroupTensorParallel(data_parallel::DistContext tp) : tp_(std::move(tp)), rng_(tp_.rank) {}
+
+  int rank() const override { return tp_.rank; }
+  int size() const override { return tp_.world_size; }
+  at::Tensor copy_to_region(const at::Tensor& x) override { return copy_to_tp_region(x, tp_); }
+  at::Tensor reduce_from_region(const at::Tensor& x) override { return reduce_from_tp_region(x, tp_); }
+  std::vector<at::Tensor> all_gather(const at::Tensor& x) override { return tensor_parallel::all_gather(x, tp_); }
+  at::Tensor run_in_rank_stream(const c10::Device& device, const std::function<at::Tensor()>& fn) override {
+    return rng_.run(device, fn);
+  }
+  std::map<std::string, at::Tensor> rank_stream_states() const override { return rng_.states(); }
+  void set_rank_stream_states(const std::map<std::string, at::Tensor>& states) override { rng_.set_states(states); }
+
+ private:
+  data_parallel::DistContext tp_;
+  ParallelRegionRng rng_;
+};
+
+}  // namespace
+
+std::shared_ptr<model::TensorParallelGroup> make_tensor_parallel_group(data_parallel::DistContext tp) {
+  if (!tp.group) throw std::invalid_argument("tensor-parallel GPT-2: no tensor-parallel process group");
+  return std::make_shared<ProcessGroupTensorParallel>(std::move(tp));
+}
+
+}  // namespace harness::tensor_parallel
