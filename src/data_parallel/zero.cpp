@@ -41,9 +41,6 @@ ShardedAdamW::ShardedAdamW(const BucketedAllReduce& gradients, std::vector<at::T
 void ShardedAdamW::step() {
   torch::NoGradGuard no_grad;
   ++step_;
-  const double bias_correction1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
-  const double bias_correction2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
-  const double step_size = options_.lr / bias_correction1;
   const auto& plan = gradients_.bucket_plan();
   for (Shard& shard : shards_) {
     const at::Tensor& grad = gradients_.gradient_shard(shard.bucket);
@@ -52,12 +49,8 @@ void ShardedAdamW::step() {
       mine.narrow(0, piece.chunk_offset, piece.length)
           .copy_(parameters_[piece.parameter].detach().view(-1).narrow(0, piece.parameter_offset, piece.length));
     }
-    // torch::optim::AdamW's step, on the chunk.
-    mine.mul_(1.0 - options_.lr * options_.weight_decay);
-    shard.exp_avg.mul_(options_.beta1).add_(grad, 1.0 - options_.beta1);
-    shard.exp_avg_sq.mul_(options_.beta2).addcmul_(grad, grad, 1.0 - options_.beta2);
-    const at::Tensor denom = (shard.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(options_.eps);
-    mine.addcdiv_(shard.exp_avg, denom, -step_size);
+    // The replicated step's fused AdamW kernel, on the chunk.
+    optim::fused_adamw_update({mine}, {grad}, {shard.exp_avg}, {shard.exp_avg_sq}, step_, options_);
 
     const std::vector<at::Tensor> updated = gradients_.gather_bucket(shard.bucket, mine);
     gathered_bytes_ += mine.numel() * static_cast<int64_t>(mine.element_size());

@@ -9,6 +9,7 @@
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/zero.h"
+#include "harness/optim/fused_adamw.h"
 #include "harness/trace.h"
 #include "harness/train/loss.h"
 
@@ -70,8 +71,8 @@ NamedParameters named_parameters_of(torch::nn::Module& module) {
 GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, double learning_rate,
                              data_parallel::GradientSynchronizer* synchronizer)
     : model_(std::move(model)),
-      optimizer_(std::make_unique<torch::optim::AdamW>(model_->parameters(),
-                                                       torch::optim::AdamWOptions(learning_rate))),
+      optimizer_(std::make_unique<optim::FusedAdamW>(model_->parameters(),
+                                                     torch::optim::AdamWOptions(learning_rate))),
       synchronizer_(synchronizer) {
   if (synchronizer_) synchronizer_->attach(*model_);
 }

@@ -2,8 +2,9 @@
 // data-parallel rank keeps AdamW's two moments only for its chunk of every gradient bucket (the
 // bucket's parameters flattened; BucketedAllReduce in kReduceScatter mode hands it the averaged
 // gradient of that chunk, reduce-scattered and overlapped with backward), steps that chunk, and
-// all-gathers the updated chunks into every rank's parameters. The arithmetic is torch::optim::
-// AdamW's, element for element, so a sharded run takes the replicated run's steps.
+// all-gathers the updated chunks into every rank's parameters. The update is the replicated step's
+// kernel (optim::FusedAdamW's, element for element), so a sharded run takes the replicated run's
+// steps.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,16 +14,11 @@
 #include <vector>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
+#include "harness/optim/fused_adamw.h"
 
 namespace harness::data_parallel {
 
-struct AdamWHyperparameters {  // torch::optim::AdamWOptions' defaults
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 1e-2;
-};
+using optim::AdamWHyperparameters;  // torch::optim::AdamWOptions' defaults
 
 class ShardedAdamW {
  public:

@@ -108,7 +108,7 @@ class GPT2TrainStep : public TrainStep {
   model::NamedTensors unsplit_gradients() override;
 
  protected:
-  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  torch::optim::AdamW& optimizer() { return *optimizer_; }  // an optim::FusedAdamW
 
  private:
   model::GPT2LMHeadModel model_;
