@@ -62,23 +62,17 @@ def measure(program: str, model: str, world_size: int, tensor_parallel_size: int
                    "--n_epochs", "1", "--train_size", "16", "--validation_size", "2", "--test_size", "1",
                    "--threads_per_device", "1", "--no_progress", "--workdir", workdir] + extra
         started = time.monotonic()
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        peaks: Dict[int, int] = {}
-        pids: Dict[int, int] = {}
-        output: List[str] = []
-        os.set_blocking(process.stdout.fileno(), False)
-        while process.poll() is None:
-            pids.update(rank_processes(process.pid))
-            for pid, rank in pids.items():
-                peaks[rank] = max(peaks.get(rank, 0), peak_kib(pid))
-            chunk = process.stdout.read()
-            if chunk:
-                output.append(chunk)
-            time.sleep(0.05)
-        rest = process.stdout.read()
-        if rest:
-            output.append(rest)
-        log = "".join(output)
+        log_path = os.path.join(workdir, "run.log")
+        with open(log_path, "w") as log_file:
+            process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+            peaks: Dict[int, int] = {}
+            pids: Dict[int, int] = {}
+            while process.poll() is None:
+                pids.update(rank_processes(process.pid))
+                for pid, rank in pids.items():
+                    peaks[rank] = max(peaks.get(rank, 0), peak_kib(pid))
+                time.sleep(0.05)
+        log = open(log_path).read()
         if process.returncode != 0:
             raise SystemExit(f"{' '.join(command)} exited {process.returncode}:\n{log[-4000:]}")
         counts = re.search(r"\((\d+) parameters(?:, (\d+) on each rank)?\)", log)
