@@ -389,20 +389,28 @@ torch::Tensor GPT2LMHeadModelImpl::shard(const std::string& name, const torch::T
   return tp_ ? shard_tensor(full, shard->second.spec, tp_->rank(), tp_->size()) : full;
 }
 
-NamedTensors GPT2LMHeadModelImpl::gather(bool gradients) {
-  NamedTensors out;
+void GPT2LMHeadModelImpl::for_each_full(bool gradients,
+                                        const std::function<void(const std::string&, const torch::Tensor&)>& visit) {
   // Every rank of the group walks the parameters in the same order and has the same gradients
   // defined (the graphs are the same), so the gathers match across the group.
   for (const auto& item : named_parameters()) {
     const torch::Tensor local = gradients ? item.value().grad() : item.value();
     if (!local.defined()) continue;
-    out.emplace_back(item.key(), unshard(item.key(), local));
+    visit(item.key(), unshard(item.key(), local));
   }
+}
+
+NamedTensors GPT2LMHeadModelImpl::full_state() {
+  NamedTensors out;
+  for_each_full(false, [&](const std::string& name, const torch::Tensor& t) { out.emplace_back(name, t); });
   return out;
 }
 
-NamedTensors GPT2LMHeadModelImpl::full_state() { return gather(false); }
-NamedTensors GPT2LMHeadModelImpl::full_gradients() { return gather(true); }
+NamedTensors GPT2LMHeadModelImpl::full_gradients() {
+  NamedTensors out;
+  for_each_full(true, [&](const std::string& name, const torch::Tensor& t) { out.emplace_back(name, t); });
+  return out;
+}
 
 void GPT2LMHeadModelImpl::load_full_state(const NamedTensors& full) {
   std::map<std::string, torch::Tensor> given;

@@ -410,32 +410,40 @@ NamedTensors read_safetensors(const std::string& path) {
   return read_safetensors_with_metadata(path).tensors;
 }
 
-void write_safetensors(const std::string& path, const NamedTensors& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+// ----- writing -------------------------------------------------------------------------------
+
+struct SafetensorsWriter::State {
+  std::string path, tmp;
+  std::vector<SafetensorsEntry> entries;
+  size_t next = 0;
+  std::ofstream out;
+  bool finished = false;
+};
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<SafetensorsEntry> entries,
+                                     const std::map<std::string, std::string>& metadata)
+    : state_(std::make_unique<State>()) {
+  State& st = *state_;
+  st.path = path;
+  st.tmp = path + ".tmp";
   json header = json::object();
   if (!metadata.empty()) {
     json m = json::object();
     for (const auto& [k, v] : metadata) m[k] = v;
     header["__metadata__"] = m;
   }
-  std::vector<torch::Tensor> cpu;
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (name == "__metadata__") fail(path, "a tensor may not be called __metadata__");
-    if (header.contains(name)) fail(path, "tensor " + name + " is given twice");
-    if (!tensor.defined()) fail(path, "tensor " + name + " is undefined");
-    const auto dtype = tensor.scalar_type();
-    if (dtype != torch::kFloat && dtype != torch::kHalf && dtype != torch::kBFloat16) {
-      fail(path, "tensor " + name + " has dtype " + std::string(c10::toString(dtype)) +
+  for (const SafetensorsEntry& e : entries) {
+    if (e.name == "__metadata__") fail(path, "a tensor may not be called __metadata__");
+    if (header.contains(e.name)) fail(path, "tensor " + e.name + " is given twice");
+    if (e.dtype != torch::kFloat && e.dtype != torch::kHalf && e.dtype != torch::kBFloat16) {
+      fail(path, "tensor " + e.name + " has dtype " + std::string(c10::toString(e.dtype)) +
                      "; only float32, float16 and bfloat16 are written");
     }
-    torch::Tensor t = tensor.detach().to(torch::kCPU).contiguous();
-    const uint64_t nbytes = t.numel() * t.element_size();
-    header[name] = {{"dtype", dtype_name(dtype)},
-                    {"shape", t.sizes().vec()},
-                    {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
-    cpu.push_back(std::move(t));
+    uint64_t n = c10::elementSize(e.dtype);
+    for (int64_t d : e.shape) n *= static_cast<uint64_t>(d);
+    header[e.name] = {{"dtype", dtype_name(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
   }
   std::string text;
   try {
@@ -444,24 +452,62 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     fail(path, std::string("cannot encode the header: ") + e.what());
   }
   text.append((8 - text.size() % 8) % 8, ' ');
+  st.entries = std::move(entries);
+  st.out.open(st.tmp, std::ios::binary | std::ios::trunc);
+  if (!st.out) fail(st.tmp, "cannot open for writing");
+  uint8_t prefix[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i, n >>= 8) prefix[i] = static_cast<uint8_t>(n & 0xff);
+  st.out.write(reinterpret_cast<const char*>(prefix), 8);
+  st.out.write(text.data(), static_cast<std::streamsize>(text.size()));
+}
 
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail(tmp, "cannot open for writing");
-    uint8_t prefix[8];
-    uint64_t n = text.size();
-    for (int i = 0; i < 8; ++i, n >>= 8) prefix[i] = static_cast<uint8_t>(n & 0xff);
-    out.write(reinterpret_cast<const char*>(prefix), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& t : cpu) {
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
-    }
-    if (!out.flush()) fail(tmp, "write failed (disk full?)");
+SafetensorsWriter::~SafetensorsWriter() {
+  if (state_ && !state_->finished) {
+    state_->out.close();
+    ::unlink(state_->tmp.c_str());
   }
+}
+
+void SafetensorsWriter::append(const torch::Tensor& tensor) {
+  State& st = *state_;
+  if (st.next >= st.entries.size()) fail(st.path, "more tensors appended than the header lists");
+  const SafetensorsEntry& e = st.entries[st.next];
+  if (!tensor.defined()) fail(st.path, "tensor " + e.name + " is undefined");
+  if (tensor.scalar_type() != e.dtype || tensor.sizes() != at::IntArrayRef(e.shape)) {
+    fail(st.path, "tensor " + e.name + " is " + std::string(c10::toString(tensor.scalar_type())) +
+                      shape_str(tensor.sizes()) + ", the header says " + std::string(c10::toString(e.dtype)) +
+                      shape_str(e.shape));
+  }
+  const torch::Tensor t = tensor.detach().to(torch::kCPU).contiguous();
+  st.out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+  if (!st.out) fail(st.tmp, "write failed (disk full?)");
+  ++st.next;
+}
+
+void SafetensorsWriter::finish() {
+  State& st = *state_;
+  if (st.next != st.entries.size()) {
+    fail(st.path, std::to_string(st.entries.size() - st.next) + " of the header's tensors were not appended");
+  }
+  if (!st.out.flush()) fail(st.tmp, "write failed (disk full?)");
+  st.out.close();
   std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) fail(path, "cannot move " + tmp + " into place: " + ec.message());
+  std::filesystem::rename(st.tmp, st.path, ec);
+  if (ec) fail(st.path, "cannot move " + st.tmp + " into place: " + ec.message());
+  st.finished = true;
+}
+
+void write_safetensors(const std::string& path, const NamedTensors& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined()) fail(path, "tensor " + name + " is undefined");
+    entries.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
+  }
+  SafetensorsWriter writer(path, std::move(entries), metadata);
+  for (const auto& [name, tensor] : tensors) writer.append(tensor);
+  writer.finish();
 }
 
 void load_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
@@ -550,10 +596,28 @@ void save_pretrained(const GPT2Config& config, const NamedTensors& weights, cons
   write_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), weights);
 }
 
-void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir) {
-  const NamedTensors weights = model.full_state();  // collective when split
-  if (model.tensor_parallel() != nullptr && model.tensor_parallel()->rank() != 0) return;
-  save_pretrained(model.config(), weights, dir);
+void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir, bool write) {
+  if (model.tensor_parallel() == nullptr) {
+    if (write) save_pretrained(model.config(), model.full_state(), dir);
+    return;
+  }
+  std::unique_ptr<SafetensorsWriter> file;
+  if (write) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) fail(dir, "cannot create directory: " + ec.message());
+    model.config().save_json_file((std::filesystem::path(dir) / "config.json").string());
+    std::vector<SafetensorsEntry> entries;
+    for (const auto& item : model.named_parameters()) {
+      entries.push_back({item.key(), item.value().scalar_type(), model.shards().at(item.key()).full_shape});
+    }
+    file = std::make_unique<SafetensorsWriter>((std::filesystem::path(dir) / "model.safetensors").string(),
+                                               std::move(entries));
+  }
+  model.for_each_full(/*gradients=*/false, [&](const std::string&, const torch::Tensor& full) {
+    if (file) file->append(full);
+  });
+  if (file) file->finish();
 }
 
 }  // namespace harness::model

@@ -119,12 +119,16 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
   const bool writer = o.rank == 0;
   const bool collective = step.collective_state();  // unsplitting gathers (tensor parallelism, ZeRO)
   const double start = now_seconds();
-  model::GPT2LMHeadModel model = step.model();
-  model::NamedTensors weights;
-  OptimizerState optimizer;
+  const std::string root = checkpoint_root(o);
+  std::unique_ptr<CheckpointWriter> files;
+  if (writer) {
+    make_directories(root);
+    files = std::make_unique<CheckpointWriter>(root, at.global_step);
+    step.model()->config().save_json_file(files->path_for("config.json"));
+  }
   if (writer || collective) {
-    weights = model->full_state();
-    optimizer = step.optimizer_state();
+    step.save_state(writer ? files->path_for("model.safetensors") : std::string(),
+                    writer ? files->path_for("optimizer.safetensors") : std::string(), writer);
   }
   GeneratorStates generators = capture_generator_states(o.devices);
   for (auto& [name, bytes] : step.extra_generator_states()) generators[name] = bytes;
@@ -135,27 +139,22 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
   const std::vector<std::string> ranks = all_gather_strings(mine.dump(), world);
   if (!writer) return;  // the others go on; they wait for rank 0 at the next collective
 
-  const std::string root = checkpoint_root(o);
-  make_directories(root);
-  CheckpointWriter files(root, at.global_step);
-  model::save_pretrained(model->config(), weights, files.temp_path());
-  files.add_file("config.json");
-  files.add_file("model.safetensors");
-  write_optimizer_state(files.path_for("optimizer.safetensors"), optimizer);
-  files.add_file("optimizer.safetensors");
-  files.add_bytes("tokenizer.model", read_bytes(o.tokenizer_path));
+  files->add_file("config.json");
+  files->add_file("model.safetensors");
+  files->add_file("optimizer.safetensors");
+  files->add_bytes("tokenizer.model", read_bytes(o.tokenizer_path));
   const json trainer_state = {
       {"epoch", at.epoch}, {"batch_in_epoch", at.batch_in_epoch}, {"global_step", at.global_step},
       {"n_epochs", o.n_epochs}, {"max_batches", o.max_batches},
       {"global_batch_size", o.global_batch_size}, {"seed", o.seed}, {"data_order", o.data_order},
       {"optimizer", "AdamW"}};
-  files.add_bytes("trainer_state.json", trainer_state.dump(2) + "\n");
+  files->add_bytes("trainer_state.json", trainer_state.dump(2) + "\n");
   json rank_states = {{"ranks", json::array()}};
   for (const std::string& r : ranks) rank_states["ranks"].push_back(json::parse(r));
-  files.add_bytes("rank_states.json", rank_states.dump() + "\n");
+  files->add_bytes("rank_states.json", rank_states.dump() + "\n");
   if (const char* stall = std::getenv("HARNESS_TEST_CHECKPOINT_STALL_MS")) {
     // Test hook: a window in which the checkpoint is half written, announced on stderr.
-    std::cerr << "checkpoint: writing " << files.temp_path() << std::endl;
+    std::cerr << "checkpoint: writing " << files->temp_path() << std::endl;
     std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(stall)));
   }
 
@@ -165,11 +164,11 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
   manifest.tensor_parallel_size = o.tensor_parallel_size;
   manifest.data_parallel_size = o.data_parallel_size;
   manifest.pipeline_devices = o.pipeline_devices;
-  manifest.model_config = json::parse(model->config().to_json_string());
+  manifest.model_config = json::parse(step.model()->config().to_json_string());
   manifest.global_step = at.global_step;
   manifest.epoch = at.epoch;
   manifest.batch_in_epoch = at.batch_in_epoch;
-  const std::string path = files.commit(manifest);
+  const std::string path = files->commit(manifest);
   prune_checkpoints(root, std::max(1, o.checkpoint.keep));
   uint64_t bytes = 0;
   for (const auto& f : read_manifest(path).files) bytes += f.size;
@@ -448,9 +447,9 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
             << ", std:" << format_number(rate_stats.std) << std::endl;
 
   model::GPT2LMHeadModel model = step.model();
-  if (!o.save_dir.empty() || step.collective_state()) {
-    const model::NamedTensors weights = model->full_state();  // collective when split
-    if (!o.save_dir.empty()) model::save_pretrained(model->config(), weights, o.save_dir);
+  // Split over a tensor-parallel group, every rank of it takes part in gathering the weights.
+  if (!o.save_dir.empty() || model->tensor_parallel() != nullptr) {
+    model::save_pretrained(*model, o.save_dir, /*write=*/!o.save_dir.empty());
   }
   summary.epoch_seconds = progress.seconds;
   summary.epoch_token_rates = progress.rates;

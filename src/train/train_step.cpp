@@ -60,6 +60,18 @@ double accumulate_and_step(const std::vector<data::Batch>& batches,
 
 }  // namespace
 
+void TrainStep::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
+  model::NamedTensors weights;
+  OptimizerState optimizer;
+  if (write || collective_state()) {
+    weights = model()->full_state();
+    optimizer = optimizer_state();
+  }
+  if (!write) return;
+  model::write_safetensors(weights_path, weights);
+  write_optimizer_state(optimizer_path, optimizer);
+}
+
 NamedParameters named_parameters_of(torch::nn::Module& module) {
   NamedParameters out;
   for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value());
@@ -103,6 +115,51 @@ OptimizerState GPT2TrainStep::optimizer_state() {
                         model_->unshard(item.key(), it->second.exp_avg_sq)};
   }
   return full;
+}
+
+void GPT2TrainStep::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
+  if (model_->tensor_parallel() == nullptr) {
+    TrainStep::save_state(weights_path, optimizer_path, write);
+    return;
+  }
+  // Split: each unsplit tensor is gathered (a collective over the group), written by the writer
+  // and dropped before the next; every rank walks the same parameters in the same order.
+  std::unique_ptr<model::SafetensorsWriter> weights;
+  if (write) {
+    std::vector<model::SafetensorsEntry> entries;
+    for (const auto& item : model_->named_parameters()) {
+      entries.push_back({item.key(), item.value().scalar_type(), model_->shards().at(item.key()).full_shape});
+    }
+    weights = std::make_unique<model::SafetensorsWriter>(weights_path, std::move(entries));
+  }
+  model_->for_each_full(/*gradients=*/false, [&](const std::string&, const at::Tensor& full) {
+    if (weights) weights->append(full);
+  });
+  if (weights) weights->finish();
+
+  std::vector<std::pair<std::string, const torch::optim::AdamWParamState*>> with_state;
+  std::vector<model::SafetensorsEntry> entries;
+  std::map<std::string, std::string> metadata{{"format", "pt"}, {"optimizer", "AdamW"}};
+  auto& states = optimizer_->state();
+  for (const auto& item : model_->named_parameters()) {
+    auto it = states.find(item.value().unsafeGetTensorImpl());
+    if (it == states.end()) continue;
+    const auto* s = static_cast<const torch::optim::AdamWParamState*>(it->second.get());
+    with_state.emplace_back(item.key(), s);
+    const std::vector<int64_t>& shape = model_->shards().at(item.key()).full_shape;
+    entries.push_back({item.key() + ".exp_avg", torch::kFloat, shape});
+    entries.push_back({item.key() + ".exp_avg_sq", torch::kFloat, shape});
+    metadata[item.key() + ".step"] = std::to_string(s->step());
+  }
+  std::unique_ptr<model::SafetensorsWriter> moments;
+  if (write) moments = std::make_unique<model::SafetensorsWriter>(optimizer_path, std::move(entries), metadata);
+  for (const auto& [name, s] : with_state) {
+    for (const at::Tensor* moment : {&s->exp_avg(), &s->exp_avg_sq()}) {
+      const at::Tensor full = model_->unshard(name, *moment).to(torch::kFloat);
+      if (moments) moments->append(full);
+    }
+  }
+  if (moments) moments->finish();
 }
 
 void GPT2TrainStep::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {

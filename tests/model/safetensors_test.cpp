@@ -124,6 +124,40 @@ TEST_F(SafetensorsTest, ReaderReadsRangesOfTheFirstOrLastDimensionAndOnlyThoseBy
   EXPECT_THROW(file.read("nothing"), std::runtime_error);
 }
 
+// Streamed one tensor at a time, the file is byte for byte write_safetensors'; a writer that does
+// not finish leaves nothing behind, and a tensor that is not the header's is refused.
+TEST_F(SafetensorsTest, StreamingWriterWritesTheSameBytesAndNothingHalfWritten) {
+  const NamedTensors tensors{{"a", torch::randn({3, 4})}, {"b", torch::randn({5}).to(torch::kBFloat16)}};
+  write_safetensors(path("whole.safetensors"), tensors, {{"format", "pt"}, {"k", "v"}});
+  {
+    SafetensorsWriter writer(path("streamed.safetensors"),
+                             {{"a", torch::kFloat, {3, 4}}, {"b", torch::kBFloat16, {5}}}, {{"format", "pt"}, {"k", "v"}});
+    writer.append(tensors[0].second);
+    EXPECT_FALSE(fs::exists(path("streamed.safetensors")));  // only the .tmp so far
+    writer.append(tensors[1].second);
+    writer.finish();
+  }
+  auto bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(bytes(path("streamed.safetensors")), bytes(path("whole.safetensors")));
+  {
+    SafetensorsWriter unfinished(path("unfinished.safetensors"), {{"a", torch::kFloat, {3, 4}}});
+    unfinished.append(tensors[0].second);
+  }
+  EXPECT_FALSE(fs::exists(path("unfinished.safetensors")));
+  EXPECT_FALSE(fs::exists(path("unfinished.safetensors.tmp")));
+  SafetensorsWriter wrong(path("wrong.safetensors"), {{"a", torch::kFloat, {3, 4}}});
+  try {
+    wrong.append(torch::zeros({4, 3}));
+    FAIL() << "expected an error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_CONTAINS(std::string(e.what()), "tensor a is Float[4, 3], the header says Float[3, 4]");
+  }
+  EXPECT_THROW(wrong.finish(), std::runtime_error);  // a is still missing
+}
+
 TEST_F(SafetensorsTest, WriteRejectsUnsupportedDtypesAndDuplicates) {
   EXPECT_THROW(write_safetensors(path("x"), {{"ids", torch::zeros({2}, torch::kLong)}}), std::runtime_error);
   EXPECT_THROW(write_safetensors(path("x"), {{"a", torch::zeros({2})}, {"a", torch::zeros({2})}}),

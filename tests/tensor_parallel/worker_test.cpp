@@ -213,7 +213,7 @@ void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
     for (auto& p : split->parameters()) p.sub_(0.1 * p.grad());
   }
   const std::string saved = dir + "/model";
-  model::save_pretrained(*split, saved);  // collective; rank 0 writes
+  model::save_pretrained(*split, saved, /*write=*/tp.rank == 0);  // collective; streamed by rank 0
   if (tp.rank == 0) {
     // What Hugging Face must compute from the split model's files: the unsplit model's logits
     // (tensor_parallel_test.cpp runs hf_load_check.py on them).

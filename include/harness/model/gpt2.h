@@ -187,6 +187,9 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // without a group a CPU parameter is returned as it is (storage shared: copy before training).
   NamedTensors full_state();
   NamedTensors full_gradients();
+  // The same one parameter at a time (weights, or gradients where defined), in named_parameters()
+  // order: `visit` sees each unsplit tensor before the next is gathered, so none is held longer.
+  void for_each_full(bool gradients, const std::function<void(const std::string&, const torch::Tensor&)>& visit);
   // Collective when split: the unsplit tensor of parameter `name` from each rank's `local`
   // (weights, or a tensor shaped like them: an optimizer moment), on the CPU.
   torch::Tensor unshard(const std::string& name, const torch::Tensor& local);
@@ -203,7 +206,6 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
 
  private:
   torch::Tensor head(const torch::Tensor& hidden);  // ln_f, then tied projection on first device
-  NamedTensors gather(bool gradients);
 
   GPT2Config config_;
   std::shared_ptr<TensorParallelGroup> tp_;

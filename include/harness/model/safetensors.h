@@ -17,6 +17,13 @@
 
 namespace harness::model {
 
+// One tensor of a file: its name, dtype and shape.
+struct SafetensorsEntry {
+  std::string name;
+  torch::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+
 struct SafetensorsContents {
   NamedTensors tensors;  // in the file's order (by data offset), i.e. as written
   std::map<std::string, std::string> metadata;  // "__metadata__"
@@ -31,6 +38,27 @@ SafetensorsContents parse_safetensors(const uint8_t* data, size_t size,
 NamedTensors read_safetensors(const std::string& path);
 SafetensorsContents read_safetensors_with_metadata(const std::string& path);
 
+// Writes a safetensors file one tensor at a time, so that tensors gathered one by one (a split
+// model's unsplit weights) never have to be held all at once: the header for `entries` (F32, F16
+// or BF16; names unique; padded to a multiple of 8 bytes, as the reference implementation does)
+// is written first, then each append() writes the next entry's data (its dtype and shape are
+// checked). The file is path + ".tmp" until finish() moves it into place; a writer destroyed
+// before finish() removes it, so no half-written file is ever found under `path`.
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(const std::string& path, std::vector<SafetensorsEntry> entries,
+                    const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  void append(const torch::Tensor& tensor);
+  void finish();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 // Writes tensors (F32, F16 or BF16; moved to the CPU, made contiguous) with the header padded
 // to a multiple of 8 bytes, as the reference implementation does. Names must be unique.
 void write_safetensors(const std::string& path, const NamedTensors& tensors,
@@ -41,11 +69,7 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
 // dimension, reading only those bytes (a tensor-parallel rank's slices of a large tensor).
 class SafetensorsReader {
  public:
-  struct TensorInfo {
-    std::string name;
-    torch::ScalarType dtype;
-    std::vector<int64_t> shape;
-  };
+  using TensorInfo = SafetensorsEntry;
   explicit SafetensorsReader(const std::string& path);
   ~SafetensorsReader();
   const std::vector<TensorInfo>& tensors() const;  // in the file's order
@@ -73,9 +97,10 @@ GPT2LMHeadModel from_pretrained(const std::string& dir);
 
 // Writes dir/config.json and dir/model.safetensors with Hugging Face names (the tied head
 // once), creating dir; works on a parallelized model. Split over a tensor-parallel group it is a
-// collective: the unsplit weights are gathered and the group's rank 0 writes the same files as
-// the unsplit model's.
-void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir);
+// collective (every rank of the group calls it): the unsplit tensors are gathered one at a time
+// and streamed into the file by the ranks that pass write = true (the same files as the unsplit
+// model's), so no rank holds the unsplit model.
+void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir, bool write = true);
 // The same from unsplit weights (GPT2LMHeadModelImpl::full_state()).
 void save_pretrained(const GPT2Config& config, const NamedTensors& weights, const std::string& dir);
 

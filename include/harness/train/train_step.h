@@ -59,8 +59,15 @@ class TrainStep {
   // Checkpoints. The AdamW state under Hugging Face names, unsplit (collective for tensor
   // parallelism and ZeRO; every rank gets it).
   virtual OptimizerState optimizer_state() = 0;
-  // Whether the model's full_state() or optimizer_state() is a collective every rank must call.
+  // Whether the model's full_state(), optimizer_state() or save_state() is a collective every
+  // rank must call.
   virtual bool collective_state() const { return false; }
+  // A checkpoint's state files: the unsplit weights as Hugging Face's model.safetensors at
+  // `weights_path` and the AdamW state at `optimizer_path` (write_optimizer_state's format),
+  // written where `write` (the checkpoint's writer; the paths are ignored elsewhere). By default
+  // the state is gathered whole, then written; a split model streams each unsplit tensor into the
+  // files as it is gathered, so no rank holds the unsplit state.
+  virtual void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write);
   // Unsplit weights and optimizer state in (each rank keeps its part). Errors name the tensor.
   virtual void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) = 0;
   // Generator streams the layout owns besides the default generators (tensor parallelism's
@@ -101,6 +108,7 @@ class GPT2TrainStep : public TrainStep {
   model::GPT2LMHeadModel model() override { return model_; }
   OptimizerState optimizer_state() override;
   bool collective_state() const override { return model_->tensor_parallel() != nullptr; }
+  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
   GeneratorStates extra_generator_states() override;
   void restore_extra_generator_states(const GeneratorStates& states) override;
