@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "common.h"
+#include "harness/host_memory.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
@@ -110,6 +111,7 @@ std::string env_or(const char* name, const std::string& fallback) {
 }  // namespace harness::apps
 
 int main(int argc, char** argv) {
+  harness::keep_freed_host_memory();  // reuse, not re-fault, the large tensors of each step
   using namespace harness::apps;
   const DataParallelFlags flags = parse(argc, argv);
   const harness::train::DataParallelConfig& config = flags.config;

@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "common.h"
+#include "harness/host_memory.h"
 
 namespace harness::apps {
 namespace {
@@ -59,6 +60,7 @@ PipelineFlags parse(int argc, char** argv) {
 }  // namespace harness::apps
 
 int main(int argc, char** argv) {
+  harness::keep_freed_host_memory();  // reuse, not re-fault, the large tensors of each step
   const harness::apps::PipelineFlags flags = harness::apps::parse(argc, argv);
   try {
     if (!flags.export_dataset.empty()) {

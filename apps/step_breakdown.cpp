@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "harness/model/gpt2.h"
+#include "harness/host_memory.h"
 #include "harness/model/precision.h"
 #include "harness/train/train_step.h"
 
@@ -82,6 +83,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  harness::keep_freed_host_memory();  // reuse, not re-fault, the large tensors of each step
   using namespace harness;
   cxxopts::Options options("step_breakdown", "Where a GPT-2 training step's time goes, by kind of work");
   options.add_options()

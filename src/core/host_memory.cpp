@@ -1,0 +1,23 @@
+// glibc's malloc tuned to keep freed host memory (see host_memory.h).
+#include "harness/host_memory.h"
+
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace harness {
+
+void keep_freed_host_memory() {
+  const char* setting = std::getenv("HARNESS_KEEP_FREED_MEMORY");
+  if (setting != nullptr && std::strcmp(setting, "0") == 0) return;
+#if defined(__GLIBC__)
+  ::mallopt(M_MMAP_MAX, 0);              // no allocation gets its own mapping
+  ::mallopt(M_TRIM_THRESHOLD, INT_MAX);  // freed memory at the heap's top is not given back
+#endif
+}
+
+}  // namespace harness
