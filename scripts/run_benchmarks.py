@@ -5,6 +5,7 @@ epochs, and writes submit_figures/performance_summary.json and the figures.
     .venv/bin/python scripts/run_benchmarks.py --fast          # about 5-10 minutes on 2 CPU cores
     .venv/bin/python scripts/run_benchmarks.py                 # whole epochs
     .venv/bin/python scripts/run_benchmarks.py --reuse-logs    # redraw from workdir/perf/*.log
+    python3 scripts/run_benchmarks.py --gpu-single             # on a GPU: gpt2 throughput, MFU, memory
 
 Configurations (logs in WORKDIR/perf/, `_fast{K}` appended when --max-batches K caps epochs):
   dp_ws1_b64         run_data_parallel --world_size 1 --batch_size 64
@@ -94,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.path.join(REPO_ROOT, "submit_figures"),
                    help="figures and JSON")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one program may run")
+    p.add_argument("--gpu-single", nargs="?", const="gpu", choices=("gpu", "cpu-smoke"), default=None,
+                   help="only the single-GPU benchmark (gpu_throughput): gpt2 (124M) at 128 and 1024 tokens per "
+                        "example, fp32 and bf16 autocast, each at the largest batch that fits: tokens/s, MFU against "
+                        "the bf16 matmul peak it measures, peak memory -> OUT_DIR/gpu_single.json. 'cpu-smoke' runs "
+                        "the same path on the CPU with gpt2-tiny (tests; measures nothing)")
     args = p.parse_args(argv)
     if args.max_batches is None:
         args.max_batches = FAST_MAX_BATCHES if args.fast else 0
@@ -671,9 +677,66 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+GPU_SINGLE_TOKENS = (128, 1024)
+
+
+def gpu_single(args: argparse.Namespace) -> int:
+    """--gpu-single: runs gpu_throughput, writes OUT_DIR/gpu_single.json and prints its table."""
+    program = os.path.join(os.path.abspath(args.build_dir), "gpu_throughput")
+    if not os.access(program, os.X_OK):
+        raise bc.BenchmarkError(f"{program} not found: build it first (cmake --build build --target gpu_throughput) "
+                                f"or point --build-dir at the folder that has it")
+    out_dir = os.path.abspath(args.out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    out_json = os.path.join(out_dir, "gpu_single.json")
+    smoke = args.gpu_single == "cpu-smoke"
+    # The searches get half of the time; the timed steps at the batches found, the rest.
+    cmd = [program, "--model", "gpt2", "--tokens", "16,32" if smoke else ",".join(map(str, GPU_SINGLE_TOKENS)),
+           "--precisions", "fp32,bf16", "--time_budget_s", f"{max(10.0, 0.5 * args.run_timeout):.0f}",
+           "--out", out_json] + (["--cpu_smoke"] if smoke else [])
+    print(f"[bench] gpu-single: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=args.run_timeout)
+    except subprocess.TimeoutExpired:
+        raise bc.BenchmarkError(f"gpu_throughput: still running after --run-timeout {args.run_timeout:.0f} s "
+                                f"(what it measured so far is in {out_json})") from None
+    sys.stderr.write(proc.stderr)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1:] or [""]
+        raise bc.BenchmarkError(f"gpu_throughput exited with status {proc.returncode}: {last[0]}")
+    with open(out_json) as f:
+        result = json.load(f)
+    result["command"] = " ".join(shlex.quote(c) for c in cmd)
+    with open(out_json, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    peaks = result["peaks_tflops"]
+    print(f"{result['model']} ({result['parameters']:,} parameters) on {result['device']}: measured matmul peaks "
+          f"bf16 {peaks['bf16_matmul']:.1f} TFLOP/s, fp32 {peaks['fp32_matmul']:.1f} TFLOP/s")
+    print(f"{'tokens':>6s} {'precision':>9s} {'batch':>6s} {'tokens/s':>12s} {'MFU (bf16 peak)':>15s} "
+          f"{'peak memory':>12s}")
+    for r in result["runs"]:
+        if "error" in r:
+            print(f"{r['tokens']:>6} {r['precision']:>9s}  error: {r['error']}")
+            continue
+        memory = r.get("peak_memory_allocated_bytes")
+        print(f"{r['tokens']:>6} {r['precision']:>9s} {r['batch_size']:>6} {r['tokens_per_second']:>12,.0f} "
+              f"{100 * r['mfu_vs_bf16_peak']:>14.1f}% {memory / 2**30 if memory else float('nan'):>9.1f} GiB")
+    if "goal" in result:
+        g = result["goal"]
+        print(f"goal: {g['what']}: {100 * g['mfu']:.1f}% ({'met' if g['met'] else 'not met'})")
+    print(f"wrote {out_json}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.gpu_single:
+            return gpu_single(args)
         return run(args)
     except (bc.LogParseError, bc.BenchmarkError) as e:
         print(f"run_benchmarks.py: error: {e}", file=sys.stderr)
