@@ -73,12 +73,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ddp(batch: int, length: int, steps: int, warmup: int, attn: str, world: int = 2) -> float:
+# glibc settings equal to what keep_freed_host_memory() does in our programs (host_memory.h).
+KEEP_FREED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "2147483647"}
+
+
+def ddp(batch: int, length: int, steps: int, warmup: int, attn: str, world: int = 2, env: dict = None) -> float:
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world),
                                "--port", str(port), "--batch", str(batch), "--length", str(length),
                                "--steps", str(steps), "--warmup", str(warmup), "--attn", attn],
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
              for r in range(world)]
     rates = []
     for p in procs:
@@ -159,7 +164,9 @@ def main() -> int:
     r["single"] = {"shape": "4 x 64", "ours_program": "build/step_breakdown",
                    "ours": ours_single(args.build_dir, 4, 64, args.steps, args.warmup),
                    "hf_eager": hf_steps(4, 64, args.steps, args.warmup, "eager"),
-                   "hf_sdpa": hf_steps(4, 64, args.steps, args.warmup, "sdpa")}
+                   "hf_sdpa": hf_steps(4, 64, args.steps, args.warmup, "sdpa"),
+                   # The same process started with our glibc settings: how much of the lead is them.
+                   "hf_eager_keep_freed_memory": ddp(4, 64, args.steps, args.warmup, "eager", world=1, env=KEEP_FREED)}
     r["single"]["ours_over_hf_eager"] = r["single"]["ours"] / r["single"]["hf_eager"]
     r["single"]["ours_over_hf_sdpa"] = r["single"]["ours"] / r["single"]["hf_sdpa"]
     print(json.dumps(r["single"]), flush=True)
@@ -167,7 +174,9 @@ def main() -> int:
         # Ours is timed from each rank's "step" events in the program's trace, after warm-up.
         r["data_parallel"] = {"shape": "global 8 x 64 over 2 ranks",
                               "ours": ours_data_parallel(args.build_dir, 8, 64, args.steps, args.warmup),
-                              "ddp_hf_eager": ddp(8, 64, args.steps, args.warmup, "eager")}
+                              "ddp_hf_eager": ddp(8, 64, args.steps, args.warmup, "eager"),
+                              "ddp_hf_eager_keep_freed_memory": ddp(8, 64, args.steps, args.warmup, "eager",
+                                                                    env=KEEP_FREED)}
         r["data_parallel"]["ours_over_ddp"] = r["data_parallel"]["ours"] / r["data_parallel"]["ddp_hf_eager"]
         print(json.dumps(r["data_parallel"]), flush=True)
     text = json.dumps(r, indent=2)
