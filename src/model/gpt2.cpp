@@ -58,25 +58,18 @@ ShardSpec Conv1DImpl::bias_spec() const {
 torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = weight.size(1);
-  switch (style_) {
-    case ParallelStyle::kReplicated: break;
-    case ParallelStyle::kColumn: {
-      const torch::Tensor in = tp_->copy_to_region(x);
-      return torch::addmm(bias, in.reshape({-1, in.size(-1)}), weight).view(out_sizes);
+  if (style_ == ParallelStyle::kRow) {
+    if (x.size(-1) != weight.size(0)) {
+      throw std::invalid_argument("row-parallel Conv1D: input slice has " + std::to_string(x.size(-1)) +
+                                  " features (shape " + shape_str(x.sizes()) + "), expected " +
+                                  std::to_string(weight.size(0)) + " (in_features " + std::to_string(in_features_) +
+                                  " / " + std::to_string(tp_->size()) + " ranks)");
     }
-    case ParallelStyle::kRow: {
-      if (x.size(-1) != weight.size(0)) {
-        throw std::invalid_argument("row-parallel Conv1D: input slice has " + std::to_string(x.size(-1)) +
-                                    " features (shape " + shape_str(x.sizes()) + "), expected " +
-                                    std::to_string(weight.size(0)) + " (in_features " +
-                                    std::to_string(in_features_) + " / " + std::to_string(tp_->size()) +
-                                    " ranks)");
-      }
-      const torch::Tensor partial = torch::mm(x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
-      return tp_->reduce_from_region(partial) + bias;
-    }
+    const torch::Tensor partial = torch::mm(x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+    return tp_->reduce_from_region(partial) + bias;  // the bias once, after the sum
   }
-  return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+  const torch::Tensor in = style_ == ParallelStyle::kColumn ? tp_->copy_to_region(x) : x;
+  return torch::addmm(bias, in.reshape({-1, in.size(-1)}), weight).view(out_sizes);
 }
 
 // ----- KV cache -----------------------------------------------------------------------------

@@ -282,6 +282,21 @@ SafetensorsContents parse_safetensors(const uint8_t* data, size_t size, const st
 
 // ----- reading a file on demand --------------------------------------------------------------
 
+namespace {
+
+// Reads exactly `n` bytes at `offset` (pread may return fewer); false when the file ends first.
+bool read_exactly(int fd, void* out, uint64_t n, uint64_t offset) {
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd, static_cast<char*>(out) + done, n - done, static_cast<off_t>(offset + done));
+    if (got <= 0) return false;
+    done += static_cast<uint64_t>(got);
+  }
+  return true;
+}
+
+}  // namespace
+
 struct SafetensorsReader::State {
   std::string path;
   int fd = -1;
@@ -301,14 +316,8 @@ struct SafetensorsReader::State {
   }
   // `n` bytes at data offset `offset` of entry `e` into `out`.
   void read(const Entry& e, uint64_t offset, uint64_t n, void* out) {
-    uint64_t done = 0;
-    while (done < n) {
-      const ssize_t got = ::pread(fd, static_cast<char*>(out) + done, n - done,
-                                  static_cast<off_t>(data_start + e.begin + offset + done));
-      if (got <= 0) {
-        fail(path, "tensor " + printable(e.name) + ": read of its data failed (file changed or truncated?)");
-      }
-      done += static_cast<uint64_t>(got);
+    if (!read_exactly(fd, out, n, data_start + e.begin + offset)) {
+      fail(path, "tensor " + printable(e.name) + ": read of its data failed (file changed or truncated?)");
     }
     bytes_read += n;
   }
@@ -327,15 +336,10 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : state_(std::make
   const uint64_t size = static_cast<uint64_t>(end);
   if (size < 8) fail(path, "file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   uint8_t prefix[8];
-  if (::pread(st.fd, prefix, 8, 0) != 8) fail(path, "cannot read the 8-byte header length");
+  if (!read_exactly(st.fd, prefix, 8, 0)) fail(path, "cannot read the 8-byte header length");
   const uint64_t header_len = check_header_length(read_u64_le(prefix), size, path);
   std::string text(header_len, '\0');
-  uint64_t done = 0;
-  while (done < header_len) {
-    const ssize_t got = ::pread(st.fd, text.data() + done, header_len - done, static_cast<off_t>(8 + done));
-    if (got <= 0) fail(path, "cannot read the header");
-    done += static_cast<uint64_t>(got);
-  }
+  if (!read_exactly(st.fd, text.data(), header_len, 8)) fail(path, "cannot read the header");
   st.header = parse_header(text.data(), text.size(), size - 8 - header_len, path);
   st.data_start = 8 + header_len;
   for (size_t i = 0; i < st.header.entries.size(); ++i) {
@@ -588,36 +592,30 @@ GPT2LMHeadModel from_pretrained(const std::string& dir) {
   return model;
 }
 
-void save_pretrained(const GPT2Config& config, const NamedTensors& weights, const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) fail(dir, "cannot create directory: " + ec.message());
-  config.save_json_file((std::filesystem::path(dir) / "config.json").string());
-  write_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), weights);
-}
-
-void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir, bool write) {
-  if (model.tensor_parallel() == nullptr) {
-    if (write) save_pretrained(model.config(), model.full_state(), dir);
-    return;
-  }
+void write_model_weights(GPT2LMHeadModelImpl& model, const std::string& path, bool write) {
+  if (!write && model.tensor_parallel() == nullptr) return;  // nothing to gather, nothing to write
   std::unique_ptr<SafetensorsWriter> file;
   if (write) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) fail(dir, "cannot create directory: " + ec.message());
-    model.config().save_json_file((std::filesystem::path(dir) / "config.json").string());
     std::vector<SafetensorsEntry> entries;
     for (const auto& item : model.named_parameters()) {
       entries.push_back({item.key(), item.value().scalar_type(), model.shards().at(item.key()).full_shape});
     }
-    file = std::make_unique<SafetensorsWriter>((std::filesystem::path(dir) / "model.safetensors").string(),
-                                               std::move(entries));
+    file = std::make_unique<SafetensorsWriter>(path, std::move(entries));
   }
   model.for_each_full(/*gradients=*/false, [&](const std::string&, const torch::Tensor& full) {
     if (file) file->append(full);
   });
   if (file) file->finish();
+}
+
+void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir, bool write) {
+  if (write) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) fail(dir, "cannot create directory: " + ec.message());
+    model.config().save_json_file((std::filesystem::path(dir) / "config.json").string());
+  }
+  write_model_weights(model, (std::filesystem::path(dir) / "model.safetensors").string(), write);
 }
 
 }  // namespace harness::model

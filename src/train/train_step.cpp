@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/grad_sync.h"
@@ -61,15 +62,10 @@ double accumulate_and_step(const std::vector<data::Batch>& batches,
 }  // namespace
 
 void TrainStep::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
-  model::NamedTensors weights;
+  model::write_model_weights(*model(), weights_path, write);  // a collective when the model is split
   OptimizerState optimizer;
-  if (write || collective_state()) {
-    weights = model()->full_state();
-    optimizer = optimizer_state();
-  }
-  if (!write) return;
-  model::write_safetensors(weights_path, weights);
-  write_optimizer_state(optimizer_path, optimizer);
+  if (write || collective_state()) optimizer = optimizer_state();
+  if (write) write_optimizer_state(optimizer_path, optimizer);
 }
 
 NamedParameters named_parameters_of(torch::nn::Module& module) {
@@ -124,42 +120,24 @@ void GPT2TrainStep::save_state(const std::string& weights_path, const std::strin
   }
   // Split: each unsplit tensor is gathered (a collective over the group), written by the writer
   // and dropped before the next; every rank walks the same parameters in the same order.
-  std::unique_ptr<model::SafetensorsWriter> weights;
-  if (write) {
-    std::vector<model::SafetensorsEntry> entries;
-    for (const auto& item : model_->named_parameters()) {
-      entries.push_back({item.key(), item.value().scalar_type(), model_->shards().at(item.key()).full_shape});
-    }
-    weights = std::make_unique<model::SafetensorsWriter>(weights_path, std::move(entries));
-  }
-  model_->for_each_full(/*gradients=*/false, [&](const std::string&, const at::Tensor& full) {
-    if (weights) weights->append(full);
-  });
-  if (weights) weights->finish();
-
+  model::write_model_weights(*model_, weights_path, write);
   std::vector<std::pair<std::string, const torch::optim::AdamWParamState*>> with_state;
-  std::vector<model::SafetensorsEntry> entries;
-  std::map<std::string, std::string> metadata{{"format", "pt"}, {"optimizer", "AdamW"}};
+  std::vector<OptimizerStateWriter::Parameter> parameters;
   auto& states = optimizer_->state();
   for (const auto& item : model_->named_parameters()) {
     auto it = states.find(item.value().unsafeGetTensorImpl());
     if (it == states.end()) continue;
     const auto* s = static_cast<const torch::optim::AdamWParamState*>(it->second.get());
     with_state.emplace_back(item.key(), s);
-    const std::vector<int64_t>& shape = model_->shards().at(item.key()).full_shape;
-    entries.push_back({item.key() + ".exp_avg", torch::kFloat, shape});
-    entries.push_back({item.key() + ".exp_avg_sq", torch::kFloat, shape});
-    metadata[item.key() + ".step"] = std::to_string(s->step());
+    parameters.push_back({item.key(), s->step(), model_->shards().at(item.key()).full_shape});
   }
-  std::unique_ptr<model::SafetensorsWriter> moments;
-  if (write) moments = std::make_unique<model::SafetensorsWriter>(optimizer_path, std::move(entries), metadata);
+  std::optional<OptimizerStateWriter> file;
+  if (write) file.emplace(optimizer_path, parameters);
   for (const auto& [name, s] : with_state) {
-    for (const at::Tensor* moment : {&s->exp_avg(), &s->exp_avg_sq()}) {
-      const at::Tensor full = model_->unshard(name, *moment).to(torch::kFloat);
-      if (moments) moments->append(full);
-    }
+    const at::Tensor exp_avg = model_->unshard(name, s->exp_avg()), exp_avg_sq = model_->unshard(name, s->exp_avg_sq());
+    if (file) file->add(exp_avg, exp_avg_sq);
   }
-  if (moments) moments->finish();
+  if (file) file->finish();
 }
 
 void GPT2TrainStep::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {

@@ -75,15 +75,32 @@ void restore_adamw_state(torch::optim::AdamW& optimizer, const NamedParameters& 
   }
 }
 
-void write_optimizer_state(const std::string& path, const OptimizerState& state) {
-  model::NamedTensors tensors;
+OptimizerStateWriter::OptimizerStateWriter(const std::string& path, const std::vector<Parameter>& parameters) {
+  std::vector<model::SafetensorsEntry> entries;
   std::map<std::string, std::string> metadata{{"format", "pt"}, {"optimizer", "AdamW"}};
-  for (const auto& [name, s] : state) {
-    tensors.emplace_back(name + ".exp_avg", s.exp_avg);
-    tensors.emplace_back(name + ".exp_avg_sq", s.exp_avg_sq);
-    metadata[name + ".step"] = std::to_string(s.step);
+  for (const Parameter& p : parameters) {
+    entries.push_back({p.name + ".exp_avg", torch::kFloat, p.shape});
+    entries.push_back({p.name + ".exp_avg_sq", torch::kFloat, p.shape});
+    metadata[p.name + ".step"] = std::to_string(p.step);
   }
-  model::write_safetensors(path, tensors, metadata);
+  file_ = std::make_unique<model::SafetensorsWriter>(path, std::move(entries), metadata);
+}
+
+OptimizerStateWriter::~OptimizerStateWriter() = default;
+
+void OptimizerStateWriter::add(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
+  file_->append(exp_avg.to(torch::kFloat));
+  file_->append(exp_avg_sq.to(torch::kFloat));
+}
+
+void OptimizerStateWriter::finish() { file_->finish(); }
+
+void write_optimizer_state(const std::string& path, const OptimizerState& state) {
+  std::vector<OptimizerStateWriter::Parameter> parameters;
+  for (const auto& [name, s] : state) parameters.push_back({name, s.step, s.exp_avg.sizes().vec()});
+  OptimizerStateWriter file(path, parameters);
+  for (const auto& [name, s] : state) file.add(s.exp_avg, s.exp_avg_sq);
+  file.finish();
 }
 
 OptimizerState read_optimizer_state(const std::string& path) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../train/test_support.h"
 #include "cuda_test_support.h"
 #include "harness/model/gpt2.h"
 #include "harness/pipeline/executor.h"
@@ -31,6 +32,7 @@ namespace {
 
 using cuda_testing::Snapshot;
 using pipeline::ActivationCheckpointing;
+using train::testing::Layout;
 
 // Linear - Sigmoid - Linear - Sigmoid - Linear, the parameters' devices given per Linear.
 torch::nn::Sequential small_net(const std::vector<Device>& devices, bool wrap) {
@@ -144,16 +146,6 @@ TEST(CudaGpt2Pipe, OverTwoGpusEqualsTheCpu) {
 
 // ---- PipelineTrainStep: the schedules with the backward on the workers ------------------------
 
-struct Layout {
-  std::string schedule;
-  int virtual_stages;
-  int micro_batches;
-  ActivationCheckpointing checkpointing;
-  std::string name() const {
-    return schedule + " V=" + std::to_string(virtual_stages) + " M=" + std::to_string(micro_batches) + " " +
-           pipeline::to_string(checkpointing);
-  }
-};
 
 struct TrainedRun {
   std::vector<double> losses;

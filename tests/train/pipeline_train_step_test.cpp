@@ -22,6 +22,7 @@ namespace harness::train {
 namespace {
 
 using pipeline::ActivationCheckpointing;
+using testing::Layout;
 
 model::GPT2Config tiny_config(double dropout) { return testing::tiny_config(4, dropout); }
 using testing::make_model;
@@ -58,16 +59,6 @@ TrainedRun train(TrainStep& step, const std::vector<data::Batch>& batches) {
   return run;
 }
 
-struct Layout {
-  std::string schedule;
-  int virtual_stages;
-  int micro_batches;
-  ActivationCheckpointing checkpointing;
-  std::string name() const {
-    return schedule + " V=" + std::to_string(virtual_stages) + " M=" + std::to_string(micro_batches) + " " +
-           pipeline::to_string(checkpointing);
-  }
-};
 
 PipelineStepOptions options_for(const Layout& layout, uint64_t seed = 5) {
   PipelineStepOptions o;

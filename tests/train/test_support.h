@@ -10,9 +10,23 @@
 #include <string>
 
 #include "harness/model/gpt2.h"
+#include "harness/pipeline/executor.h"
 #include "harness/train/train_step.h"
 
 namespace harness::train::testing {
+
+// One way to run the pipeline training step: schedule, virtual stages per device, micro-batches
+// and activation checkpointing (the train and CUDA tiers walk lists of them).
+struct Layout {
+  std::string schedule;
+  int virtual_stages;
+  int micro_batches;
+  pipeline::ActivationCheckpointing checkpointing;
+  std::string name() const {
+    return schedule + " V=" + std::to_string(virtual_stages) + " M=" + std::to_string(micro_batches) + " " +
+           pipeline::to_string(checkpointing);
+  }
+};
 
 // gpt2-tiny with `n_layer` blocks and every dropout `dropout`.
 inline model::GPT2Config tiny_config(int64_t n_layer, double dropout) {

@@ -101,7 +101,8 @@ GPT2LMHeadModel from_pretrained(const std::string& dir);
 // and streamed into the file by the ranks that pass write = true (the same files as the unsplit
 // model's), so no rank holds the unsplit model.
 void save_pretrained(GPT2LMHeadModelImpl& model, const std::string& dir, bool write = true);
-// The same from unsplit weights (GPT2LMHeadModelImpl::full_state()).
-void save_pretrained(const GPT2Config& config, const NamedTensors& weights, const std::string& dir);
+// Its model.safetensors alone, at `path`: the unsplit weights streamed one tensor at a time (a
+// collective when the model is split; nothing happens where write is false and it is not).
+void write_model_weights(GPT2LMHeadModelImpl& model, const std::string& path, bool write = true);
 
 }  // namespace harness::model

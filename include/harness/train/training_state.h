@@ -8,12 +8,17 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace torch::optim {
 class AdamW;
+}
+
+namespace harness::model {
+class SafetensorsWriter;
 }
 
 namespace harness::train {
@@ -41,6 +46,25 @@ void restore_adamw_state(torch::optim::AdamW& optimizer, const NamedParameters& 
 // optimizer.safetensors: tensors "<name>.exp_avg" and "<name>.exp_avg_sq" (float32), and the
 // steps in the metadata as "<name>.step" -> decimal, next to "optimizer": "AdamW".
 void write_optimizer_state(const std::string& path, const OptimizerState& state);
+
+// The same file written one parameter at a time (a split model's moments, gathered in turn):
+// `parameters` lists each one's name, step and unsplit shape, in the order of the add() calls;
+// finish() moves the file into place (an unfinished one is removed).
+class OptimizerStateWriter {
+ public:
+  struct Parameter {
+    std::string name;
+    int64_t step = 0;
+    std::vector<int64_t> shape;
+  };
+  OptimizerStateWriter(const std::string& path, const std::vector<Parameter>& parameters);
+  ~OptimizerStateWriter();
+  void add(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq);
+  void finish();
+
+ private:
+  std::unique_ptr<model::SafetensorsWriter> file_;
+};
 OptimizerState read_optimizer_state(const std::string& path);
 
 // The default generators' states of the CPU and of each CUDA device in `devices` (others are
