@@ -27,6 +27,11 @@ TRAIN = re.compile(r"^Epoch (\d+) on Rank (\d+): Training Time = ([\d.]+), Token
 SENT = re.compile(r"gradient sync put (\d+) bytes into all-reduces in (\d+) optimizer steps \((\d+) per step\)")
 STATE = re.compile(r"--zero_stage 1 keeps (\d+) bytes of AdamW state on rank 0 \(replicated: (\d+)")
 VOCAB = re.compile(r"vocab=(\d+)")
+VALIDATION = re.compile(r"^Epoch (\d+) on Rank 0: Validation Loss = ([-+\d.eE]+|nan|inf)$", re.M)
+BLEU = re.compile(r"^Epoch (\d+) on Rank 0: BLEU = ([-+\d.eE]+|nan|inf)$", re.M)
+# scripts/run.sh's settings (the main job): the quality goal compares bf16 with fp32 on them.
+RUN_SH_FLAGS = ["--world_size", "2", "--model", "gpt2-mini", "--n_epochs", "3", "--batch_size", "32",
+                "--learning_rate", "1e-3", "--model_max_length", "40", "--fit_vocab"]
 
 
 def matmul_worker(dtype_name, n, seconds, barrier, out):
@@ -107,6 +112,38 @@ def run_dp(args, name, world, batch, extra, epochs, max_batches):
             "vocab": int(VOCAB.search(proc.stderr)[1])}
 
 
+def quality_run(args, name, extra):
+    """run_data_parallel with scripts/run.sh's settings plus `extra`: rank 0's validation loss and
+    BLEU per epoch."""
+    perf = os.path.join(args.workdir, "perf_precision")
+    os.makedirs(perf, exist_ok=True)
+    cmd = ([os.path.join(args.build_dir, "run_data_parallel")] + RUN_SH_FLAGS +
+           ["--no_progress", "--master_port", str(free_port()), "--workdir", os.path.join(perf, "runs", name)] + extra)
+    print(f"[precision] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+    with open(os.path.join(perf, name + ".log"), "w") as f:
+        f.write(proc.stdout)
+    with open(os.path.join(perf, name + ".stderr.log"), "w") as f:
+        f.write(proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    validation = {int(e): float(v) for e, v in VALIDATION.findall(proc.stdout)}
+    bleu = {int(e): float(v) for e, v in BLEU.findall(proc.stdout)}
+    if not validation or not bleu:
+        raise SystemExit(f"{name}: no validation loss or BLEU line from rank 0 in {perf}/{name}.log")
+    return {"command": " ".join(cmd), "validation_loss": validation, "bleu": bleu,
+            "final_validation_loss": validation[max(validation)], "final_bleu": bleu[max(bleu)]}
+
+
+def bf16_quality(args):
+    """bf16 against fp32 on scripts/run.sh's settings: the last epoch's validation loss and BLEU."""
+    fp32, bf16 = quality_run(args, "quality_fp32", []), quality_run(args, "quality_bf16", ["--precision", "bf16"])
+    relative = abs(bf16["final_validation_loss"] - fp32["final_validation_loss"]) / fp32["final_validation_loss"]
+    return {"settings": "scripts/run.sh: " + " ".join(RUN_SH_FLAGS), "fp32": fp32, "bf16": bf16,
+            "validation_loss_relative_difference": relative,
+            "bleu_difference": bf16["final_bleu"] - fp32["final_bleu"]}
+
+
 def flops_per_token(n_layer, n_embd, vocab, tokens):
     """Training FLOPs per token: 6 x the matmul parameters (blocks and the tied head) plus
     attention's 12 L C T (PaLM's appendix B), T = the padded length (an upper bound)."""
@@ -162,6 +199,9 @@ def main(argv=None):
     p.add_argument("--matmul-size", type=int, default=2048)
     p.add_argument("--run-timeout", type=float, default=1800.0)
     p.add_argument("--force-bf16", action="store_true", help="run bf16 even where the bf16 matmul peak is below fp32's")
+    p.add_argument("--quality", action="store_true",
+                   help="also train scripts/run.sh's job in fp32 and in bf16 (about 10 min here) and compare the "
+                        "last epoch's validation loss and BLEU")
     args = p.parse_args(argv)
 
     peaks, sizes = {}, {}
@@ -184,6 +224,7 @@ def main(argv=None):
         "accumulation4": run_dp(args, "dp2_accum4", 2, B // 4, ["--gradient_accumulation_steps", "4"], E, 4 * K),
     }
     zero4 = run_dp(args, "dp4_zero1_state", 4, B, ["--zero_stage", "1"], 1, 1)
+    quality = bf16_quality(args) if args.quality else None
 
     from_config = {"gpt2-mini": (4, 256), "gpt2-tiny": (2, 64), "gpt2": (12, 768)}
     n_layer, n_embd = from_config[args.model]
@@ -209,6 +250,7 @@ def main(argv=None):
         "accumulation": {"bytes_per_optimizer_step_n1": n1, "bytes_per_optimizer_step_n4": n4,
                          "n4_over_n1_bytes_per_batch_x": (n4 / 4) / n1,
                          "throughput_over_n1_x": runs["accumulation4"]["tokens_per_sec"] / runs["fp32"]["tokens_per_sec"]},
+        "bf16_quality": quality,
         "goals": {},
         "runs": runs, "zero_n4_run": zero4,
         "command": " ".join([sys.executable] + sys.argv),
@@ -221,6 +263,10 @@ def main(argv=None):
             and zero["state_bytes_n4"] <= zero["replicated_state_bytes"] / 4 + 25 * 2 ** 20,
         "ZeRO-1 tokens/s >= replicated": result["zero1_over_replicated_throughput_x"] >= 1.0,
         "accumulation N=4: communication per batch 1/4 of N=1's": (n4 / 4) / n1 == 0.25,
+        "bf16 quality (run.sh settings): validation loss within 3% of fp32's":
+            quality["validation_loss_relative_difference"] <= 0.03 if quality else None,
+        "bf16 quality (run.sh settings): BLEU within 2 points of fp32's":
+            abs(quality["bleu_difference"]) <= 2.0 if quality else None,
     }
     os.makedirs(args.out_dir, exist_ok=True)
     details_path = os.path.join(args.out_dir, "benchmark_details.json")

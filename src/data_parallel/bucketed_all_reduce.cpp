@@ -147,10 +147,21 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
     if (chunk * ctx_.world_size > n) {
       bucket.buffer = torch::cat({bucket.buffer, torch::zeros({chunk * ctx_.world_size - n}, bucket.buffer.options())});
     }
-    bucket.shard = torch::empty({chunk}, bucket.buffer.options());
-    c10d::ReduceScatterOptions options;
-    options.reduceOp = c10d::ReduceOp::SUM;
-    bucket.work = ctx_.group->_reduce_scatter_base(bucket.shard, bucket.buffer, options);
+    if (ctx_.backend == "gloo") {
+      // Gloo's reduce-scatter all-reduces a copy of the whole buffer and keeps a slice: twice the
+      // bytes of a reduce-scatter, and with the parameter all-gather 1.5x an all-reduce's. An
+      // all-to-all hands each rank every rank's copy of its chunk ((N-1)/N of the buffer sent, as
+      // a ring reduce-scatter), summed in finalize().
+      bucket.received = torch::empty_like(bucket.buffer);
+      std::vector<int64_t> even_splits;
+      bucket.work = ctx_.group->alltoall_base(bucket.received, bucket.buffer, even_splits, even_splits,
+                                              c10d::AllToAllOptions());
+    } else {
+      bucket.shard = torch::empty({chunk}, bucket.buffer.options());
+      c10d::ReduceScatterOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      bucket.work = ctx_.group->_reduce_scatter_base(bucket.shard, bucket.buffer, options);
+    }
   } else if (ring_) {
     bucket.work = ring_->all_reduce_async(bucket.buffer, ReduceKind::kSum);
   } else {
@@ -210,8 +221,13 @@ void BucketedAllReduce::finalize() {
       }
     }
     for (auto& bucket : buckets_) {
-      bucket.shard = bucket.shard.to(parameters_[bucket.params.front()].scalar_type()).div_(
-          static_cast<double>(ctx_.world_size));
+      const at::ScalarType dtype = parameters_[bucket.params.front()].scalar_type();
+      if (bucket.received.defined()) {  // the all-to-all: this rank's chunk from every rank, summed
+        bucket.shard = bucket.received.view({ctx_.world_size, -1}).sum(0, /*keepdim=*/false, dtype);
+      } else {
+        bucket.shard = bucket.shard.to(dtype);
+      }
+      bucket.shard.div_(static_cast<double>(ctx_.world_size));
     }
     reset_step_locked();
     ++finalized_steps_;
@@ -255,14 +271,26 @@ const at::Tensor& BucketedAllReduce::gradient_shard(size_t b) const {
 }
 
 std::vector<at::Tensor> BucketedAllReduce::gather_bucket(size_t b, const at::Tensor& chunk) const {
+  BucketGather gather = start_gather(b, chunk);
+  return finish_gather(gather);
+}
+
+BucketedAllReduce::BucketGather BucketedAllReduce::start_gather(size_t b, const at::Tensor& chunk) const {
   at::Tensor mine = chunk.contiguous();
-  at::Tensor all = torch::empty({mine.numel() * ctx_.world_size}, mine.options());
-  ctx_.group->_allgather_base(all, mine)->wait();
+  BucketGather gather;
+  gather.bucket = b;
+  gather.all = torch::empty({mine.numel() * ctx_.world_size}, mine.options());
+  gather.work = ctx_.group->_allgather_base(gather.all, mine);
+  return gather;
+}
+
+std::vector<at::Tensor> BucketedAllReduce::finish_gather(BucketGather& gather) const {
+  gather.work->wait();
   std::vector<at::Tensor> parts;
   int64_t offset = 0;
-  for (size_t index : plan_.at(b)) {
+  for (size_t index : plan_.at(gather.bucket)) {
     const at::Tensor& p = parameters_[index];
-    parts.push_back(all.narrow(0, offset, p.numel()).view(p.sizes()));
+    parts.push_back(gather.all.narrow(0, offset, p.numel()).view(p.sizes()));
     offset += p.numel();
   }
   return parts;
@@ -279,6 +307,7 @@ void BucketedAllReduce::reset_step_locked() {
     bucket.launched = false;
     bucket.stale = false;
     bucket.buffer = at::Tensor();
+    bucket.received = at::Tensor();
     bucket.work.reset();
   }
   for (size_t index = 0; index < ready_.size(); ++index) {

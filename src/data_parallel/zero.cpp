@@ -42,6 +42,10 @@ void ShardedAdamW::step() {
   torch::NoGradGuard no_grad;
   ++step_;
   const auto& plan = gradients_.bucket_plan();
+  // Each bucket's all-gather is launched as soon as its chunk is stepped, so it runs while the
+  // next chunks are stepped and the earlier gathers are copied into the parameters.
+  std::vector<BucketedAllReduce::BucketGather> gathers;
+  gathers.reserve(shards_.size());
   for (Shard& shard : shards_) {
     const at::Tensor& grad = gradients_.gradient_shard(shard.bucket);
     at::Tensor mine = torch::zeros({shard.chunk}, shard.exp_avg.options());
@@ -51,10 +55,12 @@ void ShardedAdamW::step() {
     }
     // The replicated step's fused AdamW kernel, on the chunk.
     optim::fused_adamw_update({mine}, {grad}, {shard.exp_avg}, {shard.exp_avg_sq}, step_, options_);
-
-    const std::vector<at::Tensor> updated = gradients_.gather_bucket(shard.bucket, mine);
+    gathers.push_back(gradients_.start_gather(shard.bucket, mine));
     gathered_bytes_ += mine.numel() * static_cast<int64_t>(mine.element_size());
-    for (size_t k = 0; k < updated.size(); ++k) parameters_[plan[shard.bucket][k]].detach().copy_(updated[k]);
+  }
+  for (auto& gather : gathers) {
+    const std::vector<at::Tensor> updated = gradients_.finish_gather(gather);
+    for (size_t k = 0; k < updated.size(); ++k) parameters_[plan[gather.bucket][k]].detach().copy_(updated[k]);
   }
 }
 

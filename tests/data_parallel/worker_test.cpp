@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <thread>
+#include <tuple>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/checkpoint_io.h"
@@ -262,8 +263,16 @@ void zero_scenario(const DistContext& ctx) {
   auto& states = adamw.state();
   for (size_t i = 0; i < b.size(); ++i) {
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*states.at(b[i].unsafeGetTensorImpl()));
-    EXPECT_TRUE(torch::allclose(full.moments[i].first, s.exp_avg(), 1e-6, 1e-9)) << "exp_avg " << i;
-    EXPECT_TRUE(torch::allclose(full.moments[i].second, s.exp_avg_sq(), 1e-6, 1e-12)) << "exp_avg_sq " << i;
+    // Over Gloo each rank sums its chunk of the gradients in rank order, the all-reduce behind the
+    // replicated copy in ring order: the sums may differ in their last bit, so an element's
+    // tolerance is relative to the tensor's largest (1e-6 of it), not only to the element.
+    for (const auto& [name, mine, theirs] : {std::tuple{"exp_avg", full.moments[i].first, s.exp_avg()},
+                                              std::tuple{"exp_avg_sq", full.moments[i].second, s.exp_avg_sq()}}) {
+      const double scale = theirs.abs().max().item<double>();
+      EXPECT_TRUE(torch::allclose(mine, theirs, 1e-6, 1e-6 * scale))
+          << name << " " << i << ": largest difference " << (mine - theirs).abs().max().item<double>() << " of "
+          << scale;
+    }
   }
 }
 

@@ -79,6 +79,15 @@ class BucketedAllReduce : public GradientSynchronizer {
   // returns the parts of the result that belong to the bucket's parameters, in bucket_plan() order,
   // each a view shaped like its parameter.
   std::vector<at::Tensor> gather_bucket(size_t b, const at::Tensor& chunk) const;
+  // The same in two halves, so that several gathers are in flight at once: start_gather launches
+  // the all-gather (collective), finish_gather waits for it and returns the views.
+  struct BucketGather {
+    size_t bucket = 0;
+    at::Tensor all;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  BucketGather start_gather(size_t b, const at::Tensor& chunk) const;
+  std::vector<at::Tensor> finish_gather(BucketGather& gather) const;
   const DistContext& context() const { return ctx_; }
  private:
   struct Bucket {
@@ -88,6 +97,7 @@ class BucketedAllReduce : public GradientSynchronizer {
     bool stale = false;      // a gradient changed after the launch
     at::Tensor buffer;       // the flattened gradients being reduced
     at::Tensor shard;        // kReduceScatter: this rank's chunk of the sum, then of the average
+    at::Tensor received;     // kReduceScatter over Gloo: every rank's copy of this rank's chunk
     c10::intrusive_ptr<c10d::Work> work;
   };
 
