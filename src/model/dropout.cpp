@@ -3,18 +3,48 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
+
+#include <cmath>
 
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace harness::model {
 namespace {
 
 thread_local std::optional<at::Generator> thread_generator;
+
+// splitmix64's output function: a bijection of 64-bit words whose outputs, for inputs a fixed odd
+// step apart, pass BigCrush (Steele et al., "Fast splittable pseudorandom number generators").
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// out[i] = scale where element i is kept, 0 where dropped: element i's 32 random bits are one half
+// of mix64(seed + (i / 2) * golden step), kept when below `threshold` (keep probability x 2^32).
+// A function of (seed, i) alone, so the mask does not depend on how many threads fill it.
+template <typename T>
+void fill_keep_mask(T* out, int64_t n, uint64_t seed, uint64_t threshold, T scale) {
+  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+  const T zero(0);
+  at::parallel_for(0, (n + 1) / 2, /*grain_size=*/16384, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const uint64_t bits = mix64(seed + static_cast<uint64_t>(pair) * kGolden);
+      const int64_t i = 2 * pair;
+      out[i] = (bits & 0xFFFFFFFFULL) < threshold ? scale : zero;
+      if (i + 1 < n) out[i + 1] = (bits >> 32) < threshold ? scale : zero;
+    }
+  });
+}
 
 }  // namespace
 
@@ -71,36 +101,73 @@ at::Tensor with_default_generator_seeded(const c10::Device& device, uint64_t see
   return fn();
 }
 
+at::Tensor dropout_keep_mask(const at::Tensor& like, double p, at::Generator& generator) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout_keep_mask: p = ", p, " must be in [0, 1)");
+  if (!like.is_cpu()) {
+    at::Tensor keep = at::empty_like(like, at::MemoryFormat::Contiguous).bernoulli_(1.0 - p, generator);
+    return keep.div_(1.0 - p);
+  }
+  uint64_t seed = 0;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    seed = at::check_generator<at::CPUGeneratorImpl>(generator)->random64();
+  }
+  const auto threshold = static_cast<uint64_t>(std::llround(std::ldexp(1.0 - p, 32)));
+  at::Tensor keep = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keep.scalar_type(), "dropout_keep_mask", [&] {
+    fill_keep_mask<scalar_t>(keep.data_ptr<scalar_t>(), keep.numel(), seed, threshold,
+                             static_cast<scalar_t>(1.0 / (1.0 - p)));
+  });
+  return keep;
+}
+
+std::optional<at::Generator> mask_generator(const c10::Device& device) {
+  if (thread_generator) return thread_generator;
+  if (device.is_cpu()) return at::globalContext().defaultGenerator(device);
+  return std::nullopt;
+}
+
 at::Tensor dropout(const at::Tensor& x, torch::nn::Dropout& module) {
   const double p = module->options.p();
-  if (!thread_generator || !module->is_training() || p == 0.0) return module(x);
-  if (p == 1.0) return x * 0;
-  at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - p, *thread_generator);
-  keep.div_(1.0 - p);
-  return x * keep;
+  std::optional<at::Generator> generator = mask_generator(x.device());
+  if (!module->is_training() || p == 0.0 || !generator) return module(x);
+  if (p >= 1.0) return x * 0;
+  return x * dropout_keep_mask(x, p, *generator);
 }
 
 at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::optional<at::Tensor>& mask, bool is_causal, double p,
                                   double scale, at::Generator& generator) {
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
-  const int64_t T = q.size(-2), S = k.size(-2);
+  const int64_t T = q.size(-2), S = k.size(-2), D = q.size(-1);
   TORCH_CHECK(!is_causal || T == S, "attention_with_dropout: is_causal needs as many queries as keys, got ",
               T, " and ", S);
-  if (mask) {
-    scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
-  } else if (is_causal) {
-    const at::Tensor causal = at::ones({T, S}, q.options().dtype(at::kBool)).tril();
-    scores = scores.masked_fill(causal.logical_not(), -std::numeric_limits<float>::infinity());
+  // scores = mask bias + scale * q k^T in one baddbmm (the bias, 0 where attended and -inf where
+  // not, is copied into the output and the product added to it): no separate passes to scale and
+  // to mask the scores, forward or backward.
+  const auto batch = q.sizes().slice(0, q.dim() - 2);
+  at::Tensor bias;
+  if (mask || is_causal) {
+    const at::Tensor attend = mask ? *mask : at::ones({T, S}, q.options().dtype(at::kBool)).tril();
+    bias = at::zeros(attend.sizes(), q.options()).masked_fill_(attend.logical_not(),
+                                                               -std::numeric_limits<float>::infinity());
+  } else {
+    bias = at::zeros({T, S}, q.options());
   }
+  const at::Tensor q3 = q.reshape({-1, T, D}), k3 = k.reshape({-1, S, D});
+  bias = bias.expand({q3.size(0), T, S});
+  at::Tensor scores = at::baddbmm(bias, q3, k3.transpose(1, 2), /*beta=*/1.0, /*alpha=*/scale);
+  std::vector<int64_t> shape(batch.begin(), batch.end());
+  shape.push_back(T);
+  shape.push_back(S);
+  scores = scores.view(shape);
   // Softmax statistics in fp32 whatever the matmuls ran in (CPU autocast would keep bf16 here).
   at::Tensor probabilities = scores.scalar_type() == at::kFloat
                                  ? at::softmax(scores, -1)
                                  : at::softmax(scores, -1, at::kFloat).to(scores.scalar_type());
-  if (p > 0.0) {
-    at::Tensor keep = at::empty_like(probabilities).bernoulli_(1.0 - p, generator);
-    keep.div_(1.0 - p);
-    probabilities = probabilities * keep;
+  if (p >= 1.0) {
+    probabilities = probabilities * 0;
+  } else if (p > 0.0) {
+    probabilities = probabilities * dropout_keep_mask(probabilities, p, generator);
   }
   return at::matmul(probabilities, v);
 }

@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "harness/model/dropout.h"
+#include "harness/model/gelu.h"
 #include "shape_text.h"
 
 namespace harness::model {
@@ -124,10 +125,9 @@ torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* c
   const double dropout_p = attn_dropout->is_training() ? attn_dropout->options.p() : 0.0;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   auto attend = [&] {
-    std::optional<at::Generator> stream = current_dropout_generator();
-    return stream && dropout_p > 0.0
-               ? attention_with_dropout(q, k, v, mask, is_causal, dropout_p, scale, *stream)
-               : at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale);
+    std::optional<at::Generator> generator = dropout_p > 0.0 ? mask_generator(x.device()) : std::nullopt;
+    return generator ? attention_with_dropout(q, k, v, mask, is_causal, dropout_p, scale, *generator)
+                     : at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale);
   };
   // Split over a group, these heads' probabilities exist on this rank alone: their mask comes
   // from the rank's own stream, leaving the default generator in step with the other ranks.
@@ -146,7 +146,7 @@ GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParalle
 
 torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x) {
   // Hugging Face's "gelu_new" is the tanh approximation.
-  return model::dropout(c_proj(torch::gelu(c_fc(x), "tanh")), dropout);
+  return model::dropout(c_proj(gelu_tanh(c_fc(x))), dropout);
 }
 
 GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) {

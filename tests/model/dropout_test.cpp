@@ -1,6 +1,7 @@
-// Dropout streams: with a stream installed GPT-2's dropouts draw from it and reproduce torch's CPU
-// masks for the same state, the manual attention equals scaled_dot_product_attention without
-// dropout, and a reseeded default generator is put back as it was.
+// Dropout streams: with a stream installed GPT-2's dropouts draw from it, the same state giving the
+// same masks; the CPU keep mask is Bernoulli(1 - p) scaled, whatever the thread count; the manual
+// attention equals scaled_dot_product_attention without dropout; a reseeded default generator is
+// put back as it was.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -14,23 +15,67 @@
 namespace harness::model {
 namespace {
 
-TEST(Dropout, AStreamReproducesTorchsCpuMaskForTheSameState) {
+TEST(Dropout, AStreamGivesTheSameMaskForTheSameStateAndTheDefaultGeneratorServesWithoutOne) {
   torch::nn::Dropout module(0.3);
   module->train();
   const at::Tensor x = torch::rand({64, 33}) + 1.0;
+  auto with_stream = [&](uint64_t seed) {
+    torch::manual_seed(seed + 99);  // the default generator is not what the scope draws from
+    DropoutGeneratorScope scope(make_generator(c10::kCPU, seed));
+    return dropout(x, module);
+  };
+  EXPECT_TRUE(torch::equal(with_stream(7), with_stream(7)));
+  EXPECT_FALSE(torch::equal(with_stream(7), with_stream(8)));
+  // Without a stream, CPU masks come from the default generator, one draw per mask.
   torch::manual_seed(7);
-  const at::Tensor expected = module(x);
-  {
-    torch::manual_seed(99);  // the default generator is not what the scope draws from
-    DropoutGeneratorScope scope(make_generator(c10::kCPU, 7));
-    EXPECT_TRUE(torch::equal(dropout(x, module), expected));
-  }
-  // Without a stream: torch::nn::Dropout itself; in eval mode or with p = 0: the input.
+  const at::Tensor first = dropout(x, module), second = dropout(x, module);
+  EXPECT_FALSE(torch::equal(first, second));
   torch::manual_seed(7);
-  EXPECT_TRUE(torch::equal(dropout(x, module), expected));
+  EXPECT_TRUE(torch::equal(dropout(x, module), first));
+  EXPECT_TRUE(torch::equal(dropout(x, module), second));
+  // The values: x / (1 - p) where kept, 0 where dropped.
+  const at::Tensor kept = first != 0;
+  EXPECT_TRUE(torch::allclose(first.masked_select(kept), x.masked_select(kept) / 0.7));
+  // In eval mode or with p = 0: the input.
   module->eval();
   DropoutGeneratorScope scope(make_generator(c10::kCPU, 7));
   EXPECT_TRUE(torch::equal(dropout(x, module), x));
+}
+
+TEST(Dropout, KeepMaskIsBernoulliScaledWhateverTheThreadCount) {
+  const at::Tensor like = torch::empty({1000, 1000});
+  const int threads = at::get_num_threads();
+  at::Generator generator = make_generator(c10::kCPU, 3);
+  at::set_num_threads(1);
+  const at::Tensor one_thread = dropout_keep_mask(like, 0.3, generator);
+  const at::Tensor next = dropout_keep_mask(like, 0.3, generator);
+  generator = make_generator(c10::kCPU, 3);
+  at::set_num_threads(2);
+  const at::Tensor two_threads = dropout_keep_mask(like, 0.3, generator);
+  at::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(one_thread, two_threads));
+  EXPECT_FALSE(torch::equal(one_thread, next)) << "the generator advances";
+
+  const at::Tensor keep = one_thread != 0;
+  EXPECT_TRUE(torch::all(one_thread.masked_select(keep) == static_cast<float>(1.0 / 0.7)).item<bool>());
+  // 10^6 draws: a kept fraction's standard deviation is 4.6e-4; 0.003 is more than 6 of them.
+  const auto fraction = [](const at::Tensor& t) { return t.to(torch::kDouble).mean().item<double>(); };
+  EXPECT_NEAR(fraction(keep), 0.7, 0.003);
+  const at::Tensor flat = keep.view(-1);
+  const at::Tensor even = flat.slice(0, 0, std::nullopt, 2), odd = flat.slice(0, 1, std::nullopt, 2);
+  EXPECT_NEAR(fraction(even), 0.7, 0.004);  // the two halves of each 64-bit draw
+  EXPECT_NEAR(fraction(odd), 0.7, 0.004);
+  EXPECT_NEAR(fraction(even & odd), 0.49, 0.004) << "neighbours are independent";
+  EXPECT_NEAR(fraction(flat.slice(0, 0, -1) & flat.slice(0, 1)), 0.49, 0.003);
+  EXPECT_NEAR(fraction(flat.slice(0, 0, -1000) & flat.slice(0, 1000)), 0.49, 0.003) << "rows are independent";
+
+  // Its dtype and shape follow `like` (a transposed view included): bf16 keeps where fp32 keeps.
+  generator = make_generator(c10::kCPU, 3);
+  const at::Tensor bf16 = dropout_keep_mask(like.to(torch::kBFloat16).t(), 0.3, generator);
+  EXPECT_EQ(bf16.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(bf16.is_contiguous());
+  EXPECT_TRUE(torch::equal(bf16 != 0, keep));
+  EXPECT_THROW(dropout_keep_mask(like, 1.0, generator), c10::Error);
 }
 
 TEST(Dropout, ScopesNestAndEndWithTheirThread) {
@@ -63,6 +108,9 @@ TEST(Dropout, ManualAttentionWithoutDropoutIsScaledDotProductAttention) {
   EXPECT_TRUE(torch::allclose(attention_with_dropout(q1, k, v, std::nullopt, false, 0.0, scale, generator),
                               at::scaled_dot_product_attention(q1, k, v, std::nullopt, 0.0, false, scale), 1e-5, 1e-6));
   EXPECT_THROW(attention_with_dropout(q2, k, v, std::nullopt, true, 0.0, scale, generator), c10::Error);
+  EXPECT_TRUE(torch::equal(attention_with_dropout(q, k, v, std::nullopt, true, 1.0, scale, generator),
+                           torch::zeros_like(q)))
+      << "p = 1 drops every probability";
 }
 
 TEST(Dropout, GPT2DrawsEveryMaskFromTheStream) {

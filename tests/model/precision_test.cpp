@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -125,24 +126,28 @@ TEST(Precision, Bf16RunsMatmulsAndAttentionInBf16AndLayerNormSoftmaxAndLossInFp3
 }
 
 TEST(Precision, TheDropoutAttentionPathKeepsItsSoftmaxInFp32) {
-  // With a dropout stream installed (pipeline workers on CPU lanes), attention is computed by
-  // attention_with_dropout: its matmuls in bf16, its softmax upcast to fp32.
+  // With dropout on a CPU, with a dropout stream installed (pipeline workers on CPU lanes) or not,
+  // attention is computed by attention_with_dropout: its matmuls in bf16, its softmax upcast to fp32.
   const GPT2Config config = tiny_config(0.1);
   torch::manual_seed(1234);
   GPT2LMHeadModel model(config);
   model->train();
   const Inputs in = make_inputs(config);
-  DropoutGeneratorScope stream(make_generator(c10::Device(c10::kCPU), 11));
-  OpDtypeRecorder recorder;
-  {
-    AutocastScope autocast(Precision::kBf16, c10::DeviceType::CPU);
-    train::weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
+  for (const bool with_stream : {true, false}) {
+    std::optional<DropoutGeneratorScope> stream;
+    if (with_stream) stream.emplace(make_generator(c10::Device(c10::kCPU), 11));
+    OpDtypeRecorder recorder;
+    {
+      AutocastScope autocast(Precision::kBf16, c10::DeviceType::CPU);
+      train::weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
+    }
+    EXPECT_EQ(recorder.of("aten::softmax"), kFp32) << with_stream;
+    EXPECT_EQ(recorder.of("aten::baddbmm"), kBf16) << with_stream;  // the scores: mask bias + scale * q k^T
+    EXPECT_EQ(recorder.of("aten::matmul"), kBf16) << with_stream;   // the probabilities times v
+    EXPECT_TRUE(recorder.of("aten::scaled_dot_product_attention").empty()) << with_stream;
+    EXPECT_EQ(recorder.of("aten::linear"), kBf16) << with_stream;
+    EXPECT_EQ(recorder.of("aten::layer_norm"), kFp32) << with_stream;
   }
-  EXPECT_EQ(recorder.of("aten::softmax"), kFp32);
-  EXPECT_EQ(recorder.of("aten::matmul"), kBf16);
-  EXPECT_TRUE(recorder.of("aten::scaled_dot_product_attention").empty());
-  EXPECT_EQ(recorder.of("aten::linear"), kBf16);
-  EXPECT_EQ(recorder.of("aten::layer_norm"), kFp32);
 }
 
 TEST(Precision, Bf16AgreesWithFp32WithinBf16sPrecisionOnTheTinyModel) {

@@ -2,8 +2,8 @@
 // otherwise all draw from torch's one process-wide CPU generator, so which micro-batch gets which
 // mask would depend on thread timing. A task that installs a DropoutGeneratorScope draws every
 // mask of GPT-2's dropouts (embedding, attention probabilities, residual, MLP) from its own
-// generator instead; without one, the modules behave exactly as torch::nn::Dropout and
-// scaled_dot_product_attention do. On a GPU, where the fused kernels (flash attention's dropout
+// generator instead; without one, CPU masks come from the default CPU generator, and on other
+// devices the modules behave exactly as torch::nn::Dropout and scaled_dot_product_attention do. On a GPU, where the fused kernels (flash attention's dropout
 // among them) draw only from the device's default generator, a task reseeds that generator for
 // its duration instead (with_default_generator_seeded).
 #pragma once
@@ -43,14 +43,27 @@ at::Generator make_generator(const c10::Device& device, uint64_t seed);
 at::Tensor with_default_generator_seeded(const c10::Device& device, uint64_t seed,
                                          const std::function<at::Tensor()>& fn);
 
-// module(x), drawing the mask from the thread's stream when there is one: x * bernoulli(1 - p) /
-// (1 - p), torch's own CPU formula, so on the CPU with the same generator state the mask is
-// torch::nn::Dropout's.
+// 1 / (1 - p) where an element is kept, 0 where it is dropped (probability p), shaped like `like`
+// (contiguous, its dtype and device). On the CPU: one 64-bit draw from `generator` seeds a
+// counter-based hash (splitmix64's) that gives every element its own 32 random bits, so a mask
+// costs about a nanosecond per element instead of torch's serial mt19937 Bernoulli (about eight
+// on a CPU where ATen does not use MKL's), and does not depend on the thread count. Elsewhere:
+// bernoulli_(1 - p, generator) / (1 - p), torch's formula. p in [0, 1).
+at::Tensor dropout_keep_mask(const at::Tensor& like, double p, at::Generator& generator);
+
+// The generator GPT-2's dropouts draw their masks from on `device`: the thread's stream; without
+// one, on the CPU, the default CPU generator; elsewhere none (torch's modules and fused kernels,
+// which draw from the device's default generator themselves).
+std::optional<at::Generator> mask_generator(const c10::Device& device);
+
+// module(x): in training, x * dropout_keep_mask(x, p, *mask_generator(x.device())); without a
+// mask generator, in eval mode or with p = 0, torch::nn::Dropout itself.
 at::Tensor dropout(const at::Tensor& x, torch::nn::Dropout& module);
 
-// Attention probabilities dropped with probability p. Used by the attention when a stream is
-// installed (scaled_dot_product_attention cannot take a generator): softmax(q k^T * scale + mask)
-// with dropout, times v. `mask` is boolean (true = attend) or absent with is_causal, which needs
+// Attention probabilities dropped with probability p (dropout_keep_mask). Used by the attention
+// whenever mask_generator() gives one (scaled_dot_product_attention cannot take a generator, and
+// on a CPU with dropout it takes the same unfused path): softmax(q k^T * scale + mask) with
+// dropout, times v. `mask` is boolean (true = attend) or absent with is_causal, which needs
 // as many queries as keys (the top-left aligned triangle scaled_dot_product_attention uses).
 at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::optional<at::Tensor>& mask, bool is_causal, double p,
