@@ -136,12 +136,27 @@ def quality_run(args, name, extra):
 
 
 def bf16_quality(args):
-    """bf16 against fp32 on scripts/run.sh's settings: the last epoch's validation loss and BLEU."""
-    fp32, bf16 = quality_run(args, "quality_fp32", []), quality_run(args, "quality_bf16", ["--precision", "bf16"])
-    relative = abs(bf16["final_validation_loss"] - fp32["final_validation_loss"]) / fp32["final_validation_loss"]
-    return {"settings": "scripts/run.sh: " + " ".join(RUN_SH_FLAGS), "fp32": fp32, "bf16": bf16,
-            "validation_loss_relative_difference": relative,
-            "bleu_difference": bf16["final_bleu"] - fp32["final_bleu"]}
+    """bf16 against fp32 on scripts/run.sh's settings, once per seed: the last epoch's validation
+    loss and BLEU, their means over the seeds, and fp32's own spread over the seeds (the seed also
+    draws the embedded corpus), which says how much of a difference is noise."""
+    per_seed = {}
+    for seed in args.quality_seeds:
+        flags = ["--seed", str(seed)]
+        per_seed[seed] = {"fp32": quality_run(args, f"quality_fp32_seed{seed}", flags),
+                          "bf16": quality_run(args, f"quality_bf16_seed{seed}", flags + ["--precision", "bf16"])}
+
+    def mean(precision, key):
+        return sum(r[precision][key] for r in per_seed.values()) / len(per_seed)
+
+    fp32_loss, bf16_loss = mean("fp32", "final_validation_loss"), mean("bf16", "final_validation_loss")
+    fp32_losses = [r["fp32"]["final_validation_loss"] for r in per_seed.values()]
+    return {"settings": "scripts/run.sh: " + " ".join(RUN_SH_FLAGS), "seeds": args.quality_seeds,
+            "per_seed": {str(k): v for k, v in per_seed.items()},
+            "fp32_mean_validation_loss": fp32_loss, "bf16_mean_validation_loss": bf16_loss,
+            "fp32_mean_bleu": mean("fp32", "final_bleu"), "bf16_mean_bleu": mean("bf16", "final_bleu"),
+            "validation_loss_relative_difference": abs(bf16_loss - fp32_loss) / fp32_loss,
+            "bleu_difference": mean("bf16", "final_bleu") - mean("fp32", "final_bleu"),
+            "fp32_validation_loss_spread_over_seeds": (max(fp32_losses) - min(fp32_losses)) / fp32_loss}
 
 
 def flops_per_token(n_layer, n_embd, vocab, tokens):
@@ -200,8 +215,10 @@ def main(argv=None):
     p.add_argument("--run-timeout", type=float, default=1800.0)
     p.add_argument("--force-bf16", action="store_true", help="run bf16 even where the bf16 matmul peak is below fp32's")
     p.add_argument("--quality", action="store_true",
-                   help="also train scripts/run.sh's job in fp32 and in bf16 (about 10 min here) and compare the "
-                        "last epoch's validation loss and BLEU")
+                   help="also train scripts/run.sh's job in fp32 and in bf16 once per --quality-seeds (about 10 min "
+                        "per seed here) and compare the last epoch's validation loss and BLEU")
+    p.add_argument("--quality-seeds", type=lambda text: [int(v) for v in text.split(",")], default=[1234, 2],
+                   help="comma-separated seeds of the --quality runs")
     args = p.parse_args(argv)
 
     peaks, sizes = {}, {}

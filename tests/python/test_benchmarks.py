@@ -360,7 +360,38 @@ class PrecisionMemoryBench(unittest.TestCase):
             self.assertLessEqual(r["zero"]["n2_fraction"], 0.5 + 1e-3)
             self.assertLessEqual(r["zero"]["n4_fraction"], 0.25 + 1e-3)
             self.assertGreater(r["fp32_mfu"], 0.0)
-            self.assertEqual(len(r["goals"]), 5)
+            self.assertEqual(len(r["goals"]), 7)
+            self.assertIsNone(r["bf16_quality"])  # only with --quality (run.sh's job, minutes per seed)
+            self.assertEqual([k for k, v in r["goals"].items() if v is None],
+                             ["bf16 quality (run.sh settings): validation loss within 3% of fp32's",
+                              "bf16 quality (run.sh settings): BLEU within 2 points of fp32's"])
+
+    def test_quality_compares_the_means_over_seeds_and_reports_fp32s_spread(self):
+        import argparse
+        import precision_memory_bench
+        finals = {("fp32", 1): (0.10, 90.0), ("bf16", 1): (0.11, 89.0),
+                  ("fp32", 2): (0.30, 80.0), ("bf16", 2): (0.28, 82.0)}
+        calls = []
+
+        def fake_run(args, name, extra):
+            calls.append((name, extra))
+            precision = "bf16" if "bf16" in extra else "fp32"
+            loss, bleu = finals[(precision, int(extra[extra.index("--seed") + 1]))]
+            return {"final_validation_loss": loss, "final_bleu": bleu}
+
+        original = precision_memory_bench.quality_run
+        precision_memory_bench.quality_run = fake_run
+        try:
+            q = precision_memory_bench.bf16_quality(argparse.Namespace(quality_seeds=[1, 2]))
+        finally:
+            precision_memory_bench.quality_run = original
+        self.assertEqual(len(calls), 4)
+        self.assertEqual(calls[1], ("quality_bf16_seed1", ["--seed", "1", "--precision", "bf16"]))
+        self.assertAlmostEqual(q["fp32_mean_validation_loss"], 0.20)
+        self.assertAlmostEqual(q["bf16_mean_validation_loss"], 0.195)
+        self.assertAlmostEqual(q["validation_loss_relative_difference"], 0.025)
+        self.assertAlmostEqual(q["bleu_difference"], 0.5)
+        self.assertAlmostEqual(q["fp32_validation_loss_spread_over_seeds"], 1.0)
 
 
 if __name__ == "__main__":
