@@ -5,7 +5,7 @@ Measures, on this machine:
   * the matmul peak: one single-thread process, and two at once (fp32 and bf16, N x N matrices);
   * run_data_parallel, 2 ranks x 1 thread, gpt2-mini: fp32, --precision bf16, --zero_stage 1,
     and --gradient_accumulation_steps 4 on a quarter of the batch (the same examples per optimizer
-    step); tokens/s, model-FLOPs utilisation against the two-process fp32 peak, bytes put into
+    step), taking turns for --rounds rounds; tokens/s (the median over every measured epoch), model-FLOPs utilisation against the two-process fp32 peak, bytes put into
     gradient all-reduces per optimizer step;
   * --zero_stage 1's AdamW state per rank at 2 and 4 ranks against the replicated run's.
 
@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -110,6 +111,18 @@ def run_dp(args, name, world, batch, extra, epochs, max_batches):
             "state_bytes_rank0": int(state[1]) if state else None,
             "replicated_state_bytes": int(state[2]) if state else None,
             "vocab": int(VOCAB.search(proc.stderr)[1])}
+
+
+def merge_rounds(results):
+    """One figure from several runs of one configuration: the median tokens/s over every measured
+    epoch of every run; the counts (bytes, state) from the first run, which all share."""
+    epochs = sorted(e for r in results for e in r["tokens_per_sec_per_epoch"])
+    merged = dict(results[0])
+    merged["tokens_per_sec"] = statistics.median(epochs) if epochs else None
+    merged["tokens_per_sec_per_epoch"] = [r["tokens_per_sec_per_epoch"] for r in results]
+    merged["commands"] = [r["command"] for r in results]
+    del merged["command"]
+    return merged
 
 
 def quality_run(args, name, extra):
@@ -211,6 +224,7 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--warmup-epochs", type=int, default=1)
     p.add_argument("--max-batches", type=int, default=8, help="batches per rank and epoch")
+    p.add_argument("--rounds", type=int, default=3, help="runs of each configuration, taking turns")
     p.add_argument("--matmul-size", type=int, default=2048)
     p.add_argument("--run-timeout", type=float, default=1800.0)
     p.add_argument("--force-bf16", action="store_true", help="run bf16 even where the bf16 matmul peak is below fp32's")
@@ -231,15 +245,22 @@ def main(argv=None):
     # Without bf16 matmul units (no AVX-512 BF16 / AMX on a CPU), ATen multiplies bf16 by a slow
     # reference path: a bf16 run would measure that path, not autocast. It is skipped, and why said.
     bf16_hardware = peaks["bf16_two_processes"] >= peaks["fp32_two_processes"]
-    runs = {
-        "fp32": run_dp(args, "dp2_fp32", 2, B, [], E, K),
-        "bf16": run_dp(args, "dp2_bf16", 2, B, ["--precision", "bf16"], E, K) if bf16_hardware or args.force_bf16
-                else {"skipped": f"the measured bf16 matmul peak ({peaks['bf16_two_processes']:.1f} GFLOP/s) is below "
-                                 f"fp32's ({peaks['fp32_two_processes']:.1f}): no bf16 matmul units here "
-                                 f"(--force-bf16 runs it anyway)", "tokens_per_sec": None},
-        "zero1": run_dp(args, "dp2_zero1", 2, B, ["--zero_stage", "1"], E, K),
-        "accumulation4": run_dp(args, "dp2_accum4", 2, B // 4, ["--gradient_accumulation_steps", "4"], E, 4 * K),
-    }
+    configs = {"fp32": ("dp2_fp32", B, [], K), "bf16": ("dp2_bf16", B, ["--precision", "bf16"], K),
+               "zero1": ("dp2_zero1", B, ["--zero_stage", "1"], K),
+               "accumulation4": ("dp2_accum4", B // 4, ["--gradient_accumulation_steps", "4"], 4 * K)}
+    if not (bf16_hardware or args.force_bf16):
+        del configs["bf16"]
+    # The runs take turns, round after round, so that a slow spell of this shared machine falls on
+    # all of them; each figure is the median over every measured epoch of every round.
+    rounds = {name: [] for name in configs}
+    for r in range(args.rounds):
+        for name, (log, batch, extra, batches) in configs.items():
+            rounds[name].append(run_dp(args, f"{log}_round{r}", 2, batch, extra, E, batches))
+    runs = {name: merge_rounds(results) for name, results in rounds.items()}
+    if "bf16" not in runs:
+        runs["bf16"] = {"skipped": f"the measured bf16 matmul peak ({peaks['bf16_two_processes']:.1f} GFLOP/s) is below "
+                                   f"fp32's ({peaks['fp32_two_processes']:.1f}): no bf16 matmul units here "
+                                   f"(--force-bf16 runs it anyway)", "tokens_per_sec": None}
     zero4 = run_dp(args, "dp4_zero1_state", 4, B, ["--zero_stage", "1"], 1, 1)
     quality = bf16_quality(args) if args.quality else None
 
@@ -293,7 +314,8 @@ def main(argv=None):
         json.dump(details, f, indent=2)
         f.write("\n")
     footer = (f"{args.model}, {args.model_max_length} tokens, global batch {B}, 2 ranks x 1 thread on CPU cores of a "
-              f"shared machine, {E} epochs of {K} batches/rank, {args.warmup_epochs} warm-up dropped")
+              f"shared machine, {args.rounds} rounds of {E} epochs of {K} batches/rank, {args.warmup_epochs} warm-up "
+              f"dropped, medians")
     figure(os.path.join(args.out_dir, "precision_memory.png"), result, footer)
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "zero_n4_run")}, indent=2))
     return 0

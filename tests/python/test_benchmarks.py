@@ -348,7 +348,7 @@ class PrecisionMemoryBench(unittest.TestCase):
                 precision_memory_bench.main(["--build-dir", build, "--workdir", tmp, "--out-dir", out,
                                              "--model", "gpt2-tiny", "--model-max-length", "40", "--epochs", "2",
                                              "--max-batches", "1", "--batch-size", "16", "--matmul-size", "128",
-                                             "--force-bf16"])
+                                             "--force-bf16", "--rounds", "2"])
             with open(os.path.join(out, "benchmark_details.json")) as f:
                 r = json.load(f)["precision_memory"]
             self.assertTrue(os.path.isfile(os.path.join(out, "precision_memory.png")))
@@ -356,6 +356,8 @@ class PrecisionMemoryBench(unittest.TestCase):
                 self.assertGreater(r["peaks_gflops"][key], 0.0, key)
             for run in ("fp32", "bf16", "zero1", "accumulation4"):
                 self.assertGreater(r["runs"][run]["tokens_per_sec"], 0.0, run)
+                self.assertEqual(len(r["runs"][run]["commands"]), 2, run)  # the two rounds
+                self.assertEqual([len(e) for e in r["runs"][run]["tokens_per_sec_per_epoch"]], [1, 1], run)
             self.assertEqual(r["accumulation"]["n4_over_n1_bytes_per_batch_x"], 0.25)
             self.assertLessEqual(r["zero"]["n2_fraction"], 0.5 + 1e-3)
             self.assertLessEqual(r["zero"]["n4_fraction"], 0.25 + 1e-3)
