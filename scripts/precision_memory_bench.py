@@ -79,14 +79,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_dp(args, name, world, batch, extra, epochs, max_batches):
+def run_logged(args, name, cmd):
+    """Runs cmd, keeping its stdout and stderr in WORKDIR/perf_precision/NAME[.stderr].log; a
+    non-zero exit ends the benchmark with the end of its stderr."""
     perf = os.path.join(args.workdir, "perf_precision")
-    os.makedirs(perf, exist_ok=True)
-    cmd = [os.path.join(args.build_dir, "run_data_parallel"), "--world_size", str(world), "--batch_size", str(batch),
-           "--device", "cpu", "--model", args.model, "--model_max_length", str(args.model_max_length),
-           "--fit_vocab", "--benchmark_only", "--no_progress", "--threads_per_device", "1",
-           "--n_epochs", str(epochs), "--max_batches", str(max_batches), "--master_port", str(free_port()),
-           "--workdir", os.path.join(perf, "runs", name)] + extra
     print(f"[precision] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
     with open(os.path.join(perf, name + ".log"), "w") as f:
@@ -95,6 +91,18 @@ def run_dp(args, name, world, batch, extra, epochs, max_batches):
         f.write(proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return proc
+
+
+def run_dp(args, name, world, batch, extra, epochs, max_batches):
+    perf = os.path.join(args.workdir, "perf_precision")
+    os.makedirs(perf, exist_ok=True)
+    cmd = [os.path.join(args.build_dir, "run_data_parallel"), "--world_size", str(world), "--batch_size", str(batch),
+           "--device", "cpu", "--model", args.model, "--model_max_length", str(args.model_max_length),
+           "--fit_vocab", "--benchmark_only", "--no_progress", "--threads_per_device", "1",
+           "--n_epochs", str(epochs), "--max_batches", str(max_batches), "--master_port", str(free_port()),
+           "--workdir", os.path.join(perf, "runs", name)] + extra
+    proc = run_logged(args, name, cmd)
     per_epoch = {}
     for line in proc.stdout.splitlines():
         m = TRAIN.match(line)
@@ -132,14 +140,7 @@ def quality_run(args, name, extra):
     os.makedirs(perf, exist_ok=True)
     cmd = ([os.path.join(args.build_dir, "run_data_parallel")] + RUN_SH_FLAGS +
            ["--no_progress", "--master_port", str(free_port()), "--workdir", os.path.join(perf, "runs", name)] + extra)
-    print(f"[precision] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
-    with open(os.path.join(perf, name + ".log"), "w") as f:
-        f.write(proc.stdout)
-    with open(os.path.join(perf, name + ".stderr.log"), "w") as f:
-        f.write(proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name}: exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    proc = run_logged(args, name, cmd)
     validation = {int(e): float(v) for e, v in VALIDATION.findall(proc.stdout)}
     bleu = {int(e): float(v) for e, v in BLEU.findall(proc.stdout)}
     if not validation or not bleu:
