@@ -8,7 +8,6 @@
 #include <torch/torch.h>
 
 #include <cmath>
-
 #include <limits>
 #include <map>
 #include <memory>
@@ -144,7 +143,9 @@ at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, cons
   // scores = mask bias + scale * q k^T in one baddbmm (the bias, 0 where attended and -inf where
   // not, is copied into the output and the product added to it): no separate passes to scale and
   // to mask the scores, forward or backward.
-  const auto batch = q.sizes().slice(0, q.dim() - 2);
+  std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end() - 2);  // the batch dimensions, then T, S
+  shape.push_back(T);
+  shape.push_back(S);
   at::Tensor bias;
   if (mask || is_causal) {
     const at::Tensor attend = mask ? *mask : at::ones({T, S}, q.options().dtype(at::kBool)).tril();
@@ -154,12 +155,9 @@ at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, cons
     bias = at::zeros({T, S}, q.options());
   }
   const at::Tensor q3 = q.reshape({-1, T, D}), k3 = k.reshape({-1, S, D});
-  bias = bias.expand({q3.size(0), T, S});
-  at::Tensor scores = at::baddbmm(bias, q3, k3.transpose(1, 2), /*beta=*/1.0, /*alpha=*/scale);
-  std::vector<int64_t> shape(batch.begin(), batch.end());
-  shape.push_back(T);
-  shape.push_back(S);
-  scores = scores.view(shape);
+  bias = bias.expand(shape).reshape({-1, T, S});  // a view for a [T, S] mask; any broadcastable mask works
+  const at::Tensor scores =
+      at::baddbmm(bias, q3, k3.transpose(1, 2), /*beta=*/1.0, /*alpha=*/scale).view(shape);
   // Softmax statistics in fp32 whatever the matmuls ran in (CPU autocast would keep bf16 here).
   at::Tensor probabilities = scores.scalar_type() == at::kFloat
                                  ? at::softmax(scores, -1)

@@ -104,6 +104,11 @@ TEST(Dropout, ManualAttentionWithoutDropoutIsScaledDotProductAttention) {
   const at::Tensor q2 = q.slice(2, 4, 6);
   EXPECT_TRUE(torch::allclose(attention_with_dropout(q2, k, v, mask, false, 0.0, scale, generator),
                               at::scaled_dot_product_attention(q2, k, v, mask, 0.0, false, scale), 1e-5, 1e-6));
+  // A mask with batch dimensions: [batch, 1, queries, keys], each row of the batch its own.
+  const at::Tensor batch_mask = torch::stack({mask, mask.logical_not().logical_or(torch::eye(2, 6, torch::kBool))})
+                                    .unsqueeze(1);
+  EXPECT_TRUE(torch::allclose(attention_with_dropout(q2, k, v, batch_mask, false, 0.0, scale, generator),
+                              at::scaled_dot_product_attention(q2, k, v, batch_mask, 0.0, false, scale), 1e-5, 1e-6));
   const at::Tensor q1 = q.slice(2, 5, 6);
   EXPECT_TRUE(torch::allclose(attention_with_dropout(q1, k, v, std::nullopt, false, 0.0, scale, generator),
                               at::scaled_dot_product_attention(q1, k, v, std::nullopt, 0.0, false, scale), 1e-5, 1e-6));
