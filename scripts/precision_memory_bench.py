@@ -5,8 +5,9 @@ Measures, on this machine:
   * the matmul peak: one single-thread process, and two at once (fp32 and bf16, N x N matrices);
   * run_data_parallel, 2 ranks x 1 thread, gpt2-mini: fp32, --precision bf16, --zero_stage 1,
     and --gradient_accumulation_steps 4 on a quarter of the batch (the same examples per optimizer
-    step), taking turns for --rounds rounds; tokens/s (the median over every measured epoch), model-FLOPs utilisation against the two-process fp32 peak, bytes put into
-    gradient all-reduces per optimizer step;
+    step), taking turns for --rounds rounds; tokens/s (the median over every measured epoch),
+    model-FLOPs utilisation against the two-process fp32 peak, bytes put into gradient
+    all-reduces per optimizer step;
   * --zero_stage 1's AdamW state per rank at 2 and 4 ranks against the replicated run's.
 
 Writes WORKDIR/perf_precision/*.log, merges "precision_memory" into OUT_DIR/benchmark_details.json
@@ -83,6 +84,7 @@ def run_logged(args, name, cmd):
     """Runs cmd, keeping its stdout and stderr in WORKDIR/perf_precision/NAME[.stderr].log; a
     non-zero exit ends the benchmark with the end of its stderr."""
     perf = os.path.join(args.workdir, "perf_precision")
+    os.makedirs(perf, exist_ok=True)
     print(f"[precision] {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
     with open(os.path.join(perf, name + ".log"), "w") as f:
@@ -96,7 +98,6 @@ def run_logged(args, name, cmd):
 
 def run_dp(args, name, world, batch, extra, epochs, max_batches):
     perf = os.path.join(args.workdir, "perf_precision")
-    os.makedirs(perf, exist_ok=True)
     cmd = [os.path.join(args.build_dir, "run_data_parallel"), "--world_size", str(world), "--batch_size", str(batch),
            "--device", "cpu", "--model", args.model, "--model_max_length", str(args.model_max_length),
            "--fit_vocab", "--benchmark_only", "--no_progress", "--threads_per_device", "1",
@@ -137,7 +138,6 @@ def quality_run(args, name, extra):
     """run_data_parallel with scripts/run.sh's settings plus `extra`: rank 0's validation loss and
     BLEU per epoch."""
     perf = os.path.join(args.workdir, "perf_precision")
-    os.makedirs(perf, exist_ok=True)
     cmd = ([os.path.join(args.build_dir, "run_data_parallel")] + RUN_SH_FLAGS +
            ["--no_progress", "--master_port", str(free_port()), "--workdir", os.path.join(perf, "runs", name)] + extra)
     proc = run_logged(args, name, cmd)

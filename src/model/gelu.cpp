@@ -17,7 +17,9 @@ bool ours(const at::Tensor& x) {
 }
 
 // The float array behind t: t itself when it is contiguous float, else a contiguous float copy.
-at::Tensor as_float(const at::Tensor& t) { return t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false).contiguous(); }
+at::Tensor as_float(const at::Tensor& t) {
+  return t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/false).contiguous();
+}
 
 class GeluTanh : public torch::autograd::Function<GeluTanh> {
  public:

@@ -368,6 +368,15 @@ class PrecisionMemoryBench(unittest.TestCase):
                              ["bf16 quality (run.sh settings): validation loss within 3% of fp32's",
                               "bf16 quality (run.sh settings): BLEU within 2 points of fp32's"])
 
+    def test_quality_runs_take_scripts_run_sh_settings(self):
+        import precision_memory_bench
+        with open(os.path.join(os.path.dirname(precision_memory_bench.__file__), "run.sh")) as f:
+            run_sh = " ".join(f.read().replace("\\\n", " ").split())
+        flags = precision_memory_bench.RUN_SH_FLAGS
+        for flag, value in zip(flags[::2], flags[1::2]):
+            self.assertIn(f"{flag} {value}", run_sh.replace('"$@"', ""), flag)
+        self.assertIn("--fit_vocab", run_sh)
+
     def test_quality_compares_the_means_over_seeds_and_reports_fp32s_spread(self):
         import argparse
         import precision_memory_bench

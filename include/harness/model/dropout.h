@@ -3,9 +3,10 @@
 // mask would depend on thread timing. A task that installs a DropoutGeneratorScope draws every
 // mask of GPT-2's dropouts (embedding, attention probabilities, residual, MLP) from its own
 // generator instead; without one, CPU masks come from the default CPU generator, and on other
-// devices the modules behave exactly as torch::nn::Dropout and scaled_dot_product_attention do. On a GPU, where the fused kernels (flash attention's dropout
-// among them) draw only from the device's default generator, a task reseeds that generator for
-// its duration instead (with_default_generator_seeded).
+// devices the modules behave exactly as torch::nn::Dropout and scaled_dot_product_attention do.
+// On a GPU, where the fused kernels (flash attention's dropout among them) draw only from the
+// device's default generator, a task reseeds that generator for its duration instead
+// (with_default_generator_seeded).
 #pragma once
 
 #include <ATen/core/Generator.h>
