@@ -2,11 +2,13 @@
 """Precision and memory benchmark (issue: beyond fp32 replicas), every ratio from this one run.
 
 Measures, on this machine:
-  * the matmul peak: one single-thread process, and two at once (fp32 and bf16, N x N matrices);
+  * the matmul peak: one single-thread process, and two at once (fp32 and bf16, N x N matrices),
+    and the two-process fp32 peak again at the start of every round;
   * run_data_parallel, 2 ranks x 1 thread, gpt2-mini: fp32, --precision bf16, --zero_stage 1,
     and --gradient_accumulation_steps 4 on a quarter of the batch (the same examples per optimizer
     step), taking turns for --rounds rounds; tokens/s (the median over every measured epoch),
-    model-FLOPs utilisation against the two-process fp32 peak, bytes put into gradient
+    model-FLOPs utilisation against the round's two-process fp32 peak and the throughput ratios,
+    both per round and their medians over rounds, bytes put into gradient
     all-reduces per optimizer step;
   * --zero_stage 1's AdamW state per rank at 2 and 4 ranks against the replicated run's.
 
@@ -173,6 +175,21 @@ def bf16_quality(args):
             "fp32_validation_loss_spread_over_seeds": (max(fp32_losses) - min(fp32_losses)) / fp32_loss}
 
 
+def per_round_ratios(rounds, round_peaks, fpt):
+    """Per round (its runs minutes apart): fp32's model-FLOPs utilisation against the two-process
+    fp32 peak measured just before it, and each configuration's tokens/s over fp32's; with the
+    median over rounds (each run's figure being the mean of its measured epochs)."""
+    def summary(values):
+        return {"per_round": values, "median": statistics.median(values)}
+    fp32 = [r["tokens_per_sec"] for r in rounds["fp32"]]
+    out = {"fp32_two_process_peak_gflops": round_peaks,
+           "fp32_mfu": summary([t * fpt / 1e9 / peak for t, peak in zip(fp32, round_peaks)])}
+    for name in ("bf16", "zero1", "accumulation4"):
+        if name in rounds:
+            out[f"{name}_over_fp32_x"] = summary([r["tokens_per_sec"] / t for r, t in zip(rounds[name], fp32)])
+    return out
+
+
 def flops_per_token(n_layer, n_embd, vocab, tokens):
     """Training FLOPs per token: 6 x the matmul parameters (blocks and the tied head) plus
     attention's 12 L C T (PaLM's appendix B), T = the padded length (an upper bound)."""
@@ -203,10 +220,10 @@ def figure(path, r, footer):
     ax = axes[3]
     p = r["peaks_gflops"]
     ax.bar(["fp32 peak\n2 procs", "ours fp32", "bf16 peak\n2 procs", "ours bf16"],
-           [p["fp32_two_processes"], r["achieved_gflops"]["fp32"], p["bf16_two_processes"],
+           [statistics.median(r["per_round"]["fp32_two_process_peak_gflops"]), r["achieved_gflops"]["fp32"], p["bf16_two_processes"],
             r["achieved_gflops"]["bf16"] or 0.0],
            color=["#bbbbbb", "#4477aa", "#dddddd", "#ee6677"])
-    ax.set_title(f"GFLOP/s: fp32 MFU {100 * r['fp32_mfu']:.0f}%")
+    ax.set_title(f"GFLOP/s (medians): fp32 MFU {100 * r['fp32_mfu']:.0f}%\n(per round, against its own peak)")
     fig.suptitle("Precision and memory: bf16 autocast, ZeRO-1, gradient accumulation (one run)")
     fig.text(0.5, 0.01, footer, ha="center", fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
@@ -253,8 +270,13 @@ def main(argv=None):
         del configs["bf16"]
     # The runs take turns, round after round, so that a slow spell of this shared machine falls on
     # all of them; each figure is the median over every measured epoch of every round.
+    # Each round also measures the two-process fp32 peak just before its fp32 run: this machine's
+    # speed drifts by tens of percent over minutes, so the utilisation is taken per round against
+    # its own peak, and the throughput ratios per round (runs minutes apart), medians over rounds.
     rounds = {name: [] for name in configs}
+    round_peaks = []
     for r in range(args.rounds):
+        round_peaks.append(matmul_peak("float32", 2, args.matmul_size)[0])
         for name, (log, batch, extra, batches) in configs.items():
             rounds[name].append(run_dp(args, f"{log}_round{r}", 2, batch, extra, E, batches))
     runs = {name: merge_rounds(results) for name, results in rounds.items()}
@@ -270,8 +292,8 @@ def main(argv=None):
     fpt = flops_per_token(n_layer, n_embd, runs["fp32"]["vocab"], args.model_max_length)
     achieved = {k: runs[k]["tokens_per_sec"] * fpt / 1e9 if runs[k]["tokens_per_sec"] else None
                 for k in ("fp32", "bf16")}
-    bf16_ratio = (runs["bf16"]["tokens_per_sec"] / runs["fp32"]["tokens_per_sec"]
-                  if runs["bf16"]["tokens_per_sec"] else None)
+    per_round = per_round_ratios(rounds, round_peaks, fpt)
+    bf16_ratio = per_round["bf16_over_fp32_x"]["median"] if "bf16" in rounds else None
     zero = {"replicated_state_bytes": runs["zero1"]["replicated_state_bytes"],
             "state_bytes_n2": runs["zero1"]["state_bytes_rank0"], "state_bytes_n4": zero4["state_bytes_rank0"]}
     zero["n2_fraction"] = zero["state_bytes_n2"] / zero["replicated_state_bytes"]
@@ -281,14 +303,16 @@ def main(argv=None):
         "device": "CPU ranks, one core each, of a shared 2-core machine; peaks measured in the same run",
         "model": args.model, "model_max_length": args.model_max_length, "global_batch": B,
         "flops_per_token": fpt, "peaks_gflops": peaks, "peak_matrix_sizes": sizes, "achieved_gflops": achieved,
-        "fp32_mfu": achieved["fp32"] / peaks["fp32_two_processes"],
+        "fp32_mfu": per_round["fp32_mfu"]["median"],
+        "fp32_mfu_against_the_first_peak": achieved["fp32"] / peaks["fp32_two_processes"],
+        "per_round": per_round,
         "bf16_mfu_of_bf16_peak": achieved["bf16"] / peaks["bf16_two_processes"] if achieved["bf16"] else None,
         "bf16_over_fp32_throughput_x": bf16_ratio,
-        "zero1_over_replicated_throughput_x": runs["zero1"]["tokens_per_sec"] / runs["fp32"]["tokens_per_sec"],
+        "zero1_over_replicated_throughput_x": per_round["zero1_over_fp32_x"]["median"],
         "zero": zero,
         "accumulation": {"bytes_per_optimizer_step_n1": n1, "bytes_per_optimizer_step_n4": n4,
                          "n4_over_n1_bytes_per_batch_x": (n4 / 4) / n1,
-                         "throughput_over_n1_x": runs["accumulation4"]["tokens_per_sec"] / runs["fp32"]["tokens_per_sec"]},
+                         "throughput_over_n1_x": per_round["accumulation4_over_fp32_x"]["median"]},
         "bf16_quality": quality,
         "goals": {},
         "runs": runs, "zero_n4_run": zero4,

@@ -338,6 +338,21 @@ class RunnerTest(unittest.TestCase):
 class PrecisionMemoryBench(unittest.TestCase):
     """scripts/precision_memory_bench.py end to end with the built program on the tiny model."""
 
+    def test_per_round_ratios_pair_each_run_with_its_rounds_fp32_run_and_peak(self):
+        import precision_memory_bench
+        rounds = {"fp32": [{"tokens_per_sec": 100.0}, {"tokens_per_sec": 50.0}, {"tokens_per_sec": 80.0}],
+                  "zero1": [{"tokens_per_sec": 110.0}, {"tokens_per_sec": 45.0}, {"tokens_per_sec": 84.0}],
+                  "accumulation4": [{"tokens_per_sec": 90.0}, {"tokens_per_sec": 50.0}, {"tokens_per_sec": 40.0}]}
+        # 1e9 FLOP per token: 100 tokens/s against a 125 GFLOP/s peak is 0.8.
+        r = precision_memory_bench.per_round_ratios(rounds, [125.0, 100.0, 80.0], 1e9)
+        self.assertEqual(r["fp32_two_process_peak_gflops"], [125.0, 100.0, 80.0])
+        self.assertEqual(r["fp32_mfu"]["per_round"], [0.8, 0.5, 1.0])
+        self.assertEqual(r["fp32_mfu"]["median"], 0.8)
+        self.assertEqual([round(x, 6) for x in r["zero1_over_fp32_x"]["per_round"]], [1.1, 0.9, 1.05])
+        self.assertAlmostEqual(r["zero1_over_fp32_x"]["median"], 1.05)
+        self.assertAlmostEqual(r["accumulation4_over_fp32_x"]["median"], 0.9)
+        self.assertNotIn("bf16_over_fp32_x", r)  # not run (no bf16 units)
+
     def test_writes_every_measure_goal_and_the_figure(self):
         import precision_memory_bench
         source = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -362,6 +377,8 @@ class PrecisionMemoryBench(unittest.TestCase):
             self.assertLessEqual(r["zero"]["n2_fraction"], 0.5 + 1e-3)
             self.assertLessEqual(r["zero"]["n4_fraction"], 0.25 + 1e-3)
             self.assertGreater(r["fp32_mfu"], 0.0)
+            self.assertEqual(len(r["per_round"]["fp32_two_process_peak_gflops"]), 2)  # one per round
+            self.assertEqual(len(r["per_round"]["zero1_over_fp32_x"]["per_round"]), 2)
             self.assertEqual(len(r["goals"]), 7)
             self.assertIsNone(r["bf16_quality"])  # only with --quality (run.sh's job, minutes per seed)
             self.assertEqual([k for k, v in r["goals"].items() if v is None],
