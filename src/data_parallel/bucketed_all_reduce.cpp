@@ -223,7 +223,10 @@ void BucketedAllReduce::finalize() {
     for (auto& bucket : buckets_) {
       const at::ScalarType dtype = parameters_[bucket.params.front()].scalar_type();
       if (bucket.received.defined()) {  // the all-to-all: this rank's chunk from every rank, summed
-        bucket.shard = bucket.received.view({ctx_.world_size, -1}).sum(0, /*keepdim=*/false, dtype);
+        // in rank order, in place in rank 0's copy (one pass per rank; a sum over dim 0 is slower).
+        const at::Tensor copies = bucket.received.view({ctx_.world_size, -1});
+        bucket.shard = copies[0].to(dtype);
+        for (int64_t r = 1; r < ctx_.world_size; ++r) bucket.shard.add_(copies[r]);
       } else {
         bucket.shard = bucket.shard.to(dtype);
       }
@@ -280,7 +283,18 @@ BucketedAllReduce::BucketGather BucketedAllReduce::start_gather(size_t b, const 
   BucketGather gather;
   gather.bucket = b;
   gather.all = torch::empty({mine.numel() * ctx_.world_size}, mine.options());
-  gather.work = ctx_.group->_allgather_base(gather.all, mine);
+  if (ctx_.backend == "gloo") {
+    // Gloo's all-gather took 7-16 ms for 7 MB per rank between two CPU processes here, an
+    // all-to-all of the same bytes 4-6 ms: every rank sends its chunk to every rank as one.
+    gather.send = torch::empty({ctx_.world_size, mine.numel()}, mine.options());
+    gather.send.copy_(mine.expand({ctx_.world_size, mine.numel()}));
+    gather.send = gather.send.view({-1});
+    std::vector<int64_t> even_splits;
+    gather.work =
+        ctx_.group->alltoall_base(gather.all, gather.send, even_splits, even_splits, c10d::AllToAllOptions());
+  } else {
+    gather.work = ctx_.group->_allgather_base(gather.all, mine);
+  }
   return gather;
 }
 

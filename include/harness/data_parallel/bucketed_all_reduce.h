@@ -84,6 +84,7 @@ class BucketedAllReduce : public GradientSynchronizer {
   struct BucketGather {
     size_t bucket = 0;
     at::Tensor all;
+    at::Tensor send;  // over Gloo: the chunk once per rank, sent by an all-to-all
     c10::intrusive_ptr<c10d::Work> work;
   };
   BucketGather start_gather(size_t b, const at::Tensor& chunk) const;
