@@ -223,7 +223,7 @@ def figure(path, r, footer):
            [statistics.median(r["per_round"]["fp32_two_process_peak_gflops"]), r["achieved_gflops"]["fp32"], p["bf16_two_processes"],
             r["achieved_gflops"]["bf16"] or 0.0],
            color=["#bbbbbb", "#4477aa", "#dddddd", "#ee6677"])
-    ax.set_title(f"GFLOP/s (medians): fp32 MFU {100 * r['fp32_mfu']:.0f}%\n(per round, against its own peak)")
+    ax.set_title(f"GFLOP/s (medians): fp32 MFU {100 * r['fp32_mfu']:.1f}%\n(per round, against its own peak)")
     fig.suptitle("Precision and memory: bf16 autocast, ZeRO-1, gradient accumulation (one run)")
     fig.text(0.5, 0.01, footer, ha="center", fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 0.95))
