@@ -219,9 +219,9 @@ def figure(path, r, footer):
     ax.set_title(f"all-reduced MB per optimizer step\n(per batch, N=4 sends {a['n4_over_n1_bytes_per_batch_x']:.2f}× N=1's)")
     ax = axes[3]
     p = r["peaks_gflops"]
+    fp32_peak = statistics.median(r["per_round"]["fp32_two_process_peak_gflops"])
     ax.bar(["fp32 peak\n2 procs", "ours fp32", "bf16 peak\n2 procs", "ours bf16"],
-           [statistics.median(r["per_round"]["fp32_two_process_peak_gflops"]), r["achieved_gflops"]["fp32"], p["bf16_two_processes"],
-            r["achieved_gflops"]["bf16"] or 0.0],
+           [fp32_peak, r["achieved_gflops"]["fp32"], p["bf16_two_processes"], r["achieved_gflops"]["bf16"] or 0.0],
            color=["#bbbbbb", "#4477aa", "#dddddd", "#ee6677"])
     ax.set_title(f"GFLOP/s (medians): fp32 MFU {100 * r['fp32_mfu']:.1f}%\n(per round, against its own peak)")
     fig.suptitle("Precision and memory: bf16 autocast, ZeRO-1, gradient accumulation (one run)")
