@@ -3,10 +3,10 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -15,34 +15,116 @@
 #include <string>
 #include <vector>
 
+#include "dropout_kernel.h"
+
 namespace harness::model {
 namespace {
 
 thread_local std::optional<at::Generator> thread_generator;
 
-// splitmix64's output function: a bijection of 64-bit words whose outputs, for inputs a fixed odd
-// step apart, pass BigCrush (Steele et al., "Fast splittable pseudorandom number generators").
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
+constexpr int64_t kGrain = 32768;  // elements per parallel task
+
+// Runs fn(first, end) over [0, n) split into ranges, each starting on an even element (a draw's
+// first word), however many threads share them.
+template <typename Fn>
+void for_each_even_range(int64_t n, const Fn& fn) {
+  at::parallel_for(0, (n + 1) / 2, kGrain / 2,
+                   [&](int64_t begin, int64_t end) { fn(2 * begin, std::min(2 * end, n)); });
 }
 
-// out[i] = scale where element i is kept, 0 where dropped: element i's 32 random bits are one half
-// of mix64(seed + (i / 2) * golden step), kept when below `threshold` (keep probability x 2^32).
-// A function of (seed, i) alone, so the mask does not depend on how many threads fill it.
-template <typename T>
-void fill_keep_mask(T* out, int64_t n, uint64_t seed, uint64_t threshold, T scale) {
-  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
-  const T zero(0);
-  at::parallel_for(0, (n + 1) / 2, /*grain_size=*/16384, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const uint64_t bits = mix64(seed + static_cast<uint64_t>(pair) * kGolden);
-      const int64_t i = 2 * pair;
-      out[i] = (bits & 0xFFFFFFFFULL) < threshold ? scale : zero;
-      if (i + 1 < n) out[i + 1] = (bits >> 32) < threshold ? scale : zero;
+// The CPU mask's parameters: the seed, one 64-bit draw from the generator, and the largest kept
+// 32-bit word; nullopt when 1 - p rounds to below 2^-32 and nothing is kept.
+struct KeepRule {
+  uint64_t seed;
+  std::optional<uint32_t> last_kept;
+};
+
+KeepRule draw_keep_rule(double p, at::Generator& generator) {
+  KeepRule rule{};
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    rule.seed = at::check_generator<at::CPUGeneratorImpl>(generator)->random64();
+  }
+  const auto threshold = static_cast<uint64_t>(std::llround(std::ldexp(1.0 - p, 32)));  // keep probability x 2^32
+  if (threshold > 0) rule.last_kept = static_cast<uint32_t>(threshold - 1);
+  return rule;
+}
+
+bool fused_on(const at::Tensor& x) {
+  return x.is_cpu() && x.layout() == at::kStrided &&
+         (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+}
+
+// 1 / (1 - p) in x's dtype, as a float: the factor torch's x * mask multiplies by.
+float kept_scale(double p, at::ScalarType dtype) {
+  const auto scale = static_cast<float>(1.0 / (1.0 - p));
+  return dtype == at::kBFloat16 ? static_cast<float>(c10::BFloat16(scale)) : scale;
+}
+
+// x * keep mask in one pass over x, saving the mask as bytes for the backward (a quarter of a
+// float mask's memory). The same values, bit for bit, as x * dropout_keep_mask(x, p, generator)
+// drawn from the same generator state, gradients included; first-order only.
+class FusedDropout : public torch::autograd::Function<FusedDropout> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, double p,
+                            KeepRule rule) {
+    const at::Tensor in = x.contiguous();
+    at::Tensor y = at::empty(in.sizes(), in.options());
+    at::Tensor keep = at::empty(in.sizes(), in.options().dtype(at::kByte));
+    const float scale = kept_scale(p, in.scalar_type());
+    if (!rule.last_kept) {
+      keep.zero_();
+      y = in * 0;  // NaN and infinity stay NaN, as in x * mask
+    } else {
+      const int64_t n = in.numel();
+      uint8_t* kept = keep.data_ptr<uint8_t>();
+      const bool bf16 = in.scalar_type() == at::kBFloat16;
+      const void* src = in.data_ptr();
+      void* dst = y.data_ptr();
+      for_each_even_range(n, [&](int64_t begin, int64_t end) {
+        if (bf16) {
+          detail::dropout_forward_bf16(static_cast<const uint16_t*>(src) + begin, static_cast<uint16_t*>(dst) + begin,
+                                       kept + begin, begin, end - begin, rule.seed, *rule.last_kept, scale);
+        } else {
+          detail::dropout_forward_f32(static_cast<const float*>(src) + begin, static_cast<float*>(dst) + begin,
+                                      kept + begin, begin, end - begin, rule.seed, *rule.last_kept, scale);
+        }
+      });
     }
-  });
+    ctx->save_for_backward({keep});
+    ctx->saved_data["scale"] = static_cast<double>(scale);
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor keep = ctx->get_saved_variables()[0];
+    const auto scale = static_cast<float>(ctx->saved_data["scale"].toDouble());
+    const at::Tensor grad = grads[0].contiguous();
+    at::Tensor dx = at::empty(grad.sizes(), grad.options());
+    const uint8_t* kept = keep.data_ptr<uint8_t>();
+    const bool bf16 = grad.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(bf16 || grad.scalar_type() == at::kFloat, "dropout backward: gradient of dtype ",
+                grad.scalar_type(), ", expected float or bfloat16");
+    const void* src = grad.data_ptr();
+    void* dst = dx.data_ptr();
+    at::parallel_for(0, grad.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (bf16) {
+        detail::dropout_backward_bf16(static_cast<const uint16_t*>(src) + begin, kept + begin,
+                                      static_cast<uint16_t*>(dst) + begin, end - begin, scale);
+      } else {
+        detail::dropout_backward_f32(static_cast<const float*>(src) + begin, kept + begin,
+                                     static_cast<float*>(dst) + begin, end - begin, scale);
+      }
+    });
+    return {dx, at::Tensor(), at::Tensor()};
+  }
+};
+
+// x dropped with probability p, the mask drawn from `generator`.
+at::Tensor drop(const at::Tensor& x, double p, at::Generator& generator) {
+  if (fused_on(x)) return FusedDropout::apply(x, p, draw_keep_rule(p, generator));
+  return x * dropout_keep_mask(x, p, generator);
 }
 
 }  // namespace
@@ -106,18 +188,17 @@ at::Tensor dropout_keep_mask(const at::Tensor& like, double p, at::Generator& ge
     at::Tensor keep = at::empty_like(like, at::MemoryFormat::Contiguous).bernoulli_(1.0 - p, generator);
     return keep.div_(1.0 - p);
   }
-  uint64_t seed = 0;
-  {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    seed = at::check_generator<at::CPUGeneratorImpl>(generator)->random64();
+  const KeepRule rule = draw_keep_rule(p, generator);
+  at::Tensor keep = at::empty(like.sizes(), like.options().dtype(at::kByte).memory_format(at::MemoryFormat::Contiguous));
+  if (!rule.last_kept) {
+    keep.zero_();
+  } else {
+    uint8_t* kept = keep.data_ptr<uint8_t>();
+    for_each_even_range(keep.numel(), [&](int64_t begin, int64_t end) {
+      detail::dropout_keep_bits(kept + begin, begin, end - begin, rule.seed, *rule.last_kept);
+    });
   }
-  const auto threshold = static_cast<uint64_t>(std::llround(std::ldexp(1.0 - p, 32)));
-  at::Tensor keep = at::empty(like.sizes(), like.options().memory_format(at::MemoryFormat::Contiguous));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keep.scalar_type(), "dropout_keep_mask", [&] {
-    fill_keep_mask<scalar_t>(keep.data_ptr<scalar_t>(), keep.numel(), seed, threshold,
-                             static_cast<scalar_t>(1.0 / (1.0 - p)));
-  });
-  return keep;
+  return keep.to(like.scalar_type()).mul_(static_cast<double>(1.0 / (1.0 - p)));
 }
 
 std::optional<at::Generator> mask_generator(const c10::Device& device) {
@@ -131,7 +212,7 @@ at::Tensor dropout(const at::Tensor& x, torch::nn::Dropout& module) {
   std::optional<at::Generator> generator = mask_generator(x.device());
   if (!module->is_training() || p == 0.0 || !generator) return module(x);
   if (p >= 1.0) return x * 0;
-  return x * dropout_keep_mask(x, p, *generator);
+  return drop(x, p, *generator);
 }
 
 at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -165,7 +246,7 @@ at::Tensor attention_with_dropout(const at::Tensor& q, const at::Tensor& k, cons
   if (p >= 1.0) {
     probabilities = probabilities * 0;
   } else if (p > 0.0) {
-    probabilities = probabilities * dropout_keep_mask(probabilities, p, generator);
+    probabilities = drop(probabilities, p, generator);
   }
   return at::matmul(probabilities, v);
 }

@@ -4,9 +4,12 @@
 // put back as it was.
 #include <gtest/gtest.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
+#include <string>
 #include <thread>
 
 #include "harness/model/dropout.h"
@@ -69,6 +72,29 @@ TEST(Dropout, KeepMaskIsBernoulliScaledWhateverTheThreadCount) {
   EXPECT_NEAR(fraction(flat.slice(0, 0, -1) & flat.slice(0, 1)), 0.49, 0.003);
   EXPECT_NEAR(fraction(flat.slice(0, 0, -1000) & flat.slice(0, 1000)), 0.49, 0.003) << "rows are independent";
 
+  // Element i's bits: half of splitmix64's mix of (seed + (i / 2) x golden step), the seed one
+  // 64-bit draw from the generator; kept when below (1 - p) x 2^32. Checked element by element
+  // against the formula written out plainly here, over an odd count.
+  {
+    at::Generator drawn = make_generator(c10::kCPU, 3);
+    const uint64_t seed = at::check_generator<at::CPUGeneratorImpl>(drawn)->random64();
+    const auto threshold = static_cast<uint64_t>(std::llround(0.7 * 4294967296.0));
+    const at::Tensor odd_like = torch::empty({2 * 32768 + 1001});  // past one parallel task's range
+    at::Generator generator_again = make_generator(c10::kCPU, 3);
+    const at::Tensor mask = dropout_keep_mask(odd_like, 0.3, generator_again);
+    const float* m = mask.data_ptr<float>();
+    int64_t mismatches = 0;
+    for (int64_t i = 0; i < odd_like.numel(); ++i) {
+      uint64_t z = seed + static_cast<uint64_t>(i / 2) * 0x9E3779B97F4A7C15ULL;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+      z ^= z >> 31;
+      const uint64_t bits = i % 2 == 0 ? (z & 0xFFFFFFFFULL) : (z >> 32);
+      mismatches += (bits < threshold) != (m[i] != 0.0f);
+    }
+    EXPECT_EQ(mismatches, 0);
+  }
+
   // Its dtype and shape follow `like` (a transposed view included): bf16 keeps where fp32 keeps.
   generator = make_generator(c10::kCPU, 3);
   const at::Tensor bf16 = dropout_keep_mask(like.to(torch::kBFloat16).t(), 0.3, generator);
@@ -76,6 +102,46 @@ TEST(Dropout, KeepMaskIsBernoulliScaledWhateverTheThreadCount) {
   EXPECT_TRUE(bf16.is_contiguous());
   EXPECT_TRUE(torch::equal(bf16 != 0, keep));
   EXPECT_THROW(dropout_keep_mask(like, 1.0, generator), c10::Error);
+}
+
+TEST(Dropout, FusedDropoutIsInputTimesKeepMaskBitForBitWithItsGradient) {
+  // The training path drops in one pass and keeps the mask as bytes; it must give exactly
+  // x * dropout_keep_mask(x) from the same generator state, forward and backward, in fp32 and bf16,
+  // for odd sizes, transposed inputs, NaN and infinity, and any thread count.
+  torch::nn::Dropout module(0.3);
+  module->train();
+  const int threads = at::get_num_threads();
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (const bool transposed : {false, true}) {
+      for (const int n_threads : {1, 2}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + (transposed ? " transposed" : "") + " threads " +
+                     std::to_string(n_threads));
+        at::set_num_threads(n_threads);
+        torch::manual_seed(4);
+        at::Tensor base = torch::randn({257, 301}).to(dtype);  // odd: the last draw's high word unused
+        base[3][5] = std::numeric_limits<float>::quiet_NaN();
+        base[7][2] = std::numeric_limits<float>::infinity();
+        const at::Tensor x = (transposed ? base.t() : base).detach().requires_grad_();
+        const at::Tensor grad_out = torch::randn(x.sizes()).to(dtype);
+        at::Tensor fused;
+        {
+          DropoutGeneratorScope scope(make_generator(c10::kCPU, 9));
+          fused = dropout(x, module);
+        }
+        const at::Tensor dx_fused = torch::autograd::grad({fused}, {x}, {grad_out})[0];
+        at::Generator generator = make_generator(c10::kCPU, 9);
+        const at::Tensor reference = x * dropout_keep_mask(x, 0.3, generator);
+        const at::Tensor dx_reference = torch::autograd::grad({reference}, {x}, {grad_out})[0];
+        EXPECT_EQ(fused.scalar_type(), dtype);
+        EXPECT_EQ(dx_fused.scalar_type(), dtype);
+        // Bit for bit, NaN where the reference has NaN (a dropped NaN or infinity times 0 included).
+        EXPECT_TRUE(torch::equal(fused.isnan(), reference.isnan()));
+        EXPECT_TRUE(torch::equal(fused.nan_to_num(0), reference.nan_to_num(0)));
+        EXPECT_TRUE(torch::equal(dx_fused, dx_reference));
+      }
+    }
+  }
+  at::set_num_threads(threads);
 }
 
 TEST(Dropout, ScopesNestAndEndWithTheirThread) {
