@@ -72,6 +72,30 @@ TEST(GPT2ParityTest, LogitsLossAndEveryGradientMatchHuggingFace) {
   EXPECT_EQ(checked, 28);
 }
 
+TEST(GPT2ModelTest, VocabularyLogitsAreTheLinearProductWithItsGradients) {
+  // The padded product for vocabularies off a multiple of 16 (1417 is IWSLT's), and the plain one.
+  for (const int64_t vocab : {1417, 97, 64}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    torch::manual_seed(vocab);
+    const torch::Tensor hidden = torch::randn({3, 5, 32}).requires_grad_();
+    const torch::Tensor weight = torch::randn({vocab, 32}).requires_grad_();
+    const torch::Tensor grad_out = torch::randn({3, 5, vocab});
+    const torch::Tensor logits = vocabulary_logits(hidden, weight);
+    ASSERT_EQ(logits.sizes(), (std::vector<int64_t>{3, 5, vocab}));
+    EXPECT_TRUE(logits.is_contiguous());
+    const auto grads = torch::autograd::grad({logits}, {hidden, weight}, {grad_out});
+    const torch::Tensor expected = torch::linear(hidden, weight);
+    const auto expected_grads = torch::autograd::grad({expected}, {hidden, weight}, {grad_out});
+    EXPECT_TRUE(close(logits, expected));
+    EXPECT_TRUE(close(grads[0], expected_grads[0]));
+    EXPECT_TRUE(close(grads[1], expected_grads[1]));
+    // Only the gradient asked for.
+    const torch::Tensor fixed = weight.detach();
+    const auto hidden_only = torch::autograd::grad({vocabulary_logits(hidden, fixed)}, {hidden}, {grad_out});
+    EXPECT_TRUE(close(hidden_only[0], expected_grads[0]));
+  }
+}
+
 TEST(GPT2ModelTest, NamedParametersAreHuggingFaceNamesAndShapes) {
   // The fixture's model.safetensors was written by transformers' save_pretrained.
   std::map<std::string, std::vector<int64_t>> hf;
