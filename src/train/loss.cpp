@@ -6,6 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "harness/model/cross_entropy.h"
+
 namespace harness::train {
 namespace {
 
@@ -35,10 +37,10 @@ void check_shapes(const at::Tensor& logits, const at::Tensor& labels, const at::
 at::Tensor weighted_sum_over(const at::Tensor& logits, const at::Tensor& labels,
                              const at::Tensor& float_weights, const at::Tensor& weight_sum) {
   const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2);
-  const at::Tensor per_token = torch::nn::functional::cross_entropy(
-      logits.reshape({B * T, V}).to(torch::kFloat32), labels.reshape({B * T}).to(logits.device(), torch::kInt64),
-      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-  return (per_token * float_weights.reshape({B * T})).sum() / weight_sum;
+  return model::weighted_token_cross_entropy_sum(logits.reshape({B * T, V}).to(torch::kFloat32),
+                                                labels.reshape({B * T}).to(logits.device(), torch::kInt64),
+                                                float_weights.reshape({B * T})) /
+         weight_sum;
 }
 
 }  // namespace

@@ -82,9 +82,10 @@ void expect_autocast_regions(const OpDtypeRecorder& recorder, const std::string&
   EXPECT_EQ(recorder.of(attention_op), kBf16) << attention_op;
   // Layer norm (ln_1, ln_2, ln_f) sees the fp32 residual stream: fp32 out.
   EXPECT_EQ(recorder.of("aten::layer_norm"), kFp32);
-  // The loss: log-softmax statistics and the weighted sum in fp32.
-  EXPECT_EQ(recorder.of("aten::log_softmax"), kFp32);
-  EXPECT_EQ(recorder.of("aten::cross_entropy_loss"), kFp32);
+  // The loss: its log-sum-exp and the weighted sum in fp32, in the fused CPU cross entropy (which
+  // takes fp32 logits only; torch's cross_entropy, its fallback, did not run).
+  EXPECT_EQ(recorder.of("harness::weighted_token_cross_entropy"), kFp32);
+  EXPECT_EQ(recorder.of("aten::cross_entropy_loss"), std::set<std::string>{});
   // The residual additions promote back to fp32, so nothing else downstream runs in bf16 by accident.
   EXPECT_EQ(recorder.of("aten::embedding"), kFp32);
 }

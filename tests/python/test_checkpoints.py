@@ -366,7 +366,19 @@ class AnotherLayout(unittest.TestCase):
             self.assertIn("tensor-parallel size 2", proc.stderr)
             a, b = weights(plain), weights(work)
             for key in a:
-                self.assertTrue(torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-5), key)
+                x, y = a[key], b[key]
+                if key.endswith("attn.c_attn.bias"):
+                    # The key third of c_attn's bias gets a zero gradient in exact arithmetic (it
+                    # adds the same q.b to every score of a query, which softmax ignores), so what
+                    # it holds is rounding noise that AdamW scales into steps: about 1e-5 here in
+                    # both runs, against 1e-2 for the query and value biases, and different noise
+                    # split and unsplit. It must stay noise in both; the two other thirds compare.
+                    query, keys, value = x.chunk(3, -1)
+                    query_too, keys_too, value_too = y.chunk(3, -1)
+                    for noise in (keys, keys_too):
+                        self.assertLess(float(noise.abs().max()), 1e-4, key)
+                    x, y = torch.cat([query, value]), torch.cat([query_too, value_too])
+                self.assertTrue(torch.allclose(x, y, rtol=1e-4, atol=1e-5), key)
             self.resume_without_learning([DP, "--world_size", "2", "--tensor_parallel_size", "2", "--master_port",
                                           str(free_port())], kept, tmp, "tp2")
 

@@ -1,0 +1,16 @@
+// Row loops of the fused token cross entropy (see cross_entropy.h) on contiguous float arrays.
+#pragma once
+
+#include <cstdint>
+
+namespace harness::model::detail {
+
+// lse[r] = log(sum_j exp(x[r, j])) for the rows [0, rows) of x [rows, V]; max-shifted.
+void rows_logsumexp(const float* x, int64_t rows, int64_t V, float* lse);
+
+// d[r, j] = scale[r] * (exp(x[r, j] - lse[r]) - (j == label[r])), for the rows [0, rows); a label
+// outside [0, V) subtracts nothing. Outputs must not overlap inputs.
+void rows_cross_entropy_backward(const float* x, const float* lse, const int64_t* labels, const float* scale,
+                                 int64_t rows, int64_t V, float* d);
+
+}  // namespace harness::model::detail
