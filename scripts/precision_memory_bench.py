@@ -20,6 +20,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -98,13 +99,20 @@ def run_logged(args, name, cmd):
     return proc
 
 
+def fresh_run_dir(args, name):
+    """WORKDIR/perf_precision/runs/NAME, emptied: a run of an earlier benchmark left its checkpoints
+    there, which run_data_parallel rightly refuses to mix with a new run's."""
+    folder = os.path.join(args.workdir, "perf_precision", "runs", name)
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
+
+
 def run_dp(args, name, world, batch, extra, epochs, max_batches):
-    perf = os.path.join(args.workdir, "perf_precision")
     cmd = [os.path.join(args.build_dir, "run_data_parallel"), "--world_size", str(world), "--batch_size", str(batch),
            "--device", "cpu", "--model", args.model, "--model_max_length", str(args.model_max_length),
            "--fit_vocab", "--benchmark_only", "--no_progress", "--threads_per_device", "1",
            "--n_epochs", str(epochs), "--max_batches", str(max_batches), "--master_port", str(free_port()),
-           "--workdir", os.path.join(perf, "runs", name)] + extra
+           "--workdir", fresh_run_dir(args, name)] + extra
     proc = run_logged(args, name, cmd)
     per_epoch = {}
     for line in proc.stdout.splitlines():
@@ -141,7 +149,7 @@ def quality_run(args, name, extra):
     BLEU per epoch."""
     perf = os.path.join(args.workdir, "perf_precision")
     cmd = ([os.path.join(args.build_dir, "run_data_parallel")] + RUN_SH_FLAGS +
-           ["--no_progress", "--master_port", str(free_port()), "--workdir", os.path.join(perf, "runs", name)] + extra)
+           ["--no_progress", "--master_port", str(free_port()), "--workdir", fresh_run_dir(args, name)] + extra)
     proc = run_logged(args, name, cmd)
     validation = {int(e): float(v) for e, v in VALIDATION.findall(proc.stdout)}
     bleu = {int(e): float(v) for e, v in BLEU.findall(proc.stdout)}
