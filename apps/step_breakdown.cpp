@@ -62,6 +62,17 @@ std::string category_of(const std::string& op) {
   return "other element-wise (gelu, add, mul, dropout, ...)";
 }
 
+// An op's or autograd node's kind of work. The backward nodes of our own fused functions
+// (CppNode<harness::...>) are the kind of work their forward is.
+std::string kind_of(const std::string& name, bool node) {
+  if (contains(name, "CppNode<harness::")) {
+    return contains(name, "CrossEntropy") ? "loss over the vocabulary"
+                                          : "other element-wise (gelu, add, mul, dropout, ...)";
+  }
+  if (node && !in_optimizer) return "autograd nodes' own time";
+  return category_of(name);
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction&) {
   if (frames != nullptr) frames->push_back({Clock::now(), 0.0});
   return nullptr;
@@ -76,13 +87,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   if (!frames->empty()) frames->back().children += total;
   const std::string name = fn.name();
   const bool node = fn.scope() == at::RecordScope::BACKWARD_FUNCTION;
-  // The backward of our own fused functions (CppNode<harness::...>) is the kind of work its forward is.
-  const bool ours = contains(name, "CppNode<harness::");
-  const std::string kind = node && !in_optimizer && !ours ? "autograd nodes' own time"
-                           : ours && contains(name, "CrossEntropy") ? "loss over the vocabulary"
-                           : ours ? "other element-wise (gelu, add, mul, dropout, ...)"
-                                  : category_of(name);
-  (*self_seconds)[kind] += self;
+  (*self_seconds)[kind_of(name, node)] += self;
   (*op_self_seconds)[name] += self;
 }
 

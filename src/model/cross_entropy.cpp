@@ -6,6 +6,8 @@
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "cross_entropy_kernel.h"
 
 namespace harness::model {
