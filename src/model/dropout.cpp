@@ -189,7 +189,8 @@ at::Tensor dropout_keep_mask(const at::Tensor& like, double p, at::Generator& ge
     return keep.div_(1.0 - p);
   }
   const KeepRule rule = draw_keep_rule(p, generator);
-  at::Tensor keep = at::empty(like.sizes(), like.options().dtype(at::kByte).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor keep =
+      at::empty(like.sizes(), like.options().dtype(at::kByte).memory_format(at::MemoryFormat::Contiguous));
   if (!rule.last_kept) {
     keep.zero_();
   } else {

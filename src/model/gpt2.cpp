@@ -23,8 +23,9 @@ torch::nn::LayerNorm make_layer_norm(const GPT2Config& config) {
 }
 
 // vocabulary_logits' padded product (see gpt2.h): with V rounded up to a multiple of 16, every
-// row of the logits starts on a 64-byte cache line. With IWSLT's 1417 words (2048 x 256 tokens) the forward product took 27 ms unpadded and
-// 17 ms padded, its copy to [.., V] included; with GPT-2's 50257 (512 x 768), 611 and 510 ms.
+// row of the logits starts on a 64-byte cache line. With IWSLT's 1417 words (2048 x 256 tokens)
+// the forward product took 27 ms unpadded and 17 ms padded, its copy to [.., V] included; with
+// GPT-2's 50257 (512 x 768), 611 and 510 ms.
 // The backward's two products take the unpadded weight and gradient (as fast either way).
 class PaddedVocabularyProjection : public torch::autograd::Function<PaddedVocabularyProjection> {
  public:
