@@ -211,6 +211,7 @@ void expect_every_schedule_matches_one_gpu(const std::vector<Device>& devices, c
     cuda_testing::expect_close(actual.first_gradients, expected.first_gradients,
                                cuda_testing::kSameDeviceGradientTolerance, cuda_testing::kGradientNormFloor, label);
     cuda_testing::expect_same_weights(actual.weights, expected.weights, config.n_embd,
+                                      {1e-3, static_cast<int64_t>(batches.size())},
                                       cuda_testing::kSameDeviceWeightTolerance, label);
   }
 }
@@ -244,8 +245,9 @@ TEST(CudaPipelineTrainStep, WithDropoutOnCuda0ASeedReproducesTheRun) {
     const TrainedRun recomputed = train_pipeline(config, always, devices, batches);
     EXPECT_EQ(a.losses[0], b.losses[0]) << layout.name();
     EXPECT_EQ(a.losses[0], recomputed.losses[0]) << layout.name() << ": recomputation drew other masks";
-    cuda_testing::expect_same_weights(b.weights, a.weights, config.n_embd, 1e-5, layout.name());
-    cuda_testing::expect_same_weights(recomputed.weights, a.weights, config.n_embd, 1e-5,
+    const test_support::AdamWSteps steps{1e-3, static_cast<int64_t>(batches.size())};
+    cuda_testing::expect_same_weights(b.weights, a.weights, config.n_embd, steps, 1e-5, layout.name());
+    cuda_testing::expect_same_weights(recomputed.weights, a.weights, config.n_embd, steps, 1e-5,
                                       layout.name() + " recomputed");
     const TrainedRun other = train_pipeline(config, layout, devices, batches, /*seed=*/6);
     EXPECT_NE(other.losses[0], a.losses[0]) << layout.name() << ": dropout on, another seed, the same loss";

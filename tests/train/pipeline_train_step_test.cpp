@@ -103,8 +103,8 @@ TEST(PipelineTrainStep, EveryScheduleCheckpointingAndVirtualStagesMatchesOneDevi
       ASSERT_TRUE(actual.first_gradients.count(name)) << layout.name() << ": no gradient for " << name;
       EXPECT_LE(relative(actual.first_gradients.at(name), grad), 1e-5) << layout.name() << ": " << name;
     }
-    testing::expect_same_weights(actual.weights, expected.weights, expected.first_gradients, config.n_embd, 1e-4,
-                                 layout.name());
+    testing::expect_same_weights(actual.weights, expected.weights, expected.first_gradients, config.n_embd,
+                                 {1e-3, static_cast<int64_t>(batches.size())}, 1e-4, layout.name());
   }
 }
 
@@ -268,7 +268,8 @@ TEST(PipelineTrainStepCuda, TwoStagesOnOneGpuThroughEveryScheduleMatchTheGpuAlon
   // The masks are the seed's; some CUDA backward kernels accumulate with atomics in any order, so
   // the first forward is bit-identical and the rest agree to rounding.
   EXPECT_EQ(a.losses[0], b.losses[0]);
-  for (const auto& [name, weight] : a.weights) EXPECT_LE(relative(b.weights.at(name), weight), 1e-5) << name;
+  test_support::expect_weights_agree_after_adamw(b.weights, a.weights, noisy.n_embd,
+                                                 {1e-3, static_cast<int64_t>(batches.size())}, 1e-5, "dropout");
 }
 
 TEST(PipelineTrainStep, BalancePlacesTheBlocksAndBadOptionsNameTheFlag) {
