@@ -8,6 +8,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "harness/parallel/layout.h"
+
 
 namespace harness::tensor_parallel {
 namespace {
@@ -52,34 +54,16 @@ std::string ranks_text(const std::vector<int>& ranks) {
 }
 
 ParallelLayout parallel_layout(int world_size, int tensor_parallel_size, int rank) {
-  if (world_size < 1) {
-    throw std::invalid_argument("--world_size " + std::to_string(world_size) + " must be at least 1");
-  }
-  if (tensor_parallel_size < 1) {
-    throw std::invalid_argument("--tensor_parallel_size " + std::to_string(tensor_parallel_size) +
-                                " must be at least 1");
-  }
-  if (world_size % tensor_parallel_size != 0) {
-    throw std::invalid_argument(
-        "--world_size " + std::to_string(world_size) + " is not divisible by --tensor_parallel_size " +
-        std::to_string(tensor_parallel_size) + " (world size = data-parallel size x tensor-parallel size)");
-  }
-  if (rank < 0 || rank >= world_size) {
-    throw std::invalid_argument("rank " + std::to_string(rank) + " is outside [0, world size " +
-                                std::to_string(world_size) + ")");
-  }
+  const parallel::Layout sizes = parallel::Layout::create(world_size, tensor_parallel_size);
+  const parallel::Coordinates at = sizes.coordinates_of(rank);
   ParallelLayout layout;
   layout.world_size = world_size;
   layout.tensor_parallel_size = tensor_parallel_size;
-  layout.data_parallel_size = world_size / tensor_parallel_size;
-  layout.tensor_rank = rank % tensor_parallel_size;
-  layout.data_rank = rank / tensor_parallel_size;
-  for (int t = 0; t < tensor_parallel_size; ++t) {
-    layout.tensor_group_ranks.push_back(layout.data_rank * tensor_parallel_size + t);
-  }
-  for (int d = 0; d < layout.data_parallel_size; ++d) {
-    layout.data_group_ranks.push_back(d * tensor_parallel_size + layout.tensor_rank);
-  }
+  layout.data_parallel_size = sizes.data_parallel_size();
+  layout.tensor_rank = at.tensor;
+  layout.data_rank = at.data;
+  layout.tensor_group_ranks = sizes.tensor_parallel_group(rank);
+  layout.data_group_ranks = sizes.data_parallel_group(rank);
   return layout;
 }
 

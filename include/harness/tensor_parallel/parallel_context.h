@@ -1,7 +1,8 @@
-// Process groups for data x tensor parallelism, built explicitly from the world group: with
-// T = tensor_parallel_size, the tensor-parallel group of rank r is {d*T, ..., d*T + T-1}
-// (d = r / T) and its data-parallel group is {t, t + T, t + 2T, ...} (t = r % T). Neighbouring
-// ranks share a tensor-parallel group because it communicates in every layer (Megatron's order).
+// Process groups for data x tensor parallelism, built explicitly from the world group in the rank
+// order of parallel::Layout (harness/parallel/layout.h): with T = tensor_parallel_size, the
+// tensor-parallel group of rank r is {d*T, ..., d*T + T-1} (d = r / T) and its data-parallel group
+// is {t, t + T, t + 2T, ...} (t = r % T). Neighbouring ranks share a tensor-parallel group because
+// it communicates in every layer (Megatron's order).
 #pragma once
 
 #include <string>
@@ -22,8 +23,9 @@ struct ParallelLayout {
   std::vector<int> data_group_ranks;    // world ranks of this rank's data-parallel group
 };
 
-// Throws std::invalid_argument naming --world_size and --tensor_parallel_size with their values
-// when T < 1 or T does not divide the world size, and the rank when it is outside the world.
+// This rank's part of parallel::Layout::create(world_size, tensor_parallel_size): throws
+// std::invalid_argument naming --world_size and --tensor_parallel_size with their values when
+// T < 1 or T does not divide the world size, and the rank when it is outside the world.
 ParallelLayout parallel_layout(int world_size, int tensor_parallel_size, int rank);
 
 struct ParallelContext {

@@ -1,0 +1,115 @@
+// The data x tensor x pipeline layout against literal tables: coordinates, every group of each
+// kind, who reports, the table printed at start, and the refusals with their values.
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "harness/parallel/layout.h"
+
+namespace harness::parallel {
+namespace {
+
+using Groups = std::vector<std::vector<int>>;
+
+TEST(Layout, TwoByTwoByTwo) {
+  const Layout l = Layout::create(8, 2, 2);
+  EXPECT_EQ(l.data_parallel_size(), 2);
+  EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  EXPECT_EQ(l.pipeline_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(l.embedding_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  // rank = (p*D + d)*T + t
+  const std::vector<Coordinates> coordinates{{0, 0, 0}, {0, 1, 0}, {1, 0, 0}, {1, 1, 0},
+                                             {0, 0, 1}, {0, 1, 1}, {1, 0, 1}, {1, 1, 1}};
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(l.coordinates_of(r), coordinates[r]) << r;
+    EXPECT_EQ(l.rank_of(coordinates[r]), r);
+  }
+  EXPECT_EQ(l.data_parallel_group(5), (std::vector<int>{5, 7}));
+  EXPECT_EQ(l.tensor_parallel_group(5), (std::vector<int>{4, 5}));
+  EXPECT_EQ(l.pipeline_group(5), (std::vector<int>{1, 5}));
+  std::vector<int> reporting;
+  for (int r = 0; r < 8; ++r) {
+    if (l.reports(r)) reporting.push_back(r);
+  }
+  EXPECT_EQ(reporting, (std::vector<int>{4, 6}));  // last stage, tensor rank 0: d = 0 and d = 1
+}
+
+TEST(Layout, OneByTwoByFour) {
+  const Layout l = Layout::create(8, 2, 4);
+  EXPECT_EQ(l.data_parallel_size(), 1);
+  EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(l.data_parallel_groups(), (Groups{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
+  EXPECT_EQ(l.pipeline_groups(), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
+  // Middle stages hold neither wte nor the head.
+  EXPECT_EQ(l.embedding_groups(), (Groups{{0, 6}, {1, 7}}));
+  EXPECT_TRUE(l.embedding_group(3).empty());
+  EXPECT_TRUE(l.is_first_stage(1));
+  EXPECT_TRUE(l.is_last_stage(7));
+  EXPECT_FALSE(l.is_last_stage(5));
+}
+
+TEST(Layout, FourByOneByTwo) {
+  const Layout l = Layout::create(8, 1, 2);
+  EXPECT_EQ(l.data_parallel_size(), 4);
+  EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
+  EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
+  EXPECT_EQ(l.pipeline_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(l.embedding_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(l.coordinates_of(6), (Coordinates{2, 0, 1}));
+}
+
+// Without a pipeline the layout is the data x tensor one the programs run today: rank = d*T + t.
+TEST(Layout, DataByTensorAlone) {
+  const Layout l = Layout::create(8, 2);
+  EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
+  EXPECT_EQ(l.embedding_group(5), (std::vector<int>{5}));
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(l.reports(r), r % 2 == 0) << r;
+  const Layout alone = Layout::create(1);
+  EXPECT_EQ(alone.pipeline_groups(), (Groups{{0}}));
+  EXPECT_TRUE(alone.reports(0));
+}
+
+TEST(Layout, CoordinatesTable) {
+  EXPECT_EQ(Layout::create(4, 2, 2).coordinates_table(),
+            "layout: data 1 x tensor 2 x pipeline 2 = world 4, rank = (p*D + d)*T + t\n"
+            "  rank  data  tensor  pipeline  reports\n"
+            "     0     0       0         0  -\n"
+            "     1     0       1         0  -\n"
+            "     2     0       0         1  Rank 0\n"
+            "     3     0       1         1  -\n");
+  EXPECT_EQ(Layout::create(2, 1, 1, 1).coordinates_table(),
+            "layout: data 2 x tensor 1 x pipeline 1 = world 2, rank = (p*D + d)*T + t, ZeRO stage 1\n"
+            "  rank  data  tensor  pipeline  reports\n"
+            "     0     0       0         0  Rank 0\n"
+            "     1     1       0         0  Rank 1\n");
+}
+
+void expect_refused(int world, int t, int p, int zero, const std::string& message) {
+  try {
+    (void)Layout::create(world, t, p, zero);
+    ADD_FAILURE() << "expected an error containing: " << message;
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+TEST(Layout, RefusalsNameTheFlagsAndValues) {
+  expect_refused(6, 4, 1, 0, "--world_size 6 is not divisible by --tensor_parallel_size 4");
+  expect_refused(6, 2, 2, 0,
+                 "--world_size 6 is not divisible by --tensor_parallel_size 2 x --pipeline_parallel_size 2 = 4");
+  expect_refused(0, 1, 1, 0, "--world_size 0 must be at least 1");
+  expect_refused(4, 0, 1, 0, "--tensor_parallel_size 0 must be at least 1");
+  expect_refused(4, 1, -1, 0, "--pipeline_parallel_size -1 must be at least 1");
+  expect_refused(4, 1, 1, 2, "--zero_stage 2: expected 0 or 1");
+  expect_refused(4, 2, 1, 1, "--zero_stage 1 shards the optimizer over data-parallel replicas of the whole model");
+  const Layout l = Layout::create(4, 2);
+  EXPECT_THROW(l.coordinates_of(4), std::invalid_argument);
+  EXPECT_THROW(l.rank_of({0, 2, 0}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace harness::parallel
