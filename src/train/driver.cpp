@@ -348,7 +348,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
   // that depends on it (collectives included) happens.
   // What would otherwise fail after training (evaluation, the first checkpoint) fails now.
   const model::GPT2Config config = step.model()->config();
-  check_positions(config, o.model_max_length, o.benchmark_only);
+  check_positions(config, o.model_max_length);
   if (o.rank == 0) make_directories(checkpoint_root(o));
   const double load_start = now_seconds();
   std::optional<Resumption> resumption = choose_checkpoint(o, config);

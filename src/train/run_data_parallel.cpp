@@ -100,7 +100,7 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
   const model::GPT2Config config = resolve_config(f.model);
   shipped_tokenizer(f.model, config);
-  check_positions(config, f.model_max_length, f.benchmark_only);
+  check_positions(config, f.model_max_length);
   if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
   // config.json against model.safetensors: the weights are read and checked as a worker would.
   if (!f.model.path.empty()) build_model(f.model, config, f.seed);

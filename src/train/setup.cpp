@@ -62,15 +62,12 @@ model::GPT2Config resolve_config(const ModelSource& source) {
   return config;
 }
 
-void check_positions(const model::GPT2Config& config, int64_t model_max_length, bool benchmark_only) {
-  const int64_t needed = benchmark_only ? model_max_length : model_max_length + 1;
-  if (config.n_positions >= needed) return;
-  throw std::invalid_argument(
-      "--model_max_length " + std::to_string(model_max_length) + " needs n_positions >= " +
-      std::to_string(needed) + (benchmark_only ? "" : " (generation appends up to one more token)") +
-      " but the model has n_positions " + std::to_string(config.n_positions) + ": pass --model_max_length " +
-      std::to_string(benchmark_only ? config.n_positions : config.n_positions - 1) + " or less" +
-      (benchmark_only ? "" : ", or --benchmark_only"));
+void check_positions(const model::GPT2Config& config, int64_t model_max_length) {
+  if (config.n_positions >= model_max_length) return;
+  throw std::invalid_argument("--model_max_length " + std::to_string(model_max_length) + " needs n_positions >= " +
+                              std::to_string(model_max_length) + " but the model has n_positions " +
+                              std::to_string(config.n_positions) + ": pass --model_max_length " +
+                              std::to_string(config.n_positions) + " or less");
 }
 
 std::optional<data::Tokenizer> shipped_tokenizer(const ModelSource& source, const model::GPT2Config& config) {

@@ -163,7 +163,7 @@ std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
                                                const std::vector<data::TranslationExample>& examples,
                                                int64_t model_max_length, const c10::Device& device,
                                                bool show_progress) {
-  check_positions(model->config(), model_max_length, /*benchmark_only=*/false);
+  check_positions(model->config(), model_max_length);
   model->eval();
   torch::NoGradGuard no_grad;
   std::vector<std::string> generations;

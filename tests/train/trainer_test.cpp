@@ -87,8 +87,27 @@ TEST(GenerateTest, RejectsAMaxLengthBeyondThePositions) {
   const Fixture& f = fixture();
   model::GPT2LMHeadModel model = tiny_model(f.tokenizer->vocab_size());
   EXPECT_THROW(generate_translations(model, *f.tokenizer, f.corpus.test,
-                                     model->config().n_positions, torch::kCPU, false),
+                                     model->config().n_positions + 1, torch::kCPU, false),
                std::invalid_argument);
+}
+
+// Greedy generation never feeds more than model_max_length tokens (the token appended last is not
+// fed back), so a model with exactly that many positions generates to the full budget.
+TEST(GenerateTest, AMaxLengthEqualToThePositionsGeneratesToTheFullBudget) {
+  const Fixture& f = fixture();
+  model::GPT2LMHeadModel model = tiny_model(f.tokenizer->vocab_size());
+  const int64_t positions = model->config().n_positions;
+  const auto cached = generate_translations(model, *f.tokenizer, f.corpus.test, positions, torch::kCPU, false);
+  EXPECT_EQ(cached, generate_by_recompute(model, *f.tokenizer, f.corpus.test, positions));
+  size_t filled = 0;
+  for (const auto& example : f.corpus.test) {
+    const std::vector<int64_t> prompt = f.tokenizer->encode(example.de + data::Tokenizer::kEosDe);
+    const std::vector<int64_t> continuation = greedy_continuation(
+        model, prompt, positions, f.tokenizer->eos_en_id(), f.tokenizer->vocab_size(), torch::kCPU);
+    EXPECT_LE(static_cast<int64_t>(prompt.size() + continuation.size()), positions + 1);
+    filled += static_cast<int64_t>(prompt.size() + continuation.size()) == positions + 1 ? 1 : 0;
+  }
+  EXPECT_GT(filled, 0u);  // an untrained model rarely stops by itself
 }
 
 // A head larger than the tokenizer (a preset's vocab_size above what the corpus fills, or real

@@ -29,10 +29,11 @@ data::TranslationCorpus load_corpus(const std::string& dataset, const data::Spli
 // The config the model will have (preset or path/config.json, then the dropout override).
 model::GPT2Config resolve_config(const ModelSource& source);
 
-// --model_max_length against the model's positions: generation appends up to one more token, so
-// an evaluating run needs n_positions > model_max_length, a --benchmark_only one >=. The error
-// names both values and what to pass.
-void check_positions(const model::GPT2Config& config, int64_t model_max_length, bool benchmark_only);
+// --model_max_length against the model's positions: training feeds model_max_length tokens, and
+// so does greedy generation at most (it stops once the sequence is longer than model_max_length,
+// and the token appended last is never fed back), so every mode needs n_positions >=
+// model_max_length. The error names both values and what to pass.
+void check_positions(const model::GPT2Config& config, int64_t model_max_length);
 
 // The tokenizer.model shipped in source.path, if any: loaded and checked against config's
 // vocab_size (an error names the file and both sizes). Empty when there is none.
