@@ -315,8 +315,24 @@ void apply_checkpoint(const Resumption& r, TrainStep& step, const TrainingOption
 
 std::string line_prefix(const TrainingOptions& o, int64_t epoch) {
   return o.style == ReportStyle::kDataParallel
-             ? "Epoch " + std::to_string(epoch) + " on Rank " + std::to_string(o.rank) + ": "
+             ? "Epoch " + std::to_string(epoch) + " on Rank " + std::to_string(o.report_rank) + ": "
              : "Epoch " + std::to_string(epoch) + ": ";
+}
+
+// The evaluation lines and the epoch's results and generations files.
+void report_evaluation(const TrainingOptions& o, int64_t epoch, const EpochEvaluation& eval, double seconds,
+                       double rate, const std::vector<data::TranslationExample>& test) {
+  const std::string prefix = line_prefix(o, epoch);
+  std::cout << prefix << "Validation Loss = " << format_number(eval.validation_loss) << std::endl;
+  std::cout << prefix << "BLEU = " << format_number(eval.bleu) << std::endl;
+  const std::string e = std::to_string(epoch);
+  const bool data_parallel = o.style == ReportStyle::kDataParallel;
+  const std::string base = data_parallel ? (fs::path(o.workdir) / ("rank" + std::to_string(o.report_rank))).string()
+                                         : (fs::path(o.workdir) / "").string();
+  write_results_json(data_parallel ? base + "_results_epoch" + e + ".json" : base + "eval_results_epoch" + e + ".json",
+                     {eval.validation_loss, eval.bleu, seconds, rate});
+  write_generations_json(data_parallel ? base + "_gen_epoch" + e + ".json" : base + "gen_epoch" + e + ".json", test,
+                         eval.generations);
 }
 
 }  // namespace
@@ -416,35 +432,28 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
     progress.seconds.push_back(timing.seconds);
     progress.rates.push_back(rate);
     const std::string prefix = line_prefix(o, epoch);
-    std::cout << prefix << "Training Time = " << format_number(timing.seconds)
-              << ", Tokens_per_sec = " << format_number(rate) << std::endl;
+    if (o.reports) {
+      std::cout << prefix << "Training Time = " << format_number(timing.seconds)
+                << ", Tokens_per_sec = " << format_number(rate) << std::endl;
+    }
 
     if (!o.benchmark_only) {
       model::GPT2LMHeadModel model = step.model();  // split: every rank of the group evaluates
       const EpochEvaluation eval = evaluate_epoch(model, *data.validation, *data.tokenizer, *data.test,
                                                   o.model_max_length, o.show_progress);
-      std::cout << prefix << "Validation Loss = " << format_number(eval.validation_loss) << std::endl;
-      std::cout << prefix << "BLEU = " << format_number(eval.bleu) << std::endl;
-      const std::string e = std::to_string(epoch);
-      const std::string base = o.style == ReportStyle::kDataParallel
-                                   ? (fs::path(o.workdir) / ("rank" + std::to_string(o.rank))).string()
-                                   : (fs::path(o.workdir) / "").string();
-      const std::string results = o.style == ReportStyle::kDataParallel ? base + "_results_epoch" + e + ".json"
-                                                                        : base + "eval_results_epoch" + e + ".json";
-      const std::string gens = o.style == ReportStyle::kDataParallel ? base + "_gen_epoch" + e + ".json"
-                                                                     : base + "gen_epoch" + e + ".json";
-      write_results_json(results, {eval.validation_loss, eval.bleu, timing.seconds, rate});
-      write_generations_json(gens, *data.test, eval.generations);
+      if (o.reports) report_evaluation(o, epoch, eval, timing.seconds, rate, *data.test);
     }
     save_checkpoint(step, o, {epoch + 1, 0, at.global_step}, progress, world);
   }
 
   const MeanStd time_stats = mean_std(progress.seconds), rate_stats = mean_std(progress.rates);
-  std::cout << (o.style == ReportStyle::kDataParallel ? "Rank " + std::to_string(o.rank) + " training time"
-                                                      : std::string("Training time"))
-            << ": avg:" << format_number(time_stats.mean) << ", std:" << format_number(time_stats.std)
-            << ", tokens_per_second: avg: " << format_number(rate_stats.mean)
-            << ", std:" << format_number(rate_stats.std) << std::endl;
+  if (o.reports) {
+    std::cout << (o.style == ReportStyle::kDataParallel ? "Rank " + std::to_string(o.report_rank) + " training time"
+                                                        : std::string("Training time"))
+              << ": avg:" << format_number(time_stats.mean) << ", std:" << format_number(time_stats.std)
+              << ", tokens_per_second: avg: " << format_number(rate_stats.mean)
+              << ", std:" << format_number(rate_stats.std) << std::endl;
+  }
 
   model::GPT2LMHeadModel model = step.model();
   // Split over a tensor-parallel group, every rank of it takes part in gathering the weights.

@@ -232,6 +232,9 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   training.world_size = env.world_size;
   training.tensor_parallel_size = T;
   training.data_parallel_size = dp_size;
+  // One report per model replica: its tensor rank 0 prints the lines, as its data-parallel rank.
+  training.reports = layout.tensor_rank == 0;
+  training.report_rank = dp_rank;
   training.devices = {device.torch_device()};
   training.show_progress = f.progress && rank == 0;
   training.data_order = "partition of --batch_size over the data-parallel ranks from seed " +

@@ -1,5 +1,6 @@
 """The programs as a new user first runs them: the project's own presets with the default flags
-(gpt2-tiny's n_positions equals the default --model_max_length)."""
+(gpt2-tiny's n_positions equals the default --model_max_length), and what the per-rank lines add
+up to with tensor parallelism."""
 import json
 import os
 import re
@@ -13,6 +14,8 @@ SOURCE = os.environ.get("HARNESS_SOURCE_DIR", os.path.dirname(os.path.dirname(os
 BINARY = os.environ.get("HARNESS_BINARY_DIR", os.path.join(SOURCE, "build"))
 DP = os.path.join(BINARY, "run_data_parallel")
 PP = os.path.join(BINARY, "run_pipeline")
+sys.path.insert(0, os.path.join(SOURCE, "scripts"))
+import bench_common  # noqa: E402  (the benchmark runner's own parser of the printed lines)
 
 NUMBER = r"(-?\d+(?:\.\d+)?)"
 DP_TRAIN = re.compile(rf"^Epoch (\d+) on Rank (\d+): Training Time = {NUMBER}, Tokens_per_sec = {NUMBER}$", re.M)
@@ -98,6 +101,36 @@ class PresetsWithDefaultFlags(unittest.TestCase):
         self.assertIn("--model_max_length 129 needs n_positions >= 129 but the model has n_positions 128: "
                       "pass --model_max_length 128 or less", proc.stderr)
         self.assertNotIn("Training Time", proc.stdout)
+
+
+class TensorParallelReports(unittest.TestCase):
+    def test_the_sum_over_the_printed_ranks_is_the_runs_throughput(self):
+        # World 4 = 2 data-parallel replicas of 2 tensor-parallel ranks: one line per replica and
+        # epoch, as data-parallel ranks 0 and 1, each counting its replica's tokens once.
+        batch, length, epochs = 8, 32, 2
+        with tempfile.TemporaryDirectory() as tmp:
+            work = os.path.join(tmp, "w")
+            proc = run([DP, "--world_size", "4", "--tensor_parallel_size", "2", "--batch_size", str(batch),
+                        "--n_epochs", str(epochs), "--max_batches", "1", "--benchmark_only", "--workdir", work,
+                        "--master_port", str(free_port())] + TINY)
+            lines = DP_TRAIN.findall(proc.stdout)
+            self.assertEqual(sorted((int(e), int(r)) for e, r, _, _ in lines),
+                             [(e, r) for e in range(epochs) for r in (0, 1)], proc.stdout)
+            self.assertEqual(sorted(re.findall(r"^Rank (\d+) training time: avg:", proc.stdout, re.M)), ["0", "1"])
+            # The benchmark runner's arithmetic: time = mean over the printed ranks, throughput = sum.
+            log = bench_common.parse_log_text(proc.stdout, "tp.log", "dp", world_size=2, expected_epochs=epochs)
+            replica_tokens = batch // 2 * length  # a replica's half of the batch, padded to --model_max_length
+            for epoch in range(epochs):
+                figures = [log.epochs[r][epoch] for r in (0, 1)]
+                # Each epoch is one batch: what a replica trained per second is its tokens over its
+                # printed time, and the runner's sum over the printed ranks must be the sum of those
+                # (each token counted once, not once per tensor-parallel rank).
+                trained = sum(replica_tokens / f.time for f in figures)
+                summed = sum(f.tok for f in figures)
+                self.assertGreater(summed / trained, 0.85, (epoch, summed, trained, proc.stdout))
+                self.assertLess(summed / trained, 1.15, (epoch, summed, trained, proc.stdout))
+                for f in figures:
+                    self.assertAlmostEqual(f.tok * f.time / replica_tokens, 1.0, delta=0.15)
 
 
 if __name__ == "__main__":

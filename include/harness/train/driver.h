@@ -42,6 +42,12 @@ struct TrainingOptions {
   ReportStyle style = ReportStyle::kPipeline;
   int rank = 0;                    // this process's rank in the world
   int world_size = 1;
+  // Whether this process prints the per-epoch and summary lines and writes the per-epoch files,
+  // and the rank they name ("Epoch e on Rank r", rank{r}_*.json). With tensor parallelism the
+  // ranks of one tensor-parallel group train the same replica: only its tensor rank 0 reports,
+  // as its data-parallel rank, so that a sum over the printed ranks counts every token once.
+  bool reports = true;
+  int report_rank = 0;
   int tensor_parallel_size = 1;
   int data_parallel_size = 1;
   std::vector<std::string> pipeline_devices;  // the manifest's record of run_pipeline's devices
