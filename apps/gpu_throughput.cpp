@@ -23,7 +23,7 @@
 #include "harness/model/config.h"
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
-#include "harness/train/loss.h"
+#include "harness/model/loss.h"
 
 #ifdef HARNESS_WITH_NCCL  // set whenever this LibTorch has CUDA (see CMakeLists.txt)
 #include <ATen/cuda/CUDAContextLight.h>
@@ -180,7 +180,7 @@ struct Trainer {
     at::Tensor loss;
     {
       harness::model::AutocastScope autocast(precision, device.type());
-      loss = harness::train::weighted_cross_entropy(model->forward(input_ids), labels, weights);
+      loss = harness::model::weighted_cross_entropy(model->forward(input_ids), labels, weights);
     }
     loss.backward();
     optimizer->step();

@@ -19,6 +19,7 @@
 #include "harness/pipeline/activation_meter.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/executor.h"
+#include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/train/checkpoint_store.h"
 #include "harness/train/pipeline_train_step.h"
 #include "harness/train/setup.h"
@@ -150,7 +151,7 @@ int main(int argc, char** argv) {
         // configuration with that many stages compares on the same balance.
         auto& halves = auto_balance[stages];
         if (halves.empty()) {
-          halves = train::balance_gpt2_by_time(model, devices.front(), stages, std::max<int64_t>(1, B / 4), T);
+          halves = pipeline::balance_gpt2_by_time(model, devices.front(), stages, std::max<int64_t>(1, B / 4), T);
           std::cerr << "[pipeline_bench] --balance auto over " << stages << " stages: "
                     << halves.size() << " stages of half blocks";
           for (int h : halves) std::cerr << " " << h;

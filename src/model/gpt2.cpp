@@ -310,24 +310,30 @@ torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t
                         transformer->drop);
 }
 
-torch::Tensor GPT2LMHeadModelImpl::head(const torch::Tensor& hidden) {
+torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit) {
+  if (first_unit < 0 || end_unit > n_units() || first_unit > end_unit) {
+    throw std::invalid_argument("GPT2LMHeadModel: block halves [" + std::to_string(first_unit) + ", " +
+                                std::to_string(end_unit) + ") are outside the model's [0, " +
+                                std::to_string(n_units()) + ")");
+  }
+  for (int64_t unit = first_unit; unit < end_unit; ++unit) {
+    auto block = transformer->h->ptr<GPT2BlockImpl>(static_cast<size_t>(unit / 2));
+    hidden = unit % 2 == 0 ? block->forward_attention(hidden.to(block->ln_1->weight.device()))
+                           : block->forward_mlp(hidden);
+  }
+  return hidden;
+}
+
+torch::Tensor GPT2LMHeadModelImpl::head_logits(const torch::Tensor& hidden, const torch::Tensor& head_weight) {
   auto& ln_f = transformer->ln_f;
   auto normed = ln_f(hidden.to(ln_f->weight.device()));
-  const auto& wte_weight = transformer->wte->weight;
-  return vocabulary_logits(normed.to(wte_weight.device()), wte_weight);
+  return vocabulary_logits(normed.to(head_weight.device()), head_weight);
 }
 
 torch::Tensor GPT2LMHeadModelImpl::forward(const torch::Tensor& input_ids) {
   auto hidden = embed(input_ids, 0);
-  if (blocks_executor_) {
-    hidden = blocks_executor_(hidden);
-  } else {
-    for (size_t i = 0; i < transformer->h->size(); ++i) {
-      auto block = transformer->h->ptr<GPT2BlockImpl>(i);
-      hidden = block->forward(hidden.to(block->ln_1->weight.device()));
-    }
-  }
-  return head(hidden);
+  hidden = blocks_executor_ ? blocks_executor_(hidden) : forward_units(hidden, 0, n_units());
+  return head_logits(hidden, transformer->wte->weight);
 }
 
 torch::Tensor GPT2LMHeadModelImpl::forward_cached(const torch::Tensor& input_ids, KVCache& cache) {
@@ -343,7 +349,7 @@ torch::Tensor GPT2LMHeadModelImpl::forward_cached(const torch::Tensor& input_ids
     auto block = transformer->h->ptr<GPT2BlockImpl>(i);
     hidden = block->forward_cached(hidden.to(block->ln_1->weight.device()), cache.layers[i]);
   }
-  return head(hidden);
+  return head_logits(hidden, transformer->wte->weight);
 }
 
 void GPT2LMHeadModelImpl::parallelize(const std::vector<Device>& devices) {

@@ -1,10 +1,15 @@
-// enable_pipeline: GPT-2 blocks as a pipelined Sequential.
+// GPT-2 in a pipeline: its blocks as a pipelined Sequential, and its balance by measured time.
 #include "harness/pipeline/gpt2_pipeline.h"
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
+#include <functional>
 #include <stdexcept>
 
+#include "harness/model/loss.h"
+#include "harness/pipeline/balance.h"
 #include "harness/pipeline/with_device.h"
 
 namespace harness::pipeline {
@@ -40,5 +45,65 @@ std::shared_ptr<Pipe> enable_pipeline(model::GPT2LMHeadModel& model, const std::
 }
 
 void disable_pipeline(model::GPT2LMHeadModel& model) { model->set_blocks_executor({}); }
+
+std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
+                                      int64_t rows, int64_t tokens) {
+  model::GPT2LMHeadModelImpl& gpt2 = *model;
+  const model::GPT2Config& config = gpt2.config();
+  const c10::Device where = device.torch_device();
+  model->to(where);
+  const bool was_training = model->is_training();
+  model->train(true);
+  const int64_t C = config.n_embd;
+  tokens = std::min<int64_t>(tokens, config.n_positions);
+  const auto floats = torch::TensorOptions().device(where).dtype(torch::kFloat32);
+  const at::Tensor ids = torch::randint(config.vocab_size, {rows, tokens},
+                                        torch::TensorOptions().device(where).dtype(torch::kLong));
+  const at::Tensor weights = torch::ones({rows, tokens}, floats);
+
+  auto seconds_of = [&](const std::function<at::Tensor()>& forward_backward) {
+    std::vector<double> times;
+    for (int k = 0; k < 4; ++k) {
+      const auto start = std::chrono::steady_clock::now();
+      (void)forward_backward().sum().item<double>();  // waits for a GPU too
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (k > 0) times.push_back(t);  // the first run warms up
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  auto backward_from = [](const at::Tensor& out) {
+    torch::autograd::backward({out}, {torch::ones_like(out)});
+  };
+  const double embed = seconds_of([&] {
+    at::Tensor out = gpt2.embed(ids);
+    backward_from(out);
+    return gpt2.transformer->wte->weight.grad();
+  });
+  const double attention = seconds_of([&] {
+    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
+    backward_from(gpt2.forward_units(x, 0, 1));
+    return x.grad();
+  });
+  const double mlp = seconds_of([&] {
+    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
+    backward_from(gpt2.forward_units(x, 1, 2));
+    return x.grad();
+  });
+  const double head = seconds_of([&] {
+    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
+    const at::Tensor head_weight = gpt2.transformer->wte->weight.detach().requires_grad_(true);
+    model::weighted_cross_entropy(gpt2.head_logits(x, head_weight), ids, weights).backward();
+    return x.grad();
+  });
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  model->train(was_training);
+  std::vector<double> unit_costs;
+  for (int64_t b = 0; b < config.n_layer; ++b) {
+    unit_costs.push_back(attention);
+    unit_costs.push_back(mlp);
+  }
+  return balance_by_cost(unit_costs, stages, embed, head);
+}
 
 }  // namespace harness::pipeline

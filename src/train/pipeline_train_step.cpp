@@ -9,6 +9,7 @@
 #include <iostream>
 #include <stdexcept>
 
+#include "harness/model/loss.h"
 #include "harness/pipeline/balance.h"
 #include "harness/train/loss.h"
 
@@ -132,14 +133,16 @@ double PipelineTrainStep::step(const std::vector<data::Batch>& batches) {
     const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
       // On the stage's worker thread (autocast state is per thread), recomputation included.
       model::AutocastScope autocast(precision, options_.devices[s % D].torch_device().type());
+      // GPT-2's own pieces: the embedding on the first stage, the stage's run of block halves, the
+      // final norm, tied head and loss on the last.
       at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
-      for (size_t unit : units_of_stage_[s]) {
-        auto block = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(unit / 2);
-        hidden = unit % 2 == 0 ? block->forward_attention(hidden) : block->forward_mlp(hidden);
+      const std::vector<size_t>& units = units_of_stage_[s];
+      if (!units.empty()) {
+        hidden = gpt2.forward_units(hidden, static_cast<int64_t>(units.front()), static_cast<int64_t>(units.back()) + 1);
       }
       if (s < S - 1) return hidden;
-      const at::Tensor logits = torch::linear(gpt2.transformer->ln_f(hidden), head_weight);
-      return weighted_cross_entropy(logits, labels[i], weight_parts[i], weight_sum);
+      return model::weighted_cross_entropy(gpt2.head_logits(hidden, head_weight), labels[i], weight_parts[i],
+                                           weight_sum);
     };
     // Micro-step k > 0 of an accumulated step draws from streams of its own.
     const uint64_t seed = k == 0 ? step_seed : pipeline::step_stream_seed(step_seed, static_cast<int64_t>(k));
@@ -163,68 +166,6 @@ double PipelineTrainStep::step(const std::vector<data::Batch>& batches) {
   optimizer().step();
   // Reading the loss also waits for the step, so a step's time is finished work on every device.
   return loss.item<double>();
-}
-
-std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
-                                      int64_t rows, int64_t tokens) {
-  model::GPT2LMHeadModelImpl& gpt2 = *model;
-  const model::GPT2Config& config = gpt2.config();
-  const c10::Device where = device.torch_device();
-  model->to(where);
-  const bool was_training = model->is_training();
-  model->train(true);
-  const int64_t C = config.n_embd;
-  tokens = std::min<int64_t>(tokens, config.n_positions);
-  const auto floats = torch::TensorOptions().device(where).dtype(torch::kFloat32);
-  const at::Tensor ids = torch::randint(config.vocab_size, {rows, tokens},
-                                        torch::TensorOptions().device(where).dtype(torch::kLong));
-  const at::Tensor weights = torch::ones({rows, tokens}, floats);
-
-  auto seconds_of = [&](const std::function<at::Tensor()>& forward_backward) {
-    std::vector<double> times;
-    for (int k = 0; k < 4; ++k) {
-      const auto start = std::chrono::steady_clock::now();
-      (void)forward_backward().sum().item<double>();  // waits for a GPU too
-      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (k > 0) times.push_back(t);  // the first run warms up
-    }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-  };
-  auto backward_from = [](const at::Tensor& out) {
-    torch::autograd::backward({out}, {torch::ones_like(out)});
-  };
-  const double embed = seconds_of([&] {
-    at::Tensor out = gpt2.embed(ids);
-    backward_from(out);
-    return gpt2.transformer->wte->weight.grad();
-  });
-  auto block0 = gpt2.transformer->h->ptr<model::GPT2BlockImpl>(0);
-  const double attention = seconds_of([&] {
-    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
-    backward_from(block0->forward_attention(x));
-    return x.grad();
-  });
-  const double mlp = seconds_of([&] {
-    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
-    backward_from(block0->forward_mlp(x));
-    return x.grad();
-  });
-  const double head = seconds_of([&] {
-    at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
-    const at::Tensor head_weight = gpt2.transformer->wte->weight.detach().requires_grad_(true);
-    const at::Tensor logits = torch::linear(gpt2.transformer->ln_f(x), head_weight);
-    weighted_cross_entropy(logits, ids, weights).backward();
-    return x.grad();
-  });
-  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-  model->train(was_training);
-  std::vector<double> unit_costs;
-  for (int64_t b = 0; b < config.n_layer; ++b) {
-    unit_costs.push_back(attention);
-    unit_costs.push_back(mlp);
-  }
-  return pipeline::balance_by_cost(unit_costs, stages, embed, head);
 }
 
 }  // namespace harness::train

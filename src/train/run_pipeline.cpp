@@ -9,6 +9,7 @@
 #include "harness/model/safetensors.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/executor.h"
+#include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/trace.h"
 #include "harness/train/pipeline_train_step.h"
 #include "harness/train/programs.h"
@@ -80,7 +81,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
     const int stages = static_cast<int>(devices.size()) * options.virtual_stages;
     if (balance_spec.automatic) {
       const int64_t rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
-      options.balance_halves = balance_gpt2_by_time(model, devices.front(), stages, rows, f.model_max_length);
+      options.balance_halves = pipeline::balance_gpt2_by_time(model, devices.front(), stages, rows, f.model_max_length);
     } else {
       options.balance_halves = balance_spec.halves_per_stage;
     }

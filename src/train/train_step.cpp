@@ -12,6 +12,7 @@
 #include "harness/data_parallel/zero.h"
 #include "harness/optim/fused_adamw.h"
 #include "harness/trace.h"
+#include "harness/model/loss.h"
 #include "harness/train/loss.h"
 
 namespace harness::train {
@@ -40,10 +41,10 @@ double accumulate_and_step(const std::vector<data::Batch>& batches,
       const at::Tensor labels = batch.labels.to(logits.device());
       const at::Tensor weights = batch.label_token_weights.to(logits.device());
       if (batches.size() == 1) {
-        loss = weighted_cross_entropy(logits, labels, weights);
+        loss = model::weighted_cross_entropy(logits, labels, weights);
       } else {
         if (!weight_sum.defined()) weight_sum = combined_label_weight(batches, logits.device());
-        loss = weighted_cross_entropy(logits, labels, weights, weight_sum);
+        loss = model::weighted_cross_entropy(logits, labels, weights, weight_sum);
       }
     }
     loss.backward();

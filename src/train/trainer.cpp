@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "harness/trace.h"
-#include "harness/train/loss.h"
+#include "harness/model/loss.h"
 #include "harness/train/report.h"
 #include "harness/train/setup.h"
 
@@ -125,8 +125,8 @@ double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
     if (!batch) break;
     data::Batch on_device = batch->to(device);
     torch::Tensor logits = model->forward(on_device.input_ids);
-    sum += weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
-                                  on_device.label_token_weights.to(logits.device()))
+    sum += harness::model::weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
+                                                  on_device.label_token_weights.to(logits.device()))
                .item<double>();
     ++count;
   }

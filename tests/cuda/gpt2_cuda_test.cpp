@@ -13,7 +13,7 @@
 #include "harness/data/collate.h"
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
-#include "harness/train/loss.h"
+#include "harness/model/loss.h"
 
 namespace harness {
 namespace {
@@ -34,7 +34,7 @@ Pass forward_backward(model::GPT2LMHeadModel& model, const data::Batch& batch, c
   {
     model::AutocastScope autocast(precision, device.type());
     pass.logits = model->forward(b.input_ids);
-    pass.loss = train::weighted_cross_entropy(pass.logits, b.labels, b.label_token_weights);
+    pass.loss = model::weighted_cross_entropy(pass.logits, b.labels, b.label_token_weights);
   }
   pass.loss.backward();
   pass.gradients = cuda_testing::gradients_of(*model);

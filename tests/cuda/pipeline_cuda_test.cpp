@@ -23,7 +23,7 @@
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/pipeline/pipe.h"
 #include "harness/pipeline/with_device.h"
-#include "harness/train/loss.h"
+#include "harness/model/loss.h"
 #include "harness/train/pipeline_train_step.h"
 #include "harness/train/train_step.h"
 
@@ -110,7 +110,7 @@ void expect_gpt2_pipe_equals_cpu(const std::vector<Device>& devices, int64_t spl
     const c10::Device first = model->parameters().front().device();
     const data::Batch b = cuda_testing::on_device(batch, first);
     const at::Tensor logits = model->forward(b.input_ids);
-    train::weighted_cross_entropy(logits, b.labels.to(logits.device()), b.label_token_weights.to(logits.device()))
+    model::weighted_cross_entropy(logits, b.labels.to(logits.device()), b.label_token_weights.to(logits.device()))
         .backward();
     return std::make_pair(logits.detach().cpu(), cuda_testing::gradients_of(*model));
   };

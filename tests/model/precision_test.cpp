@@ -15,7 +15,7 @@
 #include "harness/model/dropout.h"
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
-#include "harness/train/loss.h"
+#include "harness/model/loss.h"
 
 namespace harness::model {
 namespace {
@@ -114,7 +114,7 @@ TEST(Precision, Bf16RunsMatmulsAndAttentionInBf16AndLayerNormSoftmaxAndLossInFp3
   at::Tensor loss;
   {
     AutocastScope autocast(Precision::kBf16, c10::DeviceType::CPU);
-    loss = train::weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
+    loss = weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
   }
   EXPECT_EQ(loss.scalar_type(), at::kFloat);
   expect_autocast_regions(recorder, "aten::scaled_dot_product_attention");
@@ -140,7 +140,7 @@ TEST(Precision, TheDropoutAttentionPathKeepsItsSoftmaxInFp32) {
     OpDtypeRecorder recorder;
     {
       AutocastScope autocast(Precision::kBf16, c10::DeviceType::CPU);
-      train::weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
+      weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
     }
     EXPECT_EQ(recorder.of("aten::softmax"), kFp32) << with_stream;
     EXPECT_EQ(recorder.of("aten::baddbmm"), kBf16) << with_stream;  // the scores: mask bias + scale * q k^T
@@ -160,7 +160,7 @@ TEST(Precision, Bf16AgreesWithFp32WithinBf16sPrecisionOnTheTinyModel) {
     at::Tensor loss;
     {
       AutocastScope autocast(precision, c10::DeviceType::CPU);
-      loss = train::weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
+      loss = weighted_cross_entropy(model->forward(in.ids), in.labels, in.weights);
     }
     loss.backward();
     std::map<std::string, at::Tensor> grads;

@@ -11,7 +11,7 @@
 
 #include "harness/data/collate.h"
 #include "harness/model/gpt2.h"
-#include "harness/train/loss.h"
+#include "harness/model/loss.h"
 #include "harness/train/pipeline_train_step.h"
 #include "harness/train/train_step.h"
 #include "test_support.h"
@@ -120,7 +120,7 @@ TEST(GradientAccumulation, MeansOfEachBatchWouldDifferSoTheWeightingIsTested) {
   model::GPT2LMHeadModel model = make_model(config);
   at::Tensor mean_of_means = torch::zeros({});
   for (const auto& b : four) {
-    mean_of_means = mean_of_means + weighted_cross_entropy(model->forward(b.input_ids), b.labels,
+    mean_of_means = mean_of_means + model::weighted_cross_entropy(model->forward(b.input_ids), b.labels,
                                                            b.label_token_weights) / 4.0;
   }
   const at::Tensor& wte = model->transformer->wte->weight;
@@ -128,7 +128,7 @@ TEST(GradientAccumulation, MeansOfEachBatchWouldDifferSoTheWeightingIsTested) {
   const at::Tensor per_batch = wte.grad().clone();
   wte.mutable_grad() = at::Tensor();
   const data::Batch all = concatenated(four);
-  weighted_cross_entropy(model->forward(all.input_ids), all.labels, all.label_token_weights).backward();
+  model::weighted_cross_entropy(model->forward(all.input_ids), all.labels, all.label_token_weights).backward();
   EXPECT_GT(relative(per_batch, wte.grad()), 1e-2);
 }
 

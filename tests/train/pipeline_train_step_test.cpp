@@ -14,6 +14,7 @@
 
 #include "harness/data/collate.h"
 #include "harness/model/gpt2.h"
+#include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/train/pipeline_train_step.h"
 #include "harness/train/train_step.h"
 #include "test_support.h"
@@ -306,7 +307,7 @@ TEST(PipelineTrainStep, BalancePlacesTheBlocksAndBadOptionsNameTheFlag) {
 
 TEST(PipelineTrainStep, BalanceByTimeGivesEveryStageHalfBlocksAndLeavesNoGradient) {
   model::GPT2LMHeadModel model = make_model(tiny_config(0.0));
-  const std::vector<int> halves = balance_gpt2_by_time(model, Device::cpu(0), 2, 2, 16);
+  const std::vector<int> halves = pipeline::balance_gpt2_by_time(model, Device::cpu(0), 2, 2, 16);
   ASSERT_EQ(halves.size(), 2u);
   EXPECT_EQ(halves[0] + halves[1], 2 * 4);
   EXPECT_GE(halves[0], 1);

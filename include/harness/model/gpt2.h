@@ -150,6 +150,16 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // input_ids [B, T] -> token plus position embeddings after dropout, [B, T, C] on the
   // embeddings' device, positions starting at past_length (a pipeline's first stage).
   torch::Tensor embed(const torch::Tensor& input_ids, int64_t past_length = 0);
+  // Block halves [first_unit, end_unit) on hidden states [B, T, C]: unit 2i is block i's attention
+  // half, x + attn(ln_1(x)), unit 2i + 1 its MLP half, h + mlp(ln_2(h)), each run where its
+  // parameters are. forward() runs all of them; a pipeline stage runs its run of them.
+  torch::Tensor forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit);
+  int64_t n_units() const { return 2 * config_.n_layer; }
+  // ln_f, then the tied head's product with `head_weight` (wte's weight, or a pipeline's copy of it
+  // on the last stage) on that weight's device: logits [B, T, vocab_size]. With embed() and
+  // forward_units() the whole of forward(); model::weighted_cross_entropy (loss.h) takes it to the
+  // loss.
+  torch::Tensor head_logits(const torch::Tensor& hidden, const torch::Tensor& head_weight);
 
   const GPT2Config& config() const { return config_; }
   GPT2ModelImpl& transformer_module() { return *transformer; }
@@ -205,7 +215,6 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   GPT2Model transformer{nullptr};
 
  private:
-  torch::Tensor head(const torch::Tensor& hidden);  // ln_f, then tied projection on first device
 
   GPT2Config config_;
   std::shared_ptr<TensorParallelGroup> tp_;

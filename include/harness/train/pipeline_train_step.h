@@ -80,13 +80,4 @@ class PipelineTrainStep : public GPT2TrainStep {
   bool told_fallback_ = false;
 };
 
-// torchgpipe's balance_by_time on GPT-2, on `device` (the model is moved there), at half-block
-// grain: times the forward and backward of a block's attention half and MLP half, of the
-// embedding and of ln_f + head + loss on micro-batches of `rows` x `tokens` tokens (median of 3
-// after a warm-up; GPT-2's blocks are identical, so one stands for all), then balance_by_cost over
-// `stages` stages with the embedding on the first and the head on the last. Returns half blocks per
-// stage: the head's cost can then be evened out by cutting a block between its halves.
-std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
-                                      int64_t rows, int64_t tokens);
-
 }  // namespace harness::train

@@ -1,12 +1,12 @@
 // weighted_cross_entropy on a case computed by hand, and its errors.
-#include "harness/train/loss.h"
+#include "harness/model/loss.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 
-namespace harness::train {
+namespace harness::model {
 namespace {
 
 TEST(LossTest, HandComputedWeightedMean) {
@@ -55,4 +55,4 @@ TEST(LossTest, ShapeMismatchIsAnError) {
 }
 
 }  // namespace
-}  // namespace harness::train
+}  // namespace harness::model
