@@ -71,25 +71,21 @@ Coordinates Layout::coordinates_of(int rank) const {
   return c;
 }
 
-std::vector<int> Layout::data_parallel_group(int rank) const {
+std::vector<int> Layout::group_along(int rank, int Coordinates::*axis, int size) const {
   Coordinates c = coordinates_of(rank);
   std::vector<int> ranks;
-  for (c.data = 0; c.data < data_; ++c.data) ranks.push_back(rank_of(c));
+  for (c.*axis = 0; c.*axis < size; ++(c.*axis)) ranks.push_back(rank_of(c));
   return ranks;
 }
 
+std::vector<int> Layout::data_parallel_group(int rank) const { return group_along(rank, &Coordinates::data, data_); }
+
 std::vector<int> Layout::tensor_parallel_group(int rank) const {
-  Coordinates c = coordinates_of(rank);
-  std::vector<int> ranks;
-  for (c.tensor = 0; c.tensor < tensor_; ++c.tensor) ranks.push_back(rank_of(c));
-  return ranks;
+  return group_along(rank, &Coordinates::tensor, tensor_);
 }
 
 std::vector<int> Layout::pipeline_group(int rank) const {
-  Coordinates c = coordinates_of(rank);
-  std::vector<int> ranks;
-  for (c.pipeline = 0; c.pipeline < pipeline_; ++c.pipeline) ranks.push_back(rank_of(c));
-  return ranks;
+  return group_along(rank, &Coordinates::pipeline, pipeline_);
 }
 
 std::vector<int> Layout::embedding_group(int rank) const {

@@ -87,6 +87,8 @@ class Layout {
   Layout(int data, int tensor, int pipeline, int zero_stage)
       : data_(data), tensor_(tensor), pipeline_(pipeline), zero_stage_(zero_stage) {}
   void check_rank(int rank) const;
+  // The ranks that share every coordinate of `rank` but `axis`, by that coordinate.
+  std::vector<int> group_along(int rank, int Coordinates::*axis, int size) const;
 
   int data_ = 1;
   int tensor_ = 1;
