@@ -21,6 +21,7 @@
 #include "harness/trace.h"
 #include "harness/train/bleu.h"
 #include "harness/train/checkpoint_store.h"
+#include "harness/train/rank_agreement.h"
 #include "harness/train/setup.h"
 #include "harness/train/trainer.h"
 
@@ -65,30 +66,6 @@ EpochTiming timing_from_json(const json& j) {
 }
 
 // ----- collectives the driver issues (every rank, the same order) -------------------------------
-
-std::vector<std::string> all_gather_strings(const std::string& mine, const dp::DistContext* world) {
-  if (world == nullptr || world->world_size == 1) return {mine};
-  const c10::Device device = world->device.torch_device();
-  auto gather = [&](const at::Tensor& local) {
-    std::vector<std::vector<at::Tensor>> out(1);
-    for (int r = 0; r < world->world_size; ++r) out[0].push_back(torch::empty_like(local));
-    std::vector<at::Tensor> in{local};
-    world->group->allgather(out, in)->wait();
-    return out[0];
-  };
-  const std::vector<at::Tensor> lengths =
-      gather(torch::full({1}, static_cast<int64_t>(mine.size()), torch::kLong).to(device));
-  int64_t longest = 0;
-  for (const at::Tensor& l : lengths) longest = std::max(longest, l.item<int64_t>());
-  at::Tensor local = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kUInt8);
-  std::memcpy(local.data_ptr<uint8_t>(), mine.data(), mine.size());
-  const std::vector<at::Tensor> all = gather(local.to(device));
-  std::vector<std::string> out;
-  for (size_t r = 0; r < all.size(); ++r) {
-    out.push_back(tensor_to_bytes(all[r].to(torch::kCPU).narrow(0, 0, lengths[r].item<int64_t>())));
-  }
-  return out;
-}
 
 // The smallest and largest of every rank's value.
 std::pair<int64_t, int64_t> min_max(int64_t value, const dp::DistContext* world) {
@@ -313,6 +290,23 @@ void apply_checkpoint(const Resumption& r, TrainStep& step, const TrainingOption
   }
 }
 
+// Checkpoints beyond where this run starts belong to another run: pruning would keep them as the
+// newest and delete this run's own. Refused before any training, with what to do. (With
+// --resume auto, anything later was refused as damaged; the run overwrites those steps as it goes.)
+void refuse_later_checkpoints(const TrainingOptions& o, const std::optional<Resumption>& resumption) {
+  const int64_t start = resumption ? resumption->manifest.global_step : 0;
+  std::string later;
+  for (const CheckpointInfo& found : list_checkpoints(checkpoint_root(o))) {
+    if (found.global_step > start) later += (later.empty() ? "" : ", ") + found.path;
+  }
+  if (!later.empty()) {
+    throw std::invalid_argument(
+        checkpoint_root(o) + " holds checkpoints of another run beyond step " + std::to_string(start) + " (" +
+        later + "); this run's would be mixed with them. Pass --resume auto to continue that run, or another "
+        "--checkpoint_dir (or remove those folders) to start a new one");
+  }
+}
+
 std::string line_prefix(const TrainingOptions& o, int64_t epoch) {
   return o.style == ReportStyle::kDataParallel
              ? "Epoch " + std::to_string(epoch) + " on Rank " + std::to_string(o.report_rank) + ": "
@@ -361,34 +355,29 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
   TrainingSummary summary;
 
   // Which checkpoint, if any: every rank decides alone, then all must agree before anything
-  // that depends on it (collectives included) happens.
+  // that depends on it (collectives included) happens. A rank that refuses to start (a --resume
+  // it cannot use, another run's checkpoints in the folder) refuses for all, with its reason, so
+  // that no rank is left waiting in a collective for a peer that is gone.
   // What would otherwise fail after training (evaluation, the first checkpoint) fails now.
   const model::GPT2Config config = step.model()->config();
-  check_positions(config, o.model_max_length);
-  if (o.rank == 0) make_directories(checkpoint_root(o));
   const double load_start = now_seconds();
-  std::optional<Resumption> resumption = choose_checkpoint(o, config);
+  std::optional<Resumption> resumption;
+  std::string refusal;
+  try {
+    check_positions(config, o.model_max_length);
+    if (o.rank == 0) make_directories(checkpoint_root(o));
+    resumption = choose_checkpoint(o, config);
+    if (o.rank == 0 && o.checkpoint.resume != "auto") refuse_later_checkpoints(o, resumption);
+  } catch (const std::exception& e) {
+    if (world == nullptr || world->world_size == 1) throw;
+    refusal = e.what();
+  }
+  agree_to_go_on(refusal, world);
   const auto [lowest, highest] = min_max(resumption ? resumption->manifest.global_step : -1, world);
   if (lowest != highest) {
     throw std::runtime_error("ranks disagree on the checkpoint to resume (steps " + std::to_string(lowest) +
                              " and " + std::to_string(highest) + "): is " + checkpoint_root(o) +
                              " the same folder on every machine?");
-  }
-  if (o.rank == 0 && o.checkpoint.resume != "auto") {
-    // Checkpoints beyond where this run starts belong to another run: pruning would keep them as
-    // the newest and delete this run's own. Refused before any training, with what to do. (With
-    // auto, anything later was refused as damaged; the run overwrites those steps as it goes.)
-    const int64_t start = resumption ? resumption->manifest.global_step : 0;
-    std::string later;
-    for (const CheckpointInfo& found : list_checkpoints(checkpoint_root(o))) {
-      if (found.global_step > start) later += (later.empty() ? "" : ", ") + found.path;
-    }
-    if (!later.empty()) {
-      throw std::invalid_argument(
-          checkpoint_root(o) + " holds checkpoints of another run beyond step " + std::to_string(start) + " (" +
-          later + "); this run's would be mixed with them. Pass --resume auto to continue that run, or another "
-          "--checkpoint_dir (or remove those folders) to start a new one");
-    }
   }
   if (resumption) {
     apply_checkpoint(*resumption, step, o, progress, at);

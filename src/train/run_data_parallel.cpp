@@ -17,10 +17,12 @@
 #include "harness/data_parallel/sharded_loader.h"
 #include "harness/data_parallel/zero.h"
 #include "harness/model/safetensors.h"
+#include "harness/parallel/layout.h"
 #include "harness/tensor_parallel/group.h"
 #include "harness/tensor_parallel/parallel_context.h"
 #include "harness/trace.h"
 #include "harness/train/programs.h"
+#include "harness/train/rank_agreement.h"
 
 namespace harness::train {
 namespace {
@@ -106,40 +108,60 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   if (!f.model.path.empty()) build_model(f.model, config, f.seed);
 }
 
-int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEnv& env) {
+namespace {
+
+// Test hook: the rank named drops its last training pair, as a rank reading another copy of the
+// dataset would, so that the ranks' tokenizers and training splits differ.
+void apply_training_split_test_hook(int rank, std::vector<data::TranslationExample>& train) {
+  const char* hook = std::getenv("HARNESS_TEST_DROP_TRAINING_PAIR_ON_RANK");
+  if (hook != nullptr && *hook != '\0' && std::atoi(hook) == rank && !train.empty()) train.pop_back();
+}
+
+int train_this_rank(const DataParallelConfig& flags, const dp::WorkerEnv& env, const Device& device, int threads,
+                    const dp::DistOptions& options, const dp::DistContext& world) {
   const RunConfig& f = flags.run;
   const int rank = env.rank;
-  const Device device = worker_device(flags, env.local_rank);
-  const int local_world = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
-  const int threads = f.threads_per_device > 0 ? f.threads_per_device : default_threads_per_device(local_world);
-  at::set_num_threads(threads);
-
-  dp::DistOptions options = dp::dist_options_for(env, flags.backend, device);
-  options.timeout = std::chrono::seconds(flags.dist_timeout_s);
-  options.debug_sync = flags.debug_sync;
-  // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
-  // same shard) is what the batch is partitioned over and the gradients are averaged over.
-  check_zero_stage(flags);
   const int T = flags.tensor_parallel_size;
   const tp::ParallelLayout layout = tp::parallel_layout(env.world_size, T, rank);
-  const dp::DistContext world = dp::init_process_group(options);
-  std::optional<tp::ParallelContext> parallel;
-  if (T > 1) parallel = tp::make_parallel_context(world, options, T);
-  const dp::DistContext& ctx = parallel ? parallel->data : world;
   const int dp_rank = layout.data_rank, dp_size = layout.data_parallel_size;
   const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
 
-  check_writable_folder(f.workdir, "--workdir");
-  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
-  model::GPT2Config config = resolve_config(f.model);
-  // Every rank trains the same tokenizer (deterministic); only rank 0 keeps the file, so the
-  // ranks need no shared folder when they span machines.
+  // Every rank trains its own tokenizer; only rank 0 keeps the file, so the ranks need no shared
+  // folder when they span machines. They must have trained the same one: checked below.
   const std::string tokenizer_path =
       rank == 0 ? f.workdir + "/tokenizer.model"
                 : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
-  data::Tokenizer tokenizer = prepare_tokenizer(f.model, config, corpus.train, tokenizer_path);
+  // Rank r > 0 keeps its copy of the tokenizer until the driver has compared it with a checkpoint's.
+  struct RemoveOnExit {
+    std::string path;
+    ~RemoveOnExit() {
+      if (!path.empty()) ::unlink(path.c_str());
+    }
+  } temporary_tokenizer{rank != 0 ? tokenizer_path : std::string()};
+  data::TranslationCorpus corpus;
+  model::GPT2Config config;
+  std::optional<data::Tokenizer> prepared;
+  // What one rank may find wrong on its own machine (its folder, its copy of the dataset) stops
+  // every rank with the same reason.
+  std::string refusal;
+  try {
+    check_writable_folder(f.workdir, "--workdir");
+    corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
+    apply_training_split_test_hook(rank, corpus.train);
+    config = resolve_config(f.model);
+    prepared.emplace(prepare_tokenizer(f.model, config, corpus.train, tokenizer_path));
+  } catch (const std::exception& e) {
+    refusal = e.what();
+  }
+  agree_to_go_on(refusal, &world);
+  check_ranks_share_tokenizer(tokenizer_fingerprint(corpus.train, tokenizer_path), &world);
+  data::Tokenizer tokenizer = std::move(*prepared);
   if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
   if (rank == 0) config.save_json_file(f.workdir + "/config.json");  // as the original, at start
+
+  std::optional<tp::ParallelContext> parallel;
+  if (T > 1) parallel = tp::make_parallel_context(world, options, T);
+  const dp::DistContext& ctx = parallel ? parallel->data : world;
 
   // T > 1: the model is split over the tensor-parallel group from the start (each rank builds
   // and loads its own slices); the ranks holding the same slices are the data-parallel group.
@@ -207,13 +229,6 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   const std::string track = "rank " + std::to_string(rank);
   step->tracer = tracer.get();
   step->trace_track = track;
-  // Rank r > 0 keeps its copy of the tokenizer until the driver has compared it with a checkpoint's.
-  struct RemoveOnExit {
-    std::string path;
-    ~RemoveOnExit() {
-      if (!path.empty()) ::unlink(path.c_str());
-    }
-  } temporary_tokenizer{rank != 0 ? tokenizer_path : std::string()};
 
   if (flags.pytest) {
     // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
@@ -233,7 +248,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   training.tensor_parallel_size = T;
   training.data_parallel_size = dp_size;
   // One report per model replica: its tensor rank 0 prints the lines, as its data-parallel rank.
-  training.reports = layout.tensor_rank == 0;
+  training.reports = harness::parallel::Layout::create(env.world_size, T).reports(rank);
   training.report_rank = dp_rank;
   training.devices = {device.torch_device()};
   training.show_progress = f.progress && rank == 0;
@@ -271,6 +286,35 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   dp::barrier(world);
   report_debug_sync(world);
   return 0;
+}
+
+}  // namespace
+
+int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEnv& env) {
+  const RunConfig& f = flags.run;
+  const Device device = worker_device(flags, env.local_rank);
+  const int local_world = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
+  const int threads = f.threads_per_device > 0 ? f.threads_per_device : default_threads_per_device(local_world);
+  at::set_num_threads(threads);
+
+  dp::DistOptions options = dp::dist_options_for(env, flags.backend, device);
+  options.timeout = std::chrono::seconds(flags.dist_timeout_s);
+  options.debug_sync = flags.debug_sync;
+  // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
+  // same shard) is what the batch is partitioned over and the gradients are averaged over.
+  check_zero_stage(flags);
+  tp::parallel_layout(env.world_size, flags.tensor_parallel_size, env.rank);
+  const dp::DistContext world = dp::init_process_group(options);
+  try {
+    return train_this_rank(flags, env, device, threads, options, world);
+  } catch (const AgreedStop&) {
+    throw;  // every rank says the same
+  } catch (const std::exception& e) {
+    // A peer that finds this rank gone reads why in the store; this rank, finding a peer gone,
+    // names it rather than repeating the transport's words.
+    record_stop(e.what(), world);
+    throw std::runtime_error(explain_stop(e.what(), world));
+  }
 }
 
 }  // namespace harness::train

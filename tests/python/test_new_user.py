@@ -1,6 +1,6 @@
 """The programs as a new user first runs them: the project's own presets with the default flags
-(gpt2-tiny's n_positions equals the default --model_max_length), and what the per-rank lines add
-up to with tensor parallelism."""
+(gpt2-tiny's n_positions equals the default --model_max_length), what the per-rank lines add up
+to with tensor parallelism, and a refusal by one rank reported by every rank in the same words."""
 import json
 import os
 import re
@@ -107,12 +107,14 @@ class TensorParallelReports(unittest.TestCase):
     def test_the_sum_over_the_printed_ranks_is_the_runs_throughput(self):
         # World 4 = 2 data-parallel replicas of 2 tensor-parallel ranks: one line per replica and
         # epoch, as data-parallel ranks 0 and 1, each counting its replica's tokens once.
-        batch, length, epochs = 8, 32, 2
+        # Batches large enough that a batch's compute outweighs the loader's few milliseconds in the
+        # epoch's time on a busy machine.
+        batch, length, epochs = 16, 128, 2
         with tempfile.TemporaryDirectory() as tmp:
             work = os.path.join(tmp, "w")
             proc = run([DP, "--world_size", "4", "--tensor_parallel_size", "2", "--batch_size", str(batch),
                         "--n_epochs", str(epochs), "--max_batches", "1", "--benchmark_only", "--workdir", work,
-                        "--master_port", str(free_port())] + TINY)
+                        "--master_port", str(free_port())] + TINY + ["--model_max_length", str(length)])
             lines = DP_TRAIN.findall(proc.stdout)
             self.assertEqual(sorted((int(e), int(r)) for e, r, _, _ in lines),
                              [(e, r) for e in range(epochs) for r in (0, 1)], proc.stdout)
@@ -127,10 +129,43 @@ class TensorParallelReports(unittest.TestCase):
                 # (each token counted once, not once per tensor-parallel rank).
                 trained = sum(replica_tokens / f.time for f in figures)
                 summed = sum(f.tok for f in figures)
-                self.assertGreater(summed / trained, 0.85, (epoch, summed, trained, proc.stdout))
-                self.assertLess(summed / trained, 1.15, (epoch, summed, trained, proc.stdout))
-                for f in figures:
-                    self.assertAlmostEqual(f.tok * f.time / replica_tokens, 1.0, delta=0.15)
+                # A sum counting each token T = 2 times would be twice it; the margin is for the
+                # epoch's time outside the batch's step (the loader, a busy machine's scheduling).
+                self.assertGreater(summed / trained, 0.7, (epoch, summed, trained, proc.stdout))
+                self.assertLess(summed / trained, 1.5, (epoch, summed, trained, proc.stdout))
+
+
+class RefusalsStopEveryRank(unittest.TestCase):
+    def assert_ranks_say(self, proc, reason):
+        # Every rank that prints before the launcher stops the others says the same; none repeats
+        # the transport's words about a peer that is gone.
+        self.assertNotEqual(proc.returncode, 0)
+        for words in TRANSPORT_ERRORS:
+            self.assertNotIn(words, proc.stderr)
+        self.assertIn(reason, proc.stderr)
+        for line in proc.stderr.splitlines():
+            if "error:" in line:
+                self.assertIn(reason, line)
+        self.assertNotIn("Training Time", proc.stdout)
+
+    def test_another_runs_checkpoints_in_the_work_directory(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            work = os.path.join(tmp, "w")
+            first = ["--world_size", "2", "--batch_size", "8", "--n_epochs", "1", "--max_batches", "2",
+                     "--benchmark_only", "--workdir", work]
+            run([DP] + first + ["--master_port", str(free_port())] + TINY)
+            proc = run([DP] + first + ["--learning_rate", "1e-3", "--master_port", str(free_port())] + TINY, check=False)
+            self.assert_ranks_say(proc, "holds checkpoints of another run beyond step 0")
+            self.assertIn("rank 0 refused to start, so no rank starts", proc.stderr)
+
+    def test_ranks_that_read_other_training_pairs_are_named(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = run([DP, "--world_size", "3", "--batch_size", "6", "--n_epochs", "1", "--max_batches", "1",
+                        "--benchmark_only", "--workdir", os.path.join(tmp, "w"), "--master_port", str(free_port())]
+                       + TINY, check=False, env={"HARNESS_TEST_DROP_TRAINING_PAIR_ON_RANK": "2"})
+            self.assert_ranks_say(proc, "rank 2 read other training pairs than rank 0")
+            self.assertIn("--dataset", proc.stderr)
+            self.assertNotIn("rank 1 read", proc.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,149 @@
+// What the ranks of a run agree on before training (see rank_agreement.h).
+#include "harness/train/rank_agreement.h"
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <cstring>
+#include <map>
+
+#include "harness/data_parallel/process_group.h"
+#include "harness/train/checkpoint_store.h"
+#include "harness/train/training_state.h"
+
+namespace harness::train {
+namespace {
+
+namespace dp = harness::data_parallel;
+
+const char* const kStopKey = "harness/stopped/";
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+  return out;
+}
+
+// What Gloo (and the TCP store) say when the process at the other end of a connection is gone.
+bool is_peer_loss(const std::string& error) {
+  for (const char* words : {"Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                            "Connection refused"}) {
+    if (error.find(words) != std::string::npos) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::vector<std::string> all_gather_strings(const std::string& mine, const dp::DistContext* world) {
+  if (world == nullptr || world->world_size == 1) return {mine};
+  const c10::Device device = world->device.torch_device();
+  auto gather = [&](const at::Tensor& local) {
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < world->world_size; ++r) out[0].push_back(torch::empty_like(local));
+    std::vector<at::Tensor> in{local};
+    world->group->allgather(out, in)->wait();
+    return out[0];
+  };
+  const std::vector<at::Tensor> lengths =
+      gather(torch::full({1}, static_cast<int64_t>(mine.size()), torch::kLong).to(device));
+  int64_t longest = 0;
+  for (const at::Tensor& l : lengths) longest = std::max(longest, l.item<int64_t>());
+  at::Tensor local = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kUInt8);
+  std::memcpy(local.data_ptr<uint8_t>(), mine.data(), mine.size());
+  const std::vector<at::Tensor> all = gather(local.to(device));
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r) {
+    out.push_back(tensor_to_bytes(all[r].to(torch::kCPU).narrow(0, 0, lengths[r].item<int64_t>())));
+  }
+  return out;
+}
+
+void agree_to_go_on(const std::string& refusal, const dp::DistContext* world) {
+  const std::vector<std::string> reasons = all_gather_strings(refusal, world);
+  std::vector<int> refused;
+  for (size_t r = 0; r < reasons.size(); ++r) {
+    if (!reasons[r].empty()) refused.push_back(static_cast<int>(r));
+  }
+  if (refused.empty()) return;
+  std::string message = rank_list(refused) + " refused to start, so no rank starts: ";
+  // The same reason from several ranks (a folder they share, the same flags) is said once.
+  std::map<std::string, std::vector<int>> by_reason;
+  for (int r : refused) by_reason[reasons[static_cast<size_t>(r)]].push_back(r);
+  bool first = true;
+  for (const auto& [reason, ranks] : by_reason) {
+    message += (first ? "" : "; ") + (by_reason.size() > 1 ? rank_list(ranks) + ": " : std::string()) + reason;
+    first = false;
+  }
+  throw AgreedStop(message);
+}
+
+TokenizerFingerprint tokenizer_fingerprint(const std::vector<data::TranslationExample>& train,
+                                           const std::string& tokenizer_path) {
+  std::string text;
+  for (const data::TranslationExample& example : train) {
+    // Lengths first, so that no two different lists of pairs make the same text.
+    text += std::to_string(example.de.size()) + ":" + example.de + std::to_string(example.en.size()) + ":" +
+            example.en;
+  }
+  return {sha256_hex(text.data(), text.size()), sha256_file(tokenizer_path)};
+}
+
+void check_ranks_share_tokenizer(const TokenizerFingerprint& mine, const dp::DistContext* world) {
+  const std::vector<std::string> all = all_gather_strings(mine.training_pairs + " " + mine.tokenizer_model, world);
+  std::vector<int> other_pairs, other_tokenizer;
+  for (size_t r = 1; r < all.size(); ++r) {
+    const std::string& theirs = all[r];
+    const std::string pairs = theirs.substr(0, theirs.find(' ')), model = theirs.substr(theirs.find(' ') + 1);
+    const std::string& rank0 = all[0];
+    if (pairs != rank0.substr(0, rank0.find(' '))) {
+      other_pairs.push_back(static_cast<int>(r));
+    } else if (model != rank0.substr(rank0.find(' ') + 1)) {
+      other_tokenizer.push_back(static_cast<int>(r));
+    }
+  }
+  if (other_pairs.empty() && other_tokenizer.empty()) return;
+  std::string message = "the ranks do not share one tokenizer, so they would train on different ids: ";
+  if (!other_pairs.empty()) {
+    message += rank_list(other_pairs) + " read other training pairs than rank 0 (SHA-256 of the pairs differs): " +
+               "give every rank the same --dataset files (the same folder contents on every machine), " +
+               "--train_size and --seed";
+  }
+  if (!other_tokenizer.empty()) {
+    message += std::string(other_pairs.empty() ? "" : "; ") + rank_list(other_tokenizer) +
+               " trained another tokenizer.model than rank 0 from the same training pairs: use the same "
+               "SentencePiece library (the same build of run_data_parallel) on every machine";
+  }
+  throw AgreedStop(message);
+}
+
+void record_stop(const std::string& error, const dp::DistContext& world) {
+  if (!world.store || world.world_size == 1) return;
+  try {
+    world.store->set(kStopKey + std::to_string(world.rank), std::vector<uint8_t>(error.begin(), error.end()));
+  } catch (const std::exception&) {
+    // The store's server (rank 0) is gone already: nobody is left to read it.
+  }
+}
+
+std::string explain_stop(const std::string& error, const dp::DistContext& world) {
+  if (!world.store || world.world_size == 1 || !is_peer_loss(error)) return error;
+  const std::string transport = " (this rank's connection to it closed: " + error + ")";
+  try {
+    for (int r = 0; r < world.world_size; ++r) {
+      if (r == world.rank) continue;
+      const std::string key = kStopKey + std::to_string(r);
+      if (!world.store->check({key})) continue;
+      const std::vector<uint8_t> said = world.store->get(key);
+      return "rank " + std::to_string(r) + " stopped, with: " + std::string(said.begin(), said.end()) +
+             transport;
+    }
+  } catch (const std::exception&) {
+    // The store lives in rank 0's process: it is gone when rank 0 is.
+    return "rank 0 stopped: see its own message (run_data_parallel: error: ...), which says why" + transport;
+  }
+  return "another rank stopped without an error of its own (killed?): see the lines of the rank that ended first" +
+         transport;
+}
+
+}  // namespace harness::train
