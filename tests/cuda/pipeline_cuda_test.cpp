@@ -246,8 +246,8 @@ TEST(CudaPipelineTrainStep, WithDropoutOnCuda0ASeedReproducesTheRun) {
     EXPECT_EQ(a.losses[0], b.losses[0]) << layout.name();
     EXPECT_EQ(a.losses[0], recomputed.losses[0]) << layout.name() << ": recomputation drew other masks";
     const test_support::AdamWSteps steps{1e-3, static_cast<int64_t>(batches.size())};
-    cuda_testing::expect_same_weights(b.weights, a.weights, config.n_embd, steps, 1e-5, layout.name());
-    cuda_testing::expect_same_weights(recomputed.weights, a.weights, config.n_embd, steps, 1e-5,
+    cuda_testing::expect_same_weights(b.weights, a.weights, config.n_embd, steps, 1e-3, layout.name());
+    cuda_testing::expect_same_weights(recomputed.weights, a.weights, config.n_embd, steps, 1e-3,
                                       layout.name() + " recomputed");
     const TrainedRun other = train_pipeline(config, layout, devices, batches, /*seed=*/6);
     EXPECT_NE(other.losses[0], a.losses[0]) << layout.name() << ": dropout on, another seed, the same loss";

@@ -255,9 +255,10 @@ void zero_scenario(const DistContext& ctx) {
   int64_t elements = 0;
   for (size_t i = 0; i < a.size(); ++i) {
     // The two sum the ranks' gradients in other orders, and AdamW normalises each element's
-    // gradient: compared as AdamW guarantees (tests/support/after_adamw.h), each tensor to 1e-6
-    // relative and every element within what 3 steps of lr 0.05 can move it.
-    EXPECT_TRUE(test_support::agree_after_adamw(a[i], b[i], {0.05, 3}, 1e-6)) << "parameter " << i;
+    // gradient: compared as AdamW guarantees (tests/support/after_adamw.h), each tensor's
+    // difference within 1e-5 of the steps' update, every element within what 3 steps of lr 0.05
+    // can move it.
+    EXPECT_TRUE(test_support::agree_after_adamw(a[i], b[i], {0.05, 3}, 1e-5)) << "parameter " << i;
     elements += a[i].numel();
   }
   const int64_t buckets = static_cast<int64_t>(gradients.bucket_plan().size());

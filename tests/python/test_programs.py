@@ -190,15 +190,16 @@ class DataParallelProgram(unittest.TestCase):
             def weights(work):
                 return load_file(os.path.join(work, "model.safetensors"))
 
-            def assert_same_weights(actual, expected, rtol):
+            def assert_same_weights(actual, expected):
                 # 4 AdamW steps of lr 1e-3 (2 epochs of 2), compared as AdamW guarantees: each
-                # tensor within rtol relative, every element within what 4 steps can move it.
-                self.assertEqual(weight_problems(actual, expected, n_embd=64, lr=1e-3, steps=4, relative=rtol), [])
+                # tensor's difference within 1e-5 of the steps' update (the two sum the same
+                # gradients in other orders), every element within what 4 steps can move it.
+                self.assertEqual(weight_problems(actual, expected, n_embd=64, lr=1e-3, steps=4, update_fraction=1e-5), [])
 
             for world in (2, 4):
                 replicated, _ = train(f"replicated{world}", world, 0, 2)
                 sharded, proc = train(f"sharded{world}", world, 1, 2)
-                assert_same_weights(weights(sharded), weights(replicated), 1e-6)
+                assert_same_weights(weights(sharded), weights(replicated))
                 state = re.search(r"--zero_stage 1 keeps (\d+) bytes of AdamW state on rank 0 \(replicated: (\d+)", proc.stderr)
                 mine, full = int(state[1]), int(state[2])
                 self.assertLessEqual(mine, full / world + 2 * 4 * world)  # 1/N, plus each bucket's padding
@@ -206,7 +207,7 @@ class DataParallelProgram(unittest.TestCase):
             for first, second in ((1, 0), (0, 1)):
                 work, _ = train(f"mixed{first}{second}", 2, first, 1)
                 train(f"mixed{first}{second}", 2, second, 2, resume=True)
-                assert_same_weights(weights(work), weights(os.path.join(tmp, "replicated2")), 1e-6)
+                assert_same_weights(weights(work), weights(os.path.join(tmp, "replicated2")))
             # --pytest gradients are the replicated run's.
             plain = self.pytest_gradients(tmp, "plain", ["--world_size", "2"])
             zero = self.pytest_gradients(tmp, "zero", ["--world_size", "2", "--zero_stage", "1"])

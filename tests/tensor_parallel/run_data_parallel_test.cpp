@@ -111,13 +111,13 @@ TEST(RunDataParallelTensorParallel, TwoRanksSplittingTheModelTrainLikeOneUnsplit
     EXPECT_TRUE(test_support::gradients_agree(got_grads.at(name), g)) << name;
   }
   // The saved (unsplit, Hugging Face-named) weights after two AdamW steps of lr 1e-3 agree as
-  // AdamW guarantees (tests/support/after_adamw.h): each tensor to 1e-5 relative, every element
-  // within what two steps can move it.
+  // AdamW guarantees (tests/support/after_adamw.h): each tensor's difference within 1e-3 of the
+  // steps' update, every element within what two steps can move it.
   std::map<std::string, at::Tensor> want, got;
   for (auto& [name, t] : model::read_safetensors(dir + "/single/model.safetensors")) want[name] = t;
   for (auto& [name, t] : model::read_safetensors(dir + "/split/model.safetensors")) got[name] = t;
   test_support::expect_weights_agree_after_adamw(got, want, model::GPT2Config::preset("gpt2-tiny").n_embd,
-                                                 test_support::AdamWSteps{1e-3, 2}, 1e-5, "T=2 against T=1");
+                                                 test_support::AdamWSteps{1e-3, 2}, 1e-3, "T=2 against T=1");
   testing::remove_tree(dir);
 }
 

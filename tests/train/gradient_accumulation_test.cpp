@@ -109,7 +109,7 @@ TEST(GradientAccumulation, FourBatchesEqualOneStepOnTheirConcatenation) {
   const TrainedRun expected = train(combined, groups.combined);
   GPT2TrainStep accumulated(make_model(config), 1e-3);
   const TrainedRun actual = train(accumulated, groups.accumulated);
-  expect_same_run(actual, expected, 1e-5, 1e-5);
+  expect_same_run(actual, expected, 1e-5, 1e-3);
 }
 
 TEST(GradientAccumulation, MeansOfEachBatchWouldDifferSoTheWeightingIsTested) {
@@ -157,7 +157,7 @@ TEST(GradientAccumulation, ThroughThePipelineEqualsOneStepOnTheConcatenation) {
     options.threads_per_device = 1;
     PipelineTrainStep accumulated(make_model(config), 1e-3, options);
     SCOPED_TRACE(schedule);
-    expect_same_run(train(accumulated, groups.accumulated), expected, 1e-5, 1e-5);
+    expect_same_run(train(accumulated, groups.accumulated), expected, 1e-5, 1e-3);
   }
 }
 

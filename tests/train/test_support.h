@@ -62,7 +62,8 @@ inline double relative(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Every weight of `actual` against `expected`'s after `run`'s AdamW steps, as AdamW guarantees
-// (tests/support/after_adamw.h): each tensor within `tolerance` relative, every element within
+// (tests/support/after_adamw.h): each tensor's difference within `tolerance` of the steps' update
+// (lr * steps * sqrt(n)), every element within
 // what the steps can move it. The key third of each c_attn.bias is held to the element-wise bound
 // only: it adds q_i . b_k to every score of query i, which softmax ignores, so its gradient is 0
 // up to rounding (checked here against `expected_first_gradients`), and AdamW divides that
