@@ -69,18 +69,15 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
   }
 }
 
+// The run's data x tensor layout, validated (sizes and ZeRO stage; the flags named).
+parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
+  return parallel::Layout::create(world_size, flags.tensor_parallel_size, 1, flags.zero_stage);
+}
+
 }  // namespace
 
 void check_zero_stage(const DataParallelConfig& flags) {
-  if (flags.zero_stage != 0 && flags.zero_stage != 1) {
-    throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) + ": expected 0 or 1");
-  }
   if (flags.zero_stage == 0) return;
-  if (flags.tensor_parallel_size > 1) {
-    throw std::invalid_argument("--zero_stage 1 shards the optimizer over data-parallel replicas of the whole "
-                                "model: it does not take --tensor_parallel_size " +
-                                std::to_string(flags.tensor_parallel_size));
-  }
   if (flags.grad_sync != "bucketed") {
     throw std::invalid_argument("--zero_stage 1 reduce-scatters gradient buckets: it needs --grad_sync bucketed, not " +
                                 flags.grad_sync);
@@ -93,9 +90,9 @@ void check_zero_stage(const DataParallelConfig& flags) {
 
 void check_data_parallel_run(const DataParallelConfig& flags) {
   const RunConfig& f = flags.run;
+  const parallel::Layout layout = run_layout(flags, flags.world_size);
   check_zero_stage(flags);
-  const tp::ParallelLayout layout = tp::parallel_layout(flags.world_size, flags.tensor_parallel_size, 0);
-  dp::per_device_batch_size(f.batch_size, layout.data_parallel_size);
+  dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
   dp::resolve_backend(flags.backend, worker_device(flags, flags.world_size - 1));
   check_writable_folder(f.workdir, "--workdir");
   if (flags.pytest) check_writable_folder(flags.grad_dir, "--grad_dir");
@@ -214,7 +211,7 @@ int train_this_rank(const DataParallelConfig& flags, const dp::WorkerEnv& env, c
     if (T > 1) {
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
     }
-    std::cerr << std::endl;
+    std::cerr << std::endl << run_layout(flags, env.world_size).coordinates_table() << std::flush;
   }
 
   const int64_t max_length = f.model_max_length;
@@ -248,7 +245,7 @@ int train_this_rank(const DataParallelConfig& flags, const dp::WorkerEnv& env, c
   training.tensor_parallel_size = T;
   training.data_parallel_size = dp_size;
   // One report per model replica: its tensor rank 0 prints the lines, as its data-parallel rank.
-  training.reports = harness::parallel::Layout::create(env.world_size, T).reports(rank);
+  training.reports = run_layout(flags, env.world_size).reports(rank);
   training.report_rank = dp_rank;
   training.devices = {device.torch_device()};
   training.show_progress = f.progress && rank == 0;
@@ -302,8 +299,8 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   options.debug_sync = flags.debug_sync;
   // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
   // same shard) is what the batch is partitioned over and the gradients are averaged over.
+  (void)run_layout(flags, env.world_size).coordinates_of(env.rank);
   check_zero_stage(flags);
-  tp::parallel_layout(env.world_size, flags.tensor_parallel_size, env.rank);
   const dp::DistContext world = dp::init_process_group(options);
   try {
     return train_this_rank(flags, env, device, threads, options, world);

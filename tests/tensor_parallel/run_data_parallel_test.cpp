@@ -95,6 +95,14 @@ TEST(RunDataParallelTensorParallel, TwoRanksSplittingTheModelTrainLikeOneUnsplit
   EXPECT_EQ(occurrences(split.output, "on Rank 1:"), 0u) << split.output;
   EXPECT_EQ(occurrences(split.output, "Rank 1 training time"), 0u) << split.output;
   EXPECT_NE(split.output.find("tensor_parallel_size=2 data_parallel_size=1"), std::string::npos) << split.output;
+  // Rank 0 prints every rank's coordinates at start (tensor fastest, then data, then pipeline).
+  // Rank 0 prints every rank's coordinates at start (tensor fastest, then data, then pipeline); the
+  // launcher prefixes its lines with "[rank 0] ".
+  for (const std::string line : {"layout: data 1 x tensor 2 x pipeline 1 = world 2, rank = (p*D + d)*T + t\n",
+                                 "  rank  data  tensor  pipeline  reports\n", "     0     0       0         0  Rank 0\n",
+                                 "     1     0       1         0  -\n"}) {
+    EXPECT_NE(split.output.find(line), std::string::npos) << line << split.output;
+  }
   // The first step's (unsplit) gradients, before AdamW, agree to rounding.
   const std::string pytest = " --pytest --grad_dir ";
   const ProgramRun single_grads = run_program("--world_size 1 " + small_run_args(dir + "/single_g") + pytest +
@@ -145,6 +153,18 @@ TEST(RunDataParallelTensorParallel, SplitModelEvaluatesAndGeneratesLikeOneUnspli
   EXPECT_NE(::access((dir + "/split/rank1_gen_epoch0.json").c_str(), F_OK), 0);
   EXPECT_NE(::access((dir + "/split/rank1_results_epoch0.json").c_str(), F_OK), 0);
   testing::remove_tree(dir);
+}
+
+// ZeRO-1 shards whole replicas: with tensor parallelism it is refused before launch, by the layout.
+TEST(RunDataParallelTensorParallel, ZeroStageOneWithTensorParallelismIsRefusedBeforeLaunch) {
+  if (::access(kProgram.c_str(), X_OK) != 0) GTEST_SKIP() << kProgram << " is not built";
+  const ProgramRun run =
+      run_program("--world_size 4 --tensor_parallel_size 2 --zero_stage 1 " + small_run_args("/nonexistent/never-written"));
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.output.find("--zero_stage 1 shards the optimizer over data-parallel replicas of the whole model: it "
+                            "does not combine with --tensor_parallel_size 2"),
+            std::string::npos)
+      << run.output;
 }
 
 TEST(RunDataParallelTensorParallel, WorldSizeNotDivisibleByTensorParallelSizeIsRefused) {
