@@ -1,5 +1,6 @@
-"""Parsing and statistics shared by run_benchmarks.py and its test: the SPEC §7 lines the two
-programs print, per-epoch figures with warm-up epochs dropped, and the SPEC §8 summary.
+"""Parsing and statistics shared by run_benchmarks.py, gpu_check.py and their tests: the SPEC §7
+lines the two programs print, per-epoch figures with warm-up epochs dropped, the SPEC §8 summary,
+and small helpers of the scripts that start the programs (free_port).
 
 Only the printed lines are read. A missing, malformed or non-finite figure raises LogParseError
 naming the log file (and line), never a silent NaN.
@@ -10,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 from dataclasses import dataclass, field
@@ -29,6 +31,12 @@ DP_SUMMARY_RE = re.compile(
 PP_SUMMARY_RE = re.compile(
     rf"^Training time: avg:{_NUMBER}, std:{_NUMBER}, "
     rf"tokens_per_second: avg: {_NUMBER}, std:{_NUMBER}$")
+DP_VALIDATION_RE = re.compile(rf"^Epoch (\d+) on Rank (\d+): Validation Loss = {_NUMBER}$")
+PP_VALIDATION_RE = re.compile(rf"^Epoch (\d+): Validation Loss = {_NUMBER}$")
+DP_BLEU_RE = re.compile(rf"^Epoch (\d+) on Rank (\d+): BLEU = {_NUMBER}$")
+PP_BLEU_RE = re.compile(rf"^Epoch (\d+): BLEU = {_NUMBER}$")
+# The launcher's prefix of a rank's line that names no rank itself.
+_RANK_PREFIX_RE = re.compile(r"^\[rank \d+\] ")
 
 # Lines that claim to be one of the above: if such a line does not match exactly, it is malformed.
 _EPOCH_CANDIDATE_RE = re.compile(r"^\s*Epoch\b.*Training Time", re.IGNORECASE)
@@ -175,6 +183,42 @@ def parse_log(path: str, kind: str, world_size: int = 1,
         raise LogParseError(f"{path}: log file not found")
     with open(path, encoding="utf-8", errors="replace") as f:
         return parse_log_text(f.read(), path, kind, world_size, expected_epochs)
+
+
+def printed_figures(text: str) -> Dict[str, List[dict]]:
+    """Every epoch line of a program's output as it is found, in either program's form, for a
+    report of what a run printed (a failed run's too): no completeness checks, and a nan or inf
+    is kept as such. {"training": [{epoch, rank, seconds, tokens_per_sec}], "validation_loss":
+    [{epoch, rank, value}], "bleu": [...]}, only the kinds found; run_pipeline's lines are rank 0."""
+    kinds = (("training", DP_EPOCH_RE, PP_EPOCH_RE), ("validation_loss", DP_VALIDATION_RE, PP_VALIDATION_RE),
+             ("bleu", DP_BLEU_RE, PP_BLEU_RE))
+    out: Dict[str, List[dict]] = {}
+    for line in text.splitlines():
+        line = _RANK_PREFIX_RE.sub("", line.strip())
+        for key, dp_re, pp_re in kinds:
+            m = dp_re.match(line)
+            if m:
+                epoch, rank, values = int(m.group(1)), int(m.group(2)), m.groups()[2:]
+            else:
+                m = pp_re.match(line)
+                if not m:
+                    continue
+                epoch, rank, values = int(m.group(1)), 0, m.groups()[1:]
+            if key == "training":
+                figure = {"epoch": epoch, "rank": rank, "seconds": float(values[0]),
+                          "tokens_per_sec": float(values[1])}
+            else:
+                figure = {"epoch": epoch, "rank": rank, "value": float(values[0])}
+            out.setdefault(key, []).append(figure)
+            break
+    return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for --master_port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def mean_std(values: List[float]) -> tuple:

@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional
 
+from bench_common import free_port
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "gpt2-tiny", "--model_max_length", "40", "--train_size", "64", "--validation_size", "16",
         "--test_size", "4", "--no_progress", "--batch_size", "8"]
@@ -47,12 +49,6 @@ class Outcome:
     bound_s: float = 0.0
     expected: str = ""       # a regular expression the message must match
     passed: bool = False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> List[int]:

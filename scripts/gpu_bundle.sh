@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Prepares, on this machine, what a GPU machine without network needs besides the source tree to
-# run scripts/gpu_check.sh, in one git-ignored folder (default .gpu_bundle/) that travels with the
+# run scripts/gpu_check.py, in one git-ignored folder (default .gpu_bundle/) that travels with the
 # tree (64 MiB in all, tree included):
 #   debs/      the Debian development packages the build needs (SentencePiece and its runtime
 #              library, nlohmann-json, cxxopts, Gloo's headers, GoogleTest/GoogleMock) and pkgconf,
-#              at the versions installed here; gpu_check.sh unpacks them with dpkg -x into a prefix
+#              at the versions installed here; gpu_check.py unpacks them with dpkg -x into a prefix
 #   include/   nccl.h from the torch wheel's NCCL, in case the GPU machine's CUDA toolkit has none
 #   bin/       stripped cuda_tests, run_pipeline, run_data_parallel and gpu_throughput built here,
-#              which gpu_check.sh runs when they match the tree and load there (it builds otherwise,
+#              which gpu_check.py runs when they match the tree and load there (it builds otherwise,
 #              and builds anyway to check that the build works there)
 #   manifest.json  versions, the hash of the sources the binaries were built from, sizes
 #
@@ -46,13 +46,9 @@ while (($#)); do
   esac
 done
 
-# The hash of what the binaries are compiled from; gpu_check.sh computes the same over the tree it
-# gets, where git may be absent (only these files travel as they are here).
-source_hash() {
-  (cd "$ROOT" && find CMakeLists.txt cmake include src apps tests fuzz -type f \
-     \( -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name 'CMakeLists.txt' \) 2>/dev/null |
-     LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
-}
+# The hash of what the binaries are compiled from, by the same function that gpu_check.py applies
+# to the tree it gets, where git may be absent (only these files travel as they are here).
+source_hash() { python3 "$ROOT/scripts/gpu_check.py" --source-hash; }
 
 mkdir -p "$OUT_DIR/debs" "$OUT_DIR/include"
 
@@ -113,14 +109,14 @@ if ((BINARIES)); then
   missing=()
   for prog in "${PROGRAMS[@]}"; do [[ -x "$BUILD_DIR/$prog" ]] || missing+=("$prog"); done
   if ((${#missing[@]})); then
-    log "note: no binaries carried (missing in $BUILD_DIR: ${missing[*]}); gpu_check.sh will build"
+    log "note: no binaries carried (missing in $BUILD_DIR: ${missing[*]}); gpu_check.py will build"
   else
     mkdir -p "$OUT_DIR/bin"
     for prog in "${PROGRAMS[@]}"; do
       strip --strip-debug -o "$OUT_DIR/bin/$(basename "$prog")" "$BUILD_DIR/$prog"
     done
     # Taken as they are (--no-build): a source of a program newer than the program means it may be
-    # stale, and then the bundle carries no source hash, so gpu_check.sh builds instead.
+    # stale, and then the bundle carries no source hash, so gpu_check.py builds instead.
     newer=""
     for prog in "${PROGRAMS[@]}"; do
       own=(apps/"$(basename "$prog")".cpp apps/*.h)

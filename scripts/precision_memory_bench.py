@@ -21,11 +21,12 @@ import multiprocessing as mp
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from bench_common import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = re.compile(r"^Epoch (\d+) on Rank (\d+): Training Time = ([\d.]+), Tokens_per_sec = ([\d.]+)$")
@@ -75,12 +76,6 @@ def matmul_peak(dtype_name, processes, n, seconds=2.0):
     for w in workers:
         w.join()
     return sum(r for r, _ in results), min(size for _, size in results)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_logged(args, name, cmd):

@@ -21,11 +21,12 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench_common import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,12 +66,6 @@ def hf_steps(batch: int, length: int, steps: int, warmup: int, attn: str, rank: 
 def hf_worker(args: argparse.Namespace) -> None:
     rate = hf_steps(args.batch, args.length, args.steps, args.warmup, args.attn, args.rank, args.world, args.port)
     print(json.dumps({"rank": args.rank, "tokens_per_second": rate}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # glibc settings equal to what keep_freed_host_memory() does in our programs (host_memory.h).

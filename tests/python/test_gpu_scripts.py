@@ -1,5 +1,5 @@
 """The GPU machine's check, tested as far as a CPU allows (issue 15): scripts/gpu_bundle.sh builds
-the bundle (Debian packages, nccl.h, the stripped programs) under 64 MiB; scripts/gpu_check.sh
+the bundle (Debian packages, nccl.h, the stripped programs) under 64 MiB; scripts/gpu_check.py
 runs end to end with CUDA absent, in a clean prefix unpacked from the bundle alone, builds the
 programs from it (every header and library of the bundle's packages taken from the prefix, none
 from /usr), reports every CUDA case as skipped with its reason and writes a well-formed report; a
@@ -7,13 +7,22 @@ second run takes the bundle's own programs. gpu_throughput refuses without a GPU
 
 The work folder is build-gpu-check-test/ in the source tree, the same on every run, so that with
 CCACHE_BASEDIR set to the tree ccache finds the previous run's objects: a warm run costs the
-configure, the links and the check's own runs (--smoke: gpt2-tiny, one batch)."""
+configure, the links and the check's own runs (--smoke: gpt2-tiny, one batch).
+
+GpuCheckPieces tests the check's parts that need no programs (the source hash, the parsers of
+gtest's output, the printed figures, the report's assembly, the .deb extraction, the gradient
+comparison) in a second or two."""
+import hashlib
+import io
 import json
+import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import unittest
 
@@ -23,6 +32,10 @@ BINARY = os.environ.get("HARNESS_BINARY_DIR", os.path.join(SOURCE, "build"))
 WORK = os.path.join(SOURCE, "build-gpu-check-test")
 BUNDLE = os.path.join(WORK, "bundle")  # kept between runs: its .deb files are not downloaded again
 LIMIT = 64 * 1024 * 1024
+# The check as the GPU machine runs it: the plain python3 there, which has torch and nothing else.
+CHECK = [shutil.which("python3") or sys.executable, os.path.join(SOURCE, "scripts", "gpu_check.py")]
+sys.path.insert(0, os.path.join(SOURCE, "scripts"))
+import gpu_check  # noqa: E402
 # The bundle's packages, whose files must come from the prefix in the build (not from /usr).
 BUNDLE_HEADERS = re.compile(r"^\s*/usr/include/(nlohmann/|gloo/|gtest/|gmock/|sentencepiece|cxxopts\.hpp)", re.M)
 
@@ -63,7 +76,7 @@ class GpuCheckOnACpu(unittest.TestCase):
         # The check, building from the bundle alone in a clean prefix, with CUDA absent.
         cls.out = os.path.join(WORK, "out")
         proc, cls.timings["check_with_build"] = run(
-            ["bash", os.path.join(SOURCE, "scripts", "gpu_check.sh"), cls.out, "--bundle", BUNDLE,
+            CHECK + [cls.out, "--bundle", BUNDLE,
              "--work", os.path.join(WORK, "work"), "--binaries", "build", "--smoke", "--budget", "1500"], 1700, env)
         cls.check_proc = proc
         with open(os.path.join(cls.out, "gpu_check_report.json")) as f:
@@ -166,7 +179,7 @@ class GpuCheckOnACpu(unittest.TestCase):
             self.skipTest(f"the programs in {BINARY} are not up to date with the tree: the bundle carries none")
         out = os.path.join(WORK, "out-carried")
         proc, self.timings["check_carried"] = run(
-            ["bash", os.path.join(SOURCE, "scripts", "gpu_check.sh"), out, "--bundle", BUNDLE,
+            CHECK + [out, "--bundle", BUNDLE,
              "--work", os.path.join(WORK, "work-carried"), "--binaries", "carried", "--budget", "300"], 400, check_env())
         with open(os.path.join(out, "gpu_check_report.json")) as f:
             report = json.load(f)
@@ -185,6 +198,196 @@ class GpuCheckOnACpu(unittest.TestCase):
                        "--build-dir", BINARY, "--out-dir", os.path.join(WORK, "bench-refused")], 120)
         self.assertEqual(proc.returncode, 2, proc.stderr)
         self.assertIn("no GPU", proc.stderr)
+
+
+class GpuCheckPieces(unittest.TestCase):
+    """gpu_check.py's parts, without programs, a build or a GPU."""
+
+    def test_source_hash_is_sha256sum_of_the_sorted_listing_of_sources_alone(self):
+        with tempfile.TemporaryDirectory() as root:
+            files = {"CMakeLists.txt": b"project(x)\n", "src/b.cpp": b"int b;\n", "src/a.h": b"#pragma once\n",
+                     "src/Z.hpp": b"//\n", "tests/CMakeLists.txt": b"add()\n", "apps/p.cpp": b"int main(){}\n"}
+            for rel, data in files.items():
+                os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
+                with open(os.path.join(root, rel), "wb") as f:
+                    f.write(data)
+            with open(os.path.join(root, "src", "notes.md"), "w") as f:  # not a source
+                f.write("x")
+            os.symlink("b.cpp", os.path.join(root, "src", "link.cpp"))  # find -type f leaves links out
+            listed = gpu_check.source_files(root)
+            self.assertEqual(listed, sorted(files, key=str.encode))  # byte order: "src/Z.hpp" before "src/a.h"
+            listing = "".join(f"{hashlib.sha256(files[r]).hexdigest()}  {r}\n" for r in listed)
+            expected = hashlib.sha256(listing.encode()).hexdigest()[:16]
+            self.assertEqual(gpu_check.source_hash(root), expected)
+            if shutil.which("sha256sum"):  # what the hash has always been: find | sort | sha256sum
+                shell = subprocess.run(
+                    "find CMakeLists.txt cmake include src apps tests fuzz -type f \\( -name '*.cpp' -o -name '*.h' "
+                    "-o -name '*.hpp' -o -name 'CMakeLists.txt' \\) 2>/dev/null | LC_ALL=C sort | xargs sha256sum "
+                    "| sha256sum | cut -c1-16", shell=True, cwd=root, capture_output=True, text=True).stdout.strip()
+                self.assertEqual(shell, expected)
+            with open(os.path.join(root, "src", "notes.md"), "w") as f:
+                f.write("changed")
+            self.assertEqual(gpu_check.source_hash(root), expected)
+            with open(os.path.join(root, "src", "b.cpp"), "w") as f:
+                f.write("int b = 1;\n")
+            self.assertNotEqual(gpu_check.source_hash(root), expected)
+
+    def test_source_hash_command_prints_the_trees_hash(self):
+        proc = subprocess.run(CHECK + ["--source-hash"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stdout.strip(), gpu_check.source_hash(SOURCE))
+
+    def test_printed_figures_reads_both_programs_lines(self):
+        output = "\n".join([
+            "loading gpt2-tiny",
+            "Epoch 0: Training Time = 1.5, Tokens_per_sec = 100.25",
+            "Epoch 0: Validation Loss = 3.5",
+            "Epoch 0: BLEU = 0.125",
+            "Epoch 1 on Rank 1: Training Time = 2.000, Tokens_per_sec = 4e3",
+            "[rank 0] Epoch 1 on Rank 0: Training Time = 2.5, Tokens_per_sec = nan",
+            "Epoch 2: Training Time = 1.5 seconds, Tokens_per_sec = 1",  # not the form: not a figure
+        ])
+        f = gpu_check.printed_figures(output)
+        self.assertEqual(f["training"][:2], [{"epoch": 0, "rank": 0, "seconds": 1.5, "tokens_per_sec": 100.25},
+                                             {"epoch": 1, "rank": 1, "seconds": 2.0, "tokens_per_sec": 4000.0}])
+        self.assertEqual(len(f["training"]), 3)
+        self.assertTrue(math.isnan(f["training"][2]["tokens_per_sec"]))
+        self.assertEqual(f["validation_loss"], [{"epoch": 0, "rank": 0, "value": 3.5}])
+        self.assertEqual(f["bleu"], [{"epoch": 0, "rank": 0, "value": 0.125}])
+        self.assertEqual(gpu_check.printed_figures("nothing here\n"), {})
+
+    def test_parse_gtest_reads_a_killed_run_and_the_skip_messages(self):
+        output = "\n".join([
+            "[==========] Running 4 tests from 1 test suite.",
+            "[ RUN      ] Cuda.Skips",
+            "/src/tests/cuda/gpt2_cuda_test.cpp:12: Skipped",
+            "no GPU",
+            "[  SKIPPED ] Cuda.Skips (0 ms)",
+            "[ RUN      ] Cuda.Passes",
+            "[       OK ] Cuda.Passes (1500 ms)",
+            "[ RUN      ] Cuda.Fails",
+            "tests/cuda/x.cpp:3: Failure",
+            "Expected equality",
+            "[  FAILED  ] Cuda.Fails (7 ms)",
+            "[ RUN      ] Cuda.Hangs",
+            "still going",
+        ])
+        cases = gpu_check.parse_gtest(output)
+        self.assertEqual(cases["Cuda.Skips"], {"name": "Cuda.Skips", "status": "skipped", "seconds": 0.0,
+                                               "message": "no GPU"})
+        self.assertEqual(cases["Cuda.Passes"], {"name": "Cuda.Passes", "status": "passed", "seconds": 1.5})
+        self.assertEqual(cases["Cuda.Fails"]["status"], "failed")
+        self.assertIn("Expected equality", cases["Cuda.Fails"]["message"])
+        self.assertEqual(cases["Cuda.Hangs"], {"name": "Cuda.Hangs", "status": "running"})
+
+    def test_merge_gtest_json_takes_statuses_failures_and_times(self):
+        cases = {"Cuda.A": {"name": "Cuda.A", "status": "running"}}
+        report = {"testsuites": [{"name": "Cuda", "testsuite": [
+            {"name": "A", "status": "RUN", "result": "COMPLETED", "time": "0.25s",
+             "failures": [{"failure": "x.cpp:1\nExpected 1"}]},
+            {"name": "B", "status": "RUN", "result": "SKIPPED", "time": "0s"},
+            {"name": "C", "status": "RUN", "result": "COMPLETED", "time": "1.5s"}]}]}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "cuda_tests.json")
+            with open(path, "w") as f:
+                json.dump(report, f)
+            gpu_check.merge_gtest_json(cases, path)
+            gpu_check.merge_gtest_json(cases, os.path.join(tmp, "missing.json"))  # a killed run: no file
+        self.assertEqual(cases["Cuda.A"], {"name": "Cuda.A", "status": "failed", "message": "x.cpp:1\nExpected 1",
+                                           "seconds": 0.25})
+        self.assertEqual(cases["Cuda.B"]["status"], "skipped")
+        self.assertEqual(cases["Cuda.C"], {"name": "Cuda.C", "status": "passed", "seconds": 1.5})
+
+    def test_assemble_report_summarises_the_steps(self):
+        steps = [
+            {"name": "cuda_tests", "status": "passed", "seconds": 3.0},
+            {"name": "run_pipeline model_parallel", "status": "passed", "seconds": 9.0, "output": "all of it",
+             "figures": {"training": [{"epoch": 0, "rank": 0, "seconds": 2.0, "tokens_per_sec": 512.0}]}},
+            {"name": "run_data_parallel --world_size 2 --backend nccl", "status": "skipped",
+             "reason": "needs 2 GPUs, 1 here", "seconds": 0.0},
+            {"name": "pytest gradients on cuda", "status": "skipped", "reason": "no GPU", "seconds": 0.0,
+             "smoke": {"status": "passed"}},
+            {"name": "build", "status": "skipped", "reason": "--binaries carried", "seconds": 0.0},
+        ]
+        base = {"check": "gpu_check", "cuda_tests": {"total": 2, "passed": 0, "failed": 0, "skipped": 2},
+                "gpu_single": {"peaks_tflops": {"bf16": 900.0}, "runs": [
+                    {"tokens": 1024, "precision": "bf16", "batch_size": 8, "tokens_per_second": 1e5,
+                     "mfu_vs_bf16_peak": 0.4, "peak_memory_allocated_bytes": 7, "largest_batch_that_fits": 8}]}}
+        r = gpu_check.assemble_report(base, steps, 12.345)
+        self.assertIs(r, base)
+        self.assertEqual(r["seconds"], 12.3)
+        self.assertNotIn("output", r["steps"][1])
+        self.assertEqual(r["figures"]["run_pipeline model_parallel"], {"tokens_per_sec": [512.0], "seconds": [2.0]})
+        self.assertEqual(r["figures"]["gpu_single"], {
+            "1024 tokens bf16": {"batch_size": 8, "tokens_per_second": 1e5, "mfu_vs_bf16_peak": 0.4,
+                                 "peak_memory_allocated_bytes": 7},
+            "peaks_tflops": {"bf16": 900.0}})
+        self.assertEqual(r["summary"], {
+            "steps": {"passed": 2, "skipped": 3}, "ok": True,
+            "cuda_cases": {"total": 2, "passed": 0, "failed": 0, "skipped": 2},
+            "every_cuda_case_skipped": True,
+            "gpu_steps_skipped": ["run_data_parallel --world_size 2 --backend nccl", "pytest gradients on cuda"],
+            "cpu_smoke_failed": []})
+        # A failed CPU stand-in fails the check, as does a step that timed out.
+        steps[3]["smoke"]["status"] = "failed"
+        self.assertFalse(gpu_check.assemble_report({}, steps, 1.0)["summary"]["ok"])
+        steps[3]["smoke"]["status"] = "passed"
+        steps.append({"name": "cuda_tests#2", "status": "timed_out", "seconds": 100.0})
+        r = gpu_check.assemble_report({}, steps, 1.0)
+        self.assertFalse(r["summary"]["ok"])
+        self.assertEqual(r["summary"]["cuda_cases"], {"total": None, "passed": None, "failed": None, "skipped": None})
+        self.assertFalse(r["summary"]["every_cuda_case_skipped"])
+
+    def test_extract_debs_unpacks_the_data_member(self):
+        def member(name, body):
+            header = f"{name:<16}{0:<12}{0:<6}{0:<6}{'100644':<8}{len(body):<10}`\n".encode()
+            return header + body + (b"\n" if len(body) % 2 else b"")
+        data = io.BytesIO()
+        with tarfile.open(fileobj=data, mode="w:xz") as tar:
+            payload = b"#pragma once\n"
+            info = tarfile.TarInfo("./usr/include/thing.h")
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+        with tempfile.TemporaryDirectory() as tmp:
+            deb = os.path.join(tmp, "thing.deb")
+            with open(deb, "wb") as f:
+                f.write(b"!<arch>\n" + member("debian-binary", b"2.0\n") + member("control.tar.xz", b"x")
+                        + member("data.tar.xz", data.getvalue()))
+            prefix = os.path.join(tmp, "prefix")
+            proc = subprocess.run(CHECK + ["--extract-debs", prefix, deb], capture_output=True, text=True,
+                                  timeout=60)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            self.assertIn("unpacked 1 packages", proc.stdout)
+            with open(os.path.join(prefix, "usr", "include", "thing.h")) as f:
+                self.assertEqual(f.read(), "#pragma once\n")
+            with open(deb, "wb") as f:
+                f.write(b"not a deb")
+            proc = subprocess.run(CHECK + ["--extract-debs", prefix, deb], capture_output=True, text=True,
+                                  timeout=60)
+            self.assertNotEqual(proc.returncode, 0)
+            self.assertIn("not an ar archive", proc.stderr)
+
+    def test_compare_gradients_accepts_fp32_rounding_and_names_a_larger_difference(self):
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("needs torch")
+        with tempfile.TemporaryDirectory() as tmp:
+            a, b, c = (os.path.join(tmp, n) for n in "abc")
+            w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+            for folder, grads in ((a, {"wte.weight": w}), (b, {"wte.weight": w * (1 + 1e-7)}),
+                                  (c, {"wte.weight": w + 1})):
+                os.makedirs(folder)
+                torch.save(grads, os.path.join(folder, "model0_gradients.pth"))
+            ok = subprocess.run([sys.executable, CHECK[1], "--compare-gradients", a, b], capture_output=True,
+                                text=True, timeout=120)
+            self.assertEqual(ok.returncode, 0, ok.stderr)
+            self.assertIn("1 tensors; largest relative difference", ok.stdout)
+            bad = subprocess.run([sys.executable, CHECK[1], "--compare-gradients", a, c], capture_output=True,
+                                 text=True, timeout=120)
+            self.assertNotEqual(bad.returncode, 0)
+            self.assertIn("(wte.weight)", bad.stdout)
+            self.assertIn("above the fp32 tolerance", bad.stderr)
 
 
 if __name__ == "__main__":

@@ -1,49 +1,44 @@
-#!/usr/bin/env bash
-# The one prepared command for a GPU machine without network (issue 15). From the source tree and
-# the bundle scripts/gpu_bundle.sh made (.gpu_bundle/), within --budget seconds (default 450):
-#   1. records the machine (GPUs, driver, compilers, the python3 torch) and unpacks the bundle's
-#      Debian packages with dpkg -x into a prefix (never into /);
-#   2. takes the bundle's prebuilt programs when they were built from this very tree and load here,
-#      and builds them anyway in the background (niced), against this machine's LibTorch
-#      (python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') and the prefix, with all
-#      cores, only cuda_tests, run_pipeline, run_data_parallel and gpu_throughput; without usable
-#      prebuilt programs that build comes first;
-#   3. runs the CUDA tier (tests/cuda: cuda_tests, resumed past a case that hangs);
-#   4. runs run_pipeline on gpt2 (124M) in every mode (one device with evaluation, model parallel,
-#      pipeline parallel with GPipe, 1F1B with activation checkpointing, interleaved 1F1B) and
-#      run_data_parallel --world_size 1 --backend nccl --device cuda for a few batches (and 2 ranks
-#      with 2 GPUs), and the --pytest gradient files of a GPU run, checked against a CPU run;
-#   5. runs the single-GPU throughput benchmark (scripts/run_benchmarks.py --gpu-single);
-#   6. writes gpu_check_report.json and gpu_check.log into $OUT, or the folder given.
-# Every step has its own timeout; a failure is recorded and the later steps still run. Without a
-# GPU every GPU step is reported as skipped ("no GPU"); --smoke then runs CPU stand-ins of the
-# program steps too (gpt2-tiny), so that the whole path is exercised on a CPU-only machine.
-#
-# Usage: scripts/gpu_check.sh [OUT_DIR] [--bundle DIR] [--work DIR] [--build-dir DIR]
-#                             [--binaries auto|carried|build] [--smoke] [--budget S] [--jobs N]
-#   --build-dir DIR  use the programs already built in this CMake binary dir (no build at all)
-#   --binaries       auto (default, as above) | carried (the bundle's only) | build (build first)
-#   --work DIR       scratch space: prefix, build, runs (default /tmp/gpu_check)
-#   --smoke          limit the work (gpt2-tiny, one batch) for the CPU-side test of this script
-# Exit status: 0 when no step failed or timed out, 1 otherwise, 2 on bad arguments.
-set -uo pipefail
+#!/usr/bin/env python3
+"""The one prepared command for a GPU machine without network. From the source tree and the bundle
+scripts/gpu_bundle.sh made (.gpu_bundle/), within --budget seconds (default 450):
+  1. records the machine (GPUs, driver, compilers, the python3 torch) and unpacks the bundle's
+     Debian packages with dpkg -x into a prefix (never into /);
+  2. takes the bundle's prebuilt programs when they were built from this very tree and load here,
+     and builds them anyway in the background (niced), against this machine's LibTorch
+     (python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') and the prefix, with all
+     cores, only cuda_tests, run_pipeline, run_data_parallel and gpu_throughput; without usable
+     prebuilt programs that build comes first;
+  3. runs the CUDA tier (tests/cuda: cuda_tests, resumed past a case that hangs);
+  4. runs run_pipeline on gpt2 (124M) in every mode (one device with evaluation, model parallel,
+     pipeline parallel with GPipe, 1F1B with activation checkpointing, interleaved 1F1B) and
+     run_data_parallel --world_size 1 --backend nccl --device cuda for a few batches (and 2 ranks
+     with 2 GPUs), and the --pytest gradient files of a GPU run, checked against a CPU run;
+  5. runs the single-GPU throughput benchmark (scripts/run_benchmarks.py --gpu-single);
+  6. writes gpu_check_report.json and gpu_check.log into $OUT, or the folder given.
+Every step has its own timeout; a failure is recorded and the later steps still run. Without a
+GPU every GPU step is reported as skipped ("no GPU"); --smoke then runs CPU stand-ins of the
+program steps too (gpt2-tiny), so that the whole path is exercised on a CPU-only machine.
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+Usage: python3 scripts/gpu_check.py [OUT_DIR] [--bundle DIR] [--work DIR] [--build-dir DIR]
+                                    [--binaries auto|carried|build] [--smoke] [--budget S] [--jobs N]
+  --build-dir DIR  use the programs already built in this CMake binary dir (no build at all)
+  --binaries       auto (default, as above) | carried (the bundle's only) | build (build first)
+  --work DIR       scratch space: prefix, build, runs (default /tmp/gpu_check)
+  --smoke          limit the work (gpt2-tiny, one batch) for the CPU-side test of this script
+       python3 scripts/gpu_check.py --source-hash
+                   prints the hash of the sources the programs are compiled from (gpu_bundle.sh
+                   records it beside the programs it carries)
+Exit status: 0 when no step failed or timed out, 1 otherwise, 2 on bad arguments.
 
-# Same as scripts/gpu_bundle.sh: the hash of the sources the programs are compiled from.
-source_hash() {
-  (cd "$ROOT" && find CMakeLists.txt cmake include src apps tests fuzz -type f \
-     \( -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name 'CMakeLists.txt' \) 2>/dev/null |
-     LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
-}
-
-PYTHON_BIN="$(command -v python3 || true)"
-[[ -n "$PYTHON_BIN" ]] || { echo "gpu_check: python3 not found" >&2; exit 2; }
-HELPER="$(mktemp "${TMPDIR:-/tmp}/gpu_check.XXXXXX.py")"
-cat >"$HELPER" <<'PY'
+Only the standard library and scripts/bench_common.py (the parser of the programs' printed lines)
+are imported at the top: the GPU machine has python3 with torch and nothing else, and torch is
+imported only by the steps that run under the python that has it.
+"""
 import argparse
 import datetime
 import glob
+import hashlib
+import io
 import json
 import os
 import re
@@ -53,16 +48,21 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 
-os.unlink(sys.argv[0])  # this temporary copy of the orchestrator
-ROOT, SOURCE_HASH = sys.argv[1], sys.argv[2]
+from bench_common import free_port, printed_figures
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = ("cuda_tests", "run_pipeline", "run_data_parallel", "gpu_throughput")
 BUILD_TARGETS = ("cuda_tests", "run_pipeline", "run_data_parallel", "gpu_throughput")
+# What the programs are compiled from: the folders (and file) searched, and the files counted.
+SOURCE_TOPS = ("CMakeLists.txt", "cmake", "include", "src", "apps", "tests", "fuzz")
+SOURCE_SUFFIXES = (".cpp", ".h", ".hpp")
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="gpu_check.sh")
+    p = argparse.ArgumentParser(prog="gpu_check.py")
     p.add_argument("out_dir", nargs="?", default=None)
     p.add_argument("--bundle", default=os.path.join(ROOT, ".gpu_bundle"))
     p.add_argument("--work", default="/tmp/gpu_check")
@@ -83,36 +83,41 @@ def tail(text, lines=40, chars=6000):
     return "\n".join(text.splitlines()[-lines:])[-chars:]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def source_files(root):
+    """The files the programs are compiled from, relative to `root`, in byte order: what
+    `find CMakeLists.txt cmake include src apps tests fuzz -type f` lists of *.cpp, *.h, *.hpp and
+    CMakeLists.txt (symbolic links neither counted nor followed; a missing folder is no error)."""
+    found = []
+    for top in SOURCE_TOPS:
+        full = os.path.join(root, top)
+        if os.path.isfile(full) and not os.path.islink(full):
+            walk = [(root, [], [top])] if _is_source(top) else []
+        elif os.path.isdir(full) and not os.path.islink(full):
+            walk = ((os.path.relpath(d, root), [], names) for d, _, names in os.walk(full))
+        else:
+            continue
+        for folder, _, names in walk:
+            for name in names:
+                rel = name if folder == root else os.path.join(folder, name)
+                path = os.path.join(root, rel)
+                if _is_source(name) and os.path.isfile(path) and not os.path.islink(path):
+                    found.append(rel)
+    return sorted(found, key=lambda rel: rel.encode())
 
 
-NUMBER = r"([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|[-+]?nan|[-+]?inf)"
-FIGURE_LINES = {
-    "training": re.compile(rf"^Epoch (\d+)(?: on Rank (\d+))?: Training Time = {NUMBER}, Tokens_per_sec = {NUMBER}$"),
-    "validation_loss": re.compile(rf"^Epoch (\d+)(?: on Rank (\d+))?: Validation Loss = {NUMBER}$"),
-    "bleu": re.compile(rf"^Epoch (\d+)(?: on Rank (\d+))?: BLEU = {NUMBER}$"),
-}
+def _is_source(name):
+    return name == "CMakeLists.txt" or name.endswith(SOURCE_SUFFIXES)
 
 
-def figures_of(output):
-    """SPEC §7's printed lines of a program's output."""
-    out = {}
-    for line in output.splitlines():
-        line = re.sub(r"^\[rank \d+\] ", "", line.strip())
-        for key, pattern in FIGURE_LINES.items():
-            m = pattern.match(line)
-            if not m:
-                continue
-            rank = int(m[2]) if m[2] else 0
-            if key == "training":
-                out.setdefault("training", []).append(
-                    {"epoch": int(m[1]), "rank": rank, "seconds": float(m[3]), "tokens_per_sec": float(m[4])})
-            else:
-                out.setdefault(key, []).append({"epoch": int(m[1]), "rank": rank, "value": float(m[3])})
-    return out
+def source_hash(root):
+    """16 hex digits over the sources' contents and paths, the same on any machine the tree travels
+    to (git may be absent there): sha256 of sha256sum's listing of source_files(root)."""
+    listing = hashlib.sha256()
+    for rel in source_files(root):
+        with open(os.path.join(root, rel), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        listing.update(f"{digest}  {rel}\n".encode())
+    return listing.hexdigest()[:16]
 
 
 GTEST_LINE = re.compile(r"^\[\s*(RUN|OK|SKIPPED|FAILED)\s*\] ([\w/.]+)(?: \((\d+) ms\))?")
@@ -171,8 +176,9 @@ def merge_gtest_json(cases, path):
 
 
 class Check:
-    def __init__(self, args):
+    def __init__(self, args, source_hash):
         self.args = args
+        self.source_hash = source_hash
         self.t0 = time.monotonic()
         self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         os.makedirs(args.out_dir, exist_ok=True)
@@ -182,7 +188,7 @@ class Check:
         self.log = open(os.path.join(args.out_dir, "gpu_check.log"), "w", buffering=1)
         self.steps = []
         self.report = {"check": "gpu_check", "started": self.started, "budget_seconds": args.budget,
-                       "smoke": args.smoke, "source_hash": SOURCE_HASH}
+                       "smoke": args.smoke, "source_hash": source_hash}
         self.env = dict(os.environ)
         self.env.setdefault("NCCL_DEBUG", "WARN")  # NCCL says why when it fails
         self.background = None  # the background build: (Popen, log path, start)
@@ -278,18 +284,11 @@ class Check:
                 return (r.stdout + r.stderr).strip()
             except (OSError, subprocess.TimeoutExpired) as e:
                 return f"unavailable: {e}"
-        probe = ("import json, torch\n"
-                 "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
-                 "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda,"
-                 " 'cuda_available': torch.cuda.is_available(), 'gpus': n,"
-                 " 'names': [torch.cuda.get_device_name(i) for i in range(n)],"
-                 " 'cmake_prefix_path': torch.utils.cmake_prefix_path,"
-                 " 'torch_lib': __import__('os').path.join(__import__('os').path.dirname(torch.__file__), 'lib')}))")
         self.python = None
         tried = []
         for py in filter(None, [os.environ.get("HARNESS_PYTHON"), "python3", os.path.join(ROOT, ".venv/bin/python")]):
             try:
-                r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120)
+                r = subprocess.run(self_command(py, "--probe-torch"), capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as e:
                 tried.append(f"{py}: {e}")
                 continue
@@ -334,8 +333,7 @@ class Check:
         if shutil.which("dpkg"):
             script = " && ".join(f"dpkg -x {shlex.quote(d)} {shlex.quote(prefix)}" for d in debs)
         else:  # not a Debian-based machine: the same extraction in Python (ar archive, data.tar.*)
-            script = f"{shlex.quote(sys.executable)} -c {shlex.quote(EXTRACT_DEBS)} {shlex.quote(prefix)} " + \
-                " ".join(shlex.quote(d) for d in debs)
+            script = " ".join(shlex.quote(c) for c in self_command(sys.executable, "--extract-debs", prefix, *debs))
         step = self.run("unpack", ["bash", "-c", script], cap=90, debs=[os.path.basename(d) for d in debs],
                         tool="dpkg -x" if shutil.which("dpkg") else "python (no dpkg here)")
         # pkg-config files name prefix=/usr: point them at the prefix.
@@ -369,9 +367,9 @@ class Check:
                 manifest = json.load(f)
         except (OSError, ValueError) as e:
             return None, f"no readable manifest.json: {e}"
-        if manifest.get("binaries_source_hash") != SOURCE_HASH:
+        if manifest.get("binaries_source_hash") != self.source_hash:
             return None, (f"built from other sources (hash {manifest.get('binaries_source_hash')}, "
-                          f"this tree {SOURCE_HASH})")
+                          f"this tree {self.source_hash})")
         if manifest.get("torch_built_against") != self.torch["torch"]:
             return None, f"built against torch {manifest.get('torch_built_against')}, here {self.torch['torch']}"
         # Whether they load here (libc, libstdc++, LibTorch): not a failure of the check if not, the
@@ -552,7 +550,7 @@ class Check:
             # 1.5 GB) is not needed once its output is read.
             shutil.rmtree(os.path.join(self.args.work, "runs", "run"), ignore_errors=True)
             if step.get("status") == "passed" or step.get("exit_code") is not None:
-                step["figures"] = figures_of(step.get("output", ""))
+                step["figures"] = printed_figures(step.get("output", ""))
             if check and step["status"] == "passed":
                 check(step)
             step.pop("output", None)
@@ -647,9 +645,11 @@ class Check:
             if cpu["status"] != "passed":
                 self.skip(name, "the CPU run failed")
             elif gpu["status"] == "passed":
-                self.run(name, [self.python, self.compare_script(), gpu_dir, cpu_dir], cap=90, reserve=reserve)
+                self.run(name, self_command(self.python, "--compare-gradients", gpu_dir, cpu_dir), cap=90,
+                         reserve=reserve)
             else:
-                compared = self.run(name + " (cpu smoke)", [self.python, self.compare_script(), smoke_dir, cpu_dir],
+                compared = self.run(name + " (cpu smoke)",
+                                    self_command(self.python, "--compare-gradients", smoke_dir, cpu_dir),
                                     cap=90, reserve=reserve, record=False)
                 compared.pop("output", None)
                 self.skip(name, "no GPU", smoke={k: compared[k] for k in compared if k != "name"})
@@ -664,12 +664,6 @@ class Check:
                      cap=60, reserve=reserve)
         else:
             self.skip("pytest gradients: 2 ranks bit-identical", two.get("reason", "the 2-rank run failed"))
-
-    def compare_script(self):
-        path = os.path.join(self.args.work, "compare_gradients.py")
-        with open(path, "w") as f:
-            f.write(COMPARE_GRADIENTS)
-        return path
 
     # ---- the throughput benchmark ------------------------------------------------------------
     def benchmark(self):
@@ -700,92 +694,139 @@ class Check:
 
     # ---- the report ---------------------------------------------------------------------------
     def write_report(self):
-        for s in self.steps:
-            s.pop("output", None)
-        counts = {}
-        for s in self.steps:
-            counts[s["status"]] = counts.get(s["status"], 0) + 1
-        tier = self.report.get("cuda_tests", {})
-        gpu_skipped = [s["name"] for s in self.steps if s["status"] == "skipped" and s.get("reason", "").startswith(("no GPU", "needs"))]
-        figures = {}
-        for s in self.steps:
-            training = (s.get("figures") or {}).get("training")
-            if training:
-                figures[s["name"]] = {"tokens_per_sec": [t["tokens_per_sec"] for t in training],
-                                      "seconds": [t["seconds"] for t in training]}
-        bench = self.report.get("gpu_single") or {}
-        if bench.get("runs"):
-            figures["gpu_single"] = {f"{r.get('tokens')} tokens {r.get('precision')}":
-                                     {k: r.get(k) for k in ("batch_size", "tokens_per_second", "mfu_vs_bf16_peak",
-                                                            "peak_memory_allocated_bytes", "error") if k in r}
-                                     for r in bench["runs"]}
-            figures["gpu_single"]["peaks_tflops"] = bench.get("peaks_tflops")
-        smoke_failed = [s["name"] for s in self.steps if (s.get("smoke") or {}).get("status") in ("failed", "timed_out")]
-        failed = counts.get("failed", 0) + counts.get("timed_out", 0) + len(smoke_failed)
-        self.report.update({
-            "seconds": round(self.elapsed(), 1),
-            "steps": self.steps,
-            "figures": figures,
-            "summary": {
-                "steps": counts,
-                "ok": failed == 0,
-                "cuda_cases": {k: tier.get(k) for k in ("total", "passed", "failed", "skipped")},
-                "every_cuda_case_skipped": bool(tier.get("total")) and tier.get("skipped") == tier.get("total"),
-                "gpu_steps_skipped": gpu_skipped,
-                "cpu_smoke_failed": smoke_failed,
-            }})
+        report = assemble_report(self.report, self.steps, self.elapsed())
         path = os.path.join(self.args.out_dir, "gpu_check_report.json")
         with open(path, "w") as f:
-            json.dump(self.report, f, indent=2)
+            json.dump(report, f, indent=2)
             f.write("\n")
-        self.say(f"report: {path}; steps {counts}; {'OK' if failed == 0 else 'FAILURES'}")
-        return failed == 0
+        ok = report["summary"]["ok"]
+        self.say(f"report: {path}; steps {report['summary']['steps']}; {'OK' if ok else 'FAILURES'}")
+        return ok
 
 
-EXTRACT_DEBS = r"""
-import io, os, sys, tarfile
-prefix, debs = sys.argv[1], sys.argv[2:]
-for deb in debs:
-    data = open(deb, 'rb').read()
-    assert data[:8] == b'!<arch>\n', deb + ': not an ar archive'
-    at = 8
-    while at < len(data):
-        name, size = data[at:at + 16].decode().strip().rstrip('/'), int(data[at + 48:at + 58].decode().strip())
-        body = data[at + 60:at + 60 + size]
-        at += 60 + size + (size & 1)
-        if name.startswith('data.tar'):
-            with tarfile.open(fileobj=io.BytesIO(body)) as tar:
-                tar.extractall(prefix, filter='tar') if hasattr(tarfile, 'data_filter') else tar.extractall(prefix)
-            break
-    else:
-        raise SystemExit(deb + ': no data.tar member')
-print(f'unpacked {len(debs)} packages into {prefix}')
-"""
+def assemble_report(report, steps, seconds):
+    """The report: `report` (machine, programs, cuda_tests, gpu_single, ...) updated with the steps
+    (their whole outputs dropped), each program step's training figures, the benchmark's figures
+    and the summary. A step failed, timed out, or a CPU stand-in of a skipped one failed: not ok."""
+    for s in steps:
+        s.pop("output", None)
+    counts = {}
+    for s in steps:
+        counts[s["status"]] = counts.get(s["status"], 0) + 1
+    tier = report.get("cuda_tests", {})
+    gpu_skipped = [s["name"] for s in steps
+                   if s["status"] == "skipped" and s.get("reason", "").startswith(("no GPU", "needs"))]
+    figures = {}
+    for s in steps:
+        training = (s.get("figures") or {}).get("training")
+        if training:
+            figures[s["name"]] = {"tokens_per_sec": [t["tokens_per_sec"] for t in training],
+                                  "seconds": [t["seconds"] for t in training]}
+    bench = report.get("gpu_single") or {}
+    if bench.get("runs"):
+        figures["gpu_single"] = {f"{r.get('tokens')} tokens {r.get('precision')}":
+                                 {k: r.get(k) for k in ("batch_size", "tokens_per_second", "mfu_vs_bf16_peak",
+                                                        "peak_memory_allocated_bytes", "error") if k in r}
+                                 for r in bench["runs"]}
+        figures["gpu_single"]["peaks_tflops"] = bench.get("peaks_tflops")
+    smoke_failed = [s["name"] for s in steps if (s.get("smoke") or {}).get("status") in ("failed", "timed_out")]
+    failed = counts.get("failed", 0) + counts.get("timed_out", 0) + len(smoke_failed)
+    report.update({
+        "seconds": round(seconds, 1),
+        "steps": steps,
+        "figures": figures,
+        "summary": {
+            "steps": counts,
+            "ok": failed == 0,
+            "cuda_cases": {k: tier.get(k) for k in ("total", "passed", "failed", "skipped")},
+            "every_cuda_case_skipped": bool(tier.get("total")) and tier.get("skipped") == tier.get("total"),
+            "gpu_steps_skipped": gpu_skipped,
+            "cpu_smoke_failed": smoke_failed,
+        }})
+    return report
 
 
-COMPARE_GRADIENTS = r"""
-import sys, torch
-a_dir, b_dir = sys.argv[1:3]
-a = torch.load(a_dir + '/model0_gradients.pth')
-b = torch.load(b_dir + '/model0_gradients.pth')
-assert isinstance(a, dict) and isinstance(b, dict), 'not dicts'
-assert set(a) == set(b) and a, f'keys differ: {sorted(set(a) ^ set(b))[:5]}'
-worst = ('', 0.0)
-for name in sorted(a):
-    x, y = a[name].double(), b[name].double()
-    assert x.shape == y.shape, f'{name}: {list(x.shape)} vs {list(y.shape)}'
-    assert torch.isfinite(x).all(), f'{name}: not finite on the GPU'
-    err = ((x - y).norm() / max(y.norm().item(), 1e-3)).item()
-    worst = max(worst, (name, err), key=lambda t: t[1])
-print(f'{len(a)} tensors; largest relative difference GPU vs CPU {worst[1]:.3g} ({worst[0]})')
-assert worst[1] <= 1e-4, 'above the fp32 tolerance 1e-4'
-"""
+def extract_debs(prefix, debs):
+    """dpkg -x for a machine without dpkg: each .deb's data.tar.* (the ar archive's member) into
+    `prefix`."""
+    for deb in debs:
+        with open(deb, "rb") as f:
+            data = f.read()
+        if data[:8] != b"!<arch>\n":
+            raise SystemExit(deb + ": not an ar archive")
+        at = 8
+        while at < len(data):
+            name, size = data[at:at + 16].decode().strip().rstrip("/"), int(data[at + 48:at + 58].decode().strip())
+            body = data[at + 60:at + 60 + size]
+            at += 60 + size + (size & 1)
+            if name.startswith("data.tar"):
+                with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+                    if hasattr(tarfile, "data_filter"):
+                        tar.extractall(prefix, filter="tar")
+                    else:
+                        tar.extractall(prefix)
+                break
+        else:
+            raise SystemExit(deb + ": no data.tar member")
+    print(f"unpacked {len(debs)} packages into {prefix}")
 
 
-def main():
-    args = parse_args(sys.argv[3:])
-    check = Check(args)
-    check.say(f"gpu_check: tree {ROOT} (sources {SOURCE_HASH}), bundle {args.bundle}, work {args.work}, "
+def compare_gradients(a_dir, b_dir, tolerance=1e-4):
+    """The --pytest gradient files of a GPU run (a_dir) against a CPU run's (b_dir): loadable by
+    torch.load with its defaults, the same tensors, finite, equal to fp32 rounding. Runs under the
+    python that has torch."""
+    import torch
+    a = torch.load(a_dir + "/model0_gradients.pth")
+    b = torch.load(b_dir + "/model0_gradients.pth")
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        raise SystemExit("not dicts")
+    if not (set(a) == set(b) and a):
+        raise SystemExit(f"keys differ: {sorted(set(a) ^ set(b))[:5]}")
+    worst = ("", 0.0)
+    for name in sorted(a):
+        x, y = a[name].double(), b[name].double()
+        if x.shape != y.shape:
+            raise SystemExit(f"{name}: {list(x.shape)} vs {list(y.shape)}")
+        if not torch.isfinite(x).all():
+            raise SystemExit(f"{name}: not finite on the GPU")
+        err = ((x - y).norm() / max(y.norm().item(), 1e-3)).item()
+        worst = max(worst, (name, err), key=lambda t: t[1])
+    print(f"{len(a)} tensors; largest relative difference GPU vs CPU {worst[1]:.3g} ({worst[0]})")
+    if worst[1] > tolerance:
+        raise SystemExit(f"above the fp32 tolerance {tolerance:g}")
+
+
+def probe_torch():
+    """One JSON line: this python's torch, its CUDA and GPUs, where its LibTorch is."""
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                      "cuda_available": torch.cuda.is_available(), "gpus": n,
+                      "names": [torch.cuda.get_device_name(i) for i in range(n)],
+                      "cmake_prefix_path": torch.utils.cmake_prefix_path,
+                      "torch_lib": os.path.join(os.path.dirname(torch.__file__), "lib")}))
+
+
+# Steps the check runs as commands of this file (under another python, with their own timeout).
+INTERNAL = {"--probe-torch": lambda args: probe_torch(),
+            "--compare-gradients": lambda args: compare_gradients(*args),
+            "--extract-debs": lambda args: extract_debs(args[0], args[1:])}
+
+
+def self_command(python, what, *args):
+    return [python, os.path.abspath(__file__), what, *map(str, args)]
+
+
+def main(argv):
+    if argv[:1] == ["--source-hash"]:
+        print(source_hash(ROOT))
+        return 0
+    if argv[:1] and argv[0] in INTERNAL:
+        INTERNAL[argv[0]](argv[1:])
+        return 0
+    args = parse_args(argv)
+    check = Check(args, source_hash(ROOT))
+    check.say(f"gpu_check: tree {ROOT} (sources {check.source_hash}), bundle {args.bundle}, work {args.work}, "
               f"report in {args.out_dir}, budget {args.budget:.0f} s{', smoke' if args.smoke else ''}")
     try:
         if check.machine():
@@ -809,6 +850,5 @@ def main():
     return 0 if ok else 1
 
 
-sys.exit(main())
-PY
-exec "$PYTHON_BIN" "$HELPER" "$ROOT" "$(source_hash)" "$@"
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
