@@ -449,9 +449,9 @@ class DataParallelProgram(unittest.TestCase):
             open(a_file, "w").close()
             tiny = [a for a in TINY if a not in ("--model_max_length", "40")]
             cases = [
-                (["--model", "gpt2-tiny", "--no_progress"],
-                 "--model_max_length 128 needs n_positions >= 129 (generation appends up to one more token) "
-                 "but the model has n_positions 128: pass --model_max_length 127 or less"),
+                (["--model", "gpt2-tiny", "--model_max_length", "129", "--no_progress"],
+                 "--model_max_length 129 needs n_positions >= 129 but the model has n_positions 128: "
+                 "pass --model_max_length 128 or less"),
                 (TINY + ["--workdir", os.path.join(a_file, "work")], "--workdir " + os.path.join(a_file, "work")),
                 (TINY + ["--workdir", "/proc/self"], "--workdir /proc/self is not writable"),
                 (TINY + ["--pytest", "--grad_dir", os.path.join(a_file, "g")], "--grad_dir " + os.path.join(a_file, "g")),
