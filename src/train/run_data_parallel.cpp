@@ -167,24 +167,28 @@ int train_this_rank(const DataParallelConfig& flags, const dp::WorkerEnv& env, c
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed, split);
   model->to(device.torch_device());
   broadcast_parameters(ctx, *model);
-  std::unique_ptr<dp::GradientSynchronizer> sync =
-      flags.zero_stage == 1 ? std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
-                                                                      dp::GradientReduction::kReduceScatter)
-                            : dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
-  if (flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
-  std::unique_ptr<TrainStep> step;
+  // The step's parts, chosen once: ZeRO-1 shards AdamW over the buckets its reduce-scattering
+  // synchronizer hands it; otherwise every rank's AdamW steps what its synchronizer averaged.
+  std::unique_ptr<dp::GradientSynchronizer> sync;
+  std::unique_ptr<StepOptimizer> optimizer;
   if (flags.zero_stage == 1) {
-    auto zero = std::make_unique<ZeroTrainStep>(model, f.learning_rate, static_cast<dp::BucketedAllReduce*>(sync.get()));
-    if (rank == 0) {
-      int64_t replicated = 0;
-      for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
-      std::cerr << "run_data_parallel: --zero_stage 1 keeps " << zero->optimizer().state_bytes()
-                << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)" << std::endl;
-    }
-    step = std::move(zero);
+    auto buckets = std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
+                                                           dp::GradientReduction::kReduceScatter);
+    optimizer = sharded_adamw(model, f.learning_rate, *buckets);
+    sync = std::move(buckets);
   } else {
-    step = std::make_unique<GPT2TrainStep>(model, f.learning_rate, sync.get());
+    sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
+    sync->attach(*model);
+    optimizer = replicated_adamw(model, f.learning_rate);
   }
+  if (flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
+  if (flags.zero_stage == 1 && rank == 0) {
+    int64_t replicated = 0;
+    for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
+    std::cerr << "run_data_parallel: --zero_stage 1 keeps " << optimizer->state_bytes()
+              << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)" << std::endl;
+  }
+  std::unique_ptr<TrainStep> step = std::make_unique<GPT2TrainStep>(model, std::move(optimizer), sync.get());
   step->precision = model::parse_precision(f.precision);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same

@@ -11,6 +11,12 @@
 #include "harness/model/safetensors.h"
 
 namespace harness::train {
+
+NamedParameters named_parameters_of(torch::nn::Module& module) {
+  NamedParameters out;
+  for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
+}
 namespace {
 
 std::string shape_of(const at::Tensor& t) {

@@ -16,6 +16,7 @@
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
 #include "harness/model/safetensors.h"
+#include "harness/train/step_optimizer.h"
 #include "harness/train/training_state.h"
 
 namespace torch::optim {
@@ -27,8 +28,6 @@ class Tracer;
 }
 namespace harness::data_parallel {
 class GradientSynchronizer;
-class BucketedAllReduce;
-class ShardedAdamW;
 }
 
 namespace harness::train {
@@ -89,16 +88,22 @@ class TrainStep {
   std::string trace_track = "main";
 };
 
-// A GPT2LMHeadModel trained by AdamW: on one device, spread over devices by the model's own
-// placement (model parallel) or a Pipe installed as its blocks executor (pipeline), or split over
-// a tensor-parallel group (Megatron; each rank's AdamW steps its shards, checkpoints hold the
+// A GPT2LMHeadModel trained by a StepOptimizer (step_optimizer.h): AdamW on every rank's
+// parameters, or ZeRO-1's sharded AdamW. The model runs on one device, spread over devices by its
+// own placement (model parallel) or a Pipe installed as its blocks executor (pipeline), or split
+// over a tensor-parallel group (Megatron; each rank's AdamW steps its shards, checkpoints hold the
 // unsplit state). With a GradientSynchronizer (data parallelism) the gradients are averaged over
 // its group between backward and the optimizer step; `after_backward` (e.g. --pytest's gradient
-// files) runs after that. The synchronizer is attached here.
+// files) runs after that.
 class GPT2TrainStep : public TrainStep {
  public:
+  // Replicated AdamW; `synchronizer` (if any) is attached to the model here.
   GPT2TrainStep(model::GPT2LMHeadModel model, double learning_rate,
                 data_parallel::GradientSynchronizer* synchronizer = nullptr);
+  // The parts as built: `optimizer` for this model, `synchronizer` (if any) already attached to it
+  // (sharded_adamw attaches the reduce-scattering synchronizer it is built on).
+  GPT2TrainStep(model::GPT2LMHeadModel model, std::unique_ptr<StepOptimizer> optimizer,
+                data_parallel::GradientSynchronizer* synchronizer);
   ~GPT2TrainStep() override;
 
   using TrainStep::step;
@@ -106,54 +111,27 @@ class GPT2TrainStep : public TrainStep {
   c10::Device input_device() const override;
   void set_training(bool training) override;
   model::GPT2LMHeadModel model() override { return model_; }
-  OptimizerState optimizer_state() override;
-  bool collective_state() const override { return model_->tensor_parallel() != nullptr; }
-  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
+  OptimizerState optimizer_state() override { return optimizer_->state(); }
+  bool collective_state() const override { return optimizer_->collective_state(); }
+  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
+    optimizer_->save_state(weights_path, optimizer_path, write);
+  }
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override {
+    optimizer_->load_state(weights, optimizer);
+  }
   GeneratorStates extra_generator_states() override;
   void restore_extra_generator_states(const GeneratorStates& states) override;
-
-  model::NamedTensors unsplit_gradients() override;
+  model::NamedTensors unsplit_gradients() override { return optimizer_->unsplit_gradients(); }
+  const StepOptimizer& optimizer() const { return *optimizer_; }
 
  protected:
-  torch::optim::AdamW& optimizer() { return *optimizer_; }  // an optim::FusedAdamW
+  StepOptimizer& optimizer() { return *optimizer_; }
 
  private:
   model::GPT2LMHeadModel model_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<StepOptimizer> optimizer_;
   data_parallel::GradientSynchronizer* synchronizer_;
 };
 
-// ZeRO stage 1 (--zero_stage 1, data_parallel/zero.h): the replicated model trains with
-// gradients reduce-scattered by `gradients` (a BucketedAllReduce in kReduceScatter mode, overlapped
-// with backward) and AdamW's state sharded over the data-parallel ranks (ShardedAdamW), the
-// updated chunks all-gathered into every rank's parameters. Checkpoints hold the full AdamW state
-// in the unsharded format (optimizer_state() gathers it; load_state() takes this rank's chunks),
-// so a sharded run resumes unsharded and back.
-class ZeroTrainStep : public TrainStep {
- public:
-  ZeroTrainStep(model::GPT2LMHeadModel model, double learning_rate, data_parallel::BucketedAllReduce* gradients);
-  ~ZeroTrainStep() override;
-
-  using TrainStep::step;
-  double step(const std::vector<data::Batch>& batches) override;
-  c10::Device input_device() const override;
-  void set_training(bool training) override;
-  model::GPT2LMHeadModel model() override { return model_; }
-  OptimizerState optimizer_state() override;  // collective
-  bool collective_state() const override { return true; }
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
-  model::NamedTensors unsplit_gradients() override;  // collective
-
-  const data_parallel::ShardedAdamW& optimizer() const { return *adam_; }
-
- private:
-  model::GPT2LMHeadModel model_;
-  data_parallel::BucketedAllReduce* gradients_;
-  std::unique_ptr<data_parallel::ShardedAdamW> adam_;
-};
-
-// The parameters of `module` as (name, tensor), in registration order.
-NamedParameters named_parameters_of(torch::nn::Module& module);
 
 }  // namespace harness::train

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <map>
@@ -24,6 +25,9 @@ class SafetensorsWriter;
 namespace harness::train {
 
 using NamedParameters = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The parameters of `module` as (name, tensor), in registration order.
+NamedParameters named_parameters_of(torch::nn::Module& module);
 
 struct AdamWParamState {
   int64_t step = 0;
