@@ -29,61 +29,9 @@ class ReplicatedAdamW final : public StepOptimizer {
   void step() override { optimizer_->step(); }
   bool collective_state() const override { return model_->tensor_parallel() != nullptr; }
 
-  OptimizerState state() override {
-  OptimizerState state = capture_adamw_state(*optimizer_, named_parameters_of(*model_));
-  if (model_->tensor_parallel() == nullptr) return state;
-  // Every rank of the group walks the parameters in the same order and has state for the same
-  // ones (all train every parameter), so the gathers match across the group.
-  OptimizerState full;
-  for (const auto& item : model_->named_parameters()) {
-    auto it = state.find(item.key());
-    if (it == state.end()) continue;
-    full[item.key()] = {it->second.step, model_->unshard(item.key(), it->second.exp_avg),
-                        model_->unshard(item.key(), it->second.exp_avg_sq)};
-  }
-  return full;
-}
-
-  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
-  if (model_->tensor_parallel() == nullptr) {
-    model::write_model_weights(*model_, weights_path, write);
-    if (write) write_optimizer_state(optimizer_path, state());
-    return;
-  }
-  // Split: each unsplit tensor is gathered (a collective over the group), written by the writer
-  // and dropped before the next; every rank walks the same parameters in the same order.
-  model::write_model_weights(*model_, weights_path, write);
-  std::vector<std::pair<std::string, const torch::optim::AdamWParamState*>> with_state;
-  std::vector<OptimizerStateWriter::Parameter> parameters;
-  auto& states = optimizer_->state();
-  for (const auto& item : model_->named_parameters()) {
-    auto it = states.find(item.value().unsafeGetTensorImpl());
-    if (it == states.end()) continue;
-    const auto* s = static_cast<const torch::optim::AdamWParamState*>(it->second.get());
-    with_state.emplace_back(item.key(), s);
-    parameters.push_back({item.key(), s->step(), model_->shards().at(item.key()).full_shape});
-  }
-  std::optional<OptimizerStateWriter> file;
-  if (write) file.emplace(optimizer_path, parameters);
-  for (const auto& [name, s] : with_state) {
-    const at::Tensor exp_avg = model_->unshard(name, s->exp_avg()), exp_avg_sq = model_->unshard(name, s->exp_avg_sq());
-    if (file) file->add(exp_avg, exp_avg_sq);
-  }
-  if (file) file->finish();
-}
-
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override {
-  model_->load_full_state(weights);
-  OptimizerState local;
-  for (const auto& [name, s] : optimizer) {
-    if (!model_->shards().count(name)) {
-      throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
-    }
-    local[name] = {s.step, model_->shard(name, s.exp_avg), model_->shard(name, s.exp_avg_sq)};
-  }
-  restore_adamw_state(*optimizer_, named_parameters_of(*model_), local);
-}
-
+  OptimizerState state() override;
+  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
   model::NamedTensors unsplit_gradients() override { return model_->full_gradients(); }
 
   int64_t state_bytes() const override {
@@ -117,7 +65,79 @@ class ShardedAdamWOptimizer final : public StepOptimizer {
   void step() override { adam_->step(); }
   bool collective_state() const override { return true; }
 
-  OptimizerState state() override {
+  OptimizerState state() override;
+
+  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
+    model::write_model_weights(*model_, weights_path, write);
+    const OptimizerState optimizer = state();  // collective: every rank gathers
+    if (write) write_optimizer_state(optimizer_path, optimizer);
+  }
+
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
+  model::NamedTensors unsplit_gradients() override;
+  int64_t state_bytes() const override { return adam_->state_bytes(); }
+
+ private:
+  model::GPT2LMHeadModel model_;
+  data_parallel::BucketedAllReduce& gradients_;
+  std::unique_ptr<data_parallel::ShardedAdamW> adam_;
+};
+
+OptimizerState ReplicatedAdamW::state() {
+  OptimizerState state = capture_adamw_state(*optimizer_, named_parameters_of(*model_));
+  if (model_->tensor_parallel() == nullptr) return state;
+  // Every rank of the group walks the parameters in the same order and has state for the same
+  // ones (all train every parameter), so the gathers match across the group.
+  OptimizerState full;
+  for (const auto& item : model_->named_parameters()) {
+    auto it = state.find(item.key());
+    if (it == state.end()) continue;
+    full[item.key()] = {it->second.step, model_->unshard(item.key(), it->second.exp_avg),
+                        model_->unshard(item.key(), it->second.exp_avg_sq)};
+  }
+  return full;
+}
+
+void ReplicatedAdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
+  model::write_model_weights(*model_, weights_path, write);  // a collective when the model is split
+  if (model_->tensor_parallel() == nullptr) {
+    if (write) write_optimizer_state(optimizer_path, state());
+    return;
+  }
+  // Split: each unsplit moment is gathered (a collective over the group), written by the writer
+  // and dropped before the next; every rank walks the same parameters in the same order.
+  std::vector<std::pair<std::string, const torch::optim::AdamWParamState*>> with_state;
+  std::vector<OptimizerStateWriter::Parameter> parameters;
+  auto& states = optimizer_->state();
+  for (const auto& item : model_->named_parameters()) {
+    auto it = states.find(item.value().unsafeGetTensorImpl());
+    if (it == states.end()) continue;
+    const auto* s = static_cast<const torch::optim::AdamWParamState*>(it->second.get());
+    with_state.emplace_back(item.key(), s);
+    parameters.push_back({item.key(), s->step(), model_->shards().at(item.key()).full_shape});
+  }
+  std::optional<OptimizerStateWriter> file;
+  if (write) file.emplace(optimizer_path, parameters);
+  for (const auto& [name, s] : with_state) {
+    const at::Tensor exp_avg = model_->unshard(name, s->exp_avg()), exp_avg_sq = model_->unshard(name, s->exp_avg_sq());
+    if (file) file->add(exp_avg, exp_avg_sq);
+  }
+  if (file) file->finish();
+}
+
+void ReplicatedAdamW::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
+  model_->load_full_state(weights);
+  OptimizerState local;
+  for (const auto& [name, s] : optimizer) {
+    if (!model_->shards().count(name)) {
+      throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
+    }
+    local[name] = {s.step, model_->shard(name, s.exp_avg), model_->shard(name, s.exp_avg_sq)};
+  }
+  restore_adamw_state(*optimizer_, named_parameters_of(*model_), local);
+}
+
+OptimizerState ShardedAdamWOptimizer::state() {
   const data_parallel::ShardedAdamW::FullState full = adam_->gather_state();  // collective
   OptimizerState out;
   if (full.moments.empty()) return out;
@@ -129,13 +149,7 @@ class ShardedAdamWOptimizer final : public StepOptimizer {
   return out;
 }
 
-  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
-    model::write_model_weights(*model_, weights_path, write);
-    const OptimizerState optimizer = state();  // collective: every rank gathers
-    if (write) write_optimizer_state(optimizer_path, optimizer);
-  }
-
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override {
+void ShardedAdamWOptimizer::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
   model_->load_full_state(weights);
   const NamedParameters named = named_parameters_of(*model_);
   data_parallel::ShardedAdamW::FullState full;
@@ -170,7 +184,7 @@ class ShardedAdamWOptimizer final : public StepOptimizer {
   adam_->load_state(full);
 }
 
-  model::NamedTensors unsplit_gradients() override {
+model::NamedTensors ShardedAdamWOptimizer::unsplit_gradients() {
   // The averaged gradient exists only as the ranks' chunks: all-gathered here (collective).
   torch::NoGradGuard no_grad;
   const NamedParameters named = named_parameters_of(*model_);
@@ -186,14 +200,6 @@ class ShardedAdamWOptimizer final : public StepOptimizer {
   }
   return out;
 }
-
-  int64_t state_bytes() const override { return adam_->state_bytes(); }
-
- private:
-  model::GPT2LMHeadModel model_;
-  data_parallel::BucketedAllReduce& gradients_;
-  std::unique_ptr<data_parallel::ShardedAdamW> adam_;
-};
 
 }  // namespace
 

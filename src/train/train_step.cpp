@@ -59,13 +59,6 @@ double accumulate_and_step(const std::vector<data::Batch>& batches,
 
 }  // namespace
 
-void TrainStep::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
-  model::write_model_weights(*model(), weights_path, write);  // a collective when the model is split
-  OptimizerState optimizer;
-  if (write || collective_state()) optimizer = optimizer_state();
-  if (write) write_optimizer_state(optimizer_path, optimizer);
-}
-
 
 // ----- one GPT-2 (single device, model parallel, pipeline, data parallel) ---------------------
 

@@ -63,10 +63,10 @@ class TrainStep {
   virtual bool collective_state() const { return false; }
   // A checkpoint's state files: the unsplit weights as Hugging Face's model.safetensors at
   // `weights_path` and the AdamW state at `optimizer_path` (write_optimizer_state's format),
-  // written where `write` (the checkpoint's writer; the paths are ignored elsewhere). By default
-  // the state is gathered whole, then written; a split model streams each unsplit tensor into the
-  // files as it is gathered, so no rank holds the unsplit state.
-  virtual void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write);
+  // written where `write` (the checkpoint's writer; the paths are ignored elsewhere). A split model
+  // streams each unsplit tensor into the files as it is gathered, so no rank holds the unsplit
+  // state.
+  virtual void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) = 0;
   // Unsplit weights and optimizer state in (each rank keeps its part). Errors name the tensor.
   virtual void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) = 0;
   // Generator streams the layout owns besides the default generators (tensor parallelism's
