@@ -114,13 +114,12 @@ void apply_training_split_test_hook(int rank, std::vector<data::TranslationExamp
   if (hook != nullptr && *hook != '\0' && std::atoi(hook) == rank && !train.empty()) train.pop_back();
 }
 
-int train_this_rank(const DataParallelConfig& flags, const dp::WorkerEnv& env, const Device& device, int threads,
-                    const dp::DistOptions& options, const dp::DistContext& world) {
+int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
+                    const Device& device, int threads, const dp::DistOptions& options, const dp::DistContext& world) {
   const RunConfig& f = flags.run;
   const int rank = env.rank;
   const int T = flags.tensor_parallel_size;
-  const tp::ParallelLayout layout = tp::parallel_layout(env.world_size, T, rank);
-  const int dp_rank = layout.data_rank, dp_size = layout.data_parallel_size;
+  const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
   const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
 
   // Every rank trains its own tokenizer; only rank 0 keeps the file, so the ranks need no shared
@@ -215,7 +214,7 @@ int train_this_rank(const DataParallelConfig& flags, const dp::WorkerEnv& env, c
     if (T > 1) {
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
     }
-    std::cerr << std::endl << run_layout(flags, env.world_size).coordinates_table() << std::flush;
+    std::cerr << std::endl << layout.coordinates_table() << std::flush;
   }
 
   const int64_t max_length = f.model_max_length;
@@ -249,7 +248,7 @@ int train_this_rank(const DataParallelConfig& flags, const dp::WorkerEnv& env, c
   training.tensor_parallel_size = T;
   training.data_parallel_size = dp_size;
   // One report per model replica: its tensor rank 0 prints the lines, as its data-parallel rank.
-  training.reports = run_layout(flags, env.world_size).reports(rank);
+  training.reports = layout.reports(rank);
   training.report_rank = dp_rank;
   training.devices = {device.torch_device()};
   training.show_progress = f.progress && rank == 0;
@@ -303,11 +302,12 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   options.debug_sync = flags.debug_sync;
   // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
   // same shard) is what the batch is partitioned over and the gradients are averaged over.
-  (void)run_layout(flags, env.world_size).coordinates_of(env.rank);
+  const parallel::Layout layout = run_layout(flags, env.world_size);
+  (void)layout.coordinates_of(env.rank);  // a rank outside the world is refused before connecting
   check_zero_stage(flags);
   const dp::DistContext world = dp::init_process_group(options);
   try {
-    return train_this_rank(flags, env, device, threads, options, world);
+    return train_this_rank(flags, layout, env, device, threads, options, world);
   } catch (const AgreedStop&) {
     throw;  // every rank says the same
   } catch (const std::exception& e) {
