@@ -91,14 +91,18 @@ TokenizerFingerprint tokenizer_fingerprint(const std::vector<data::TranslationEx
 
 void check_ranks_share_tokenizer(const TokenizerFingerprint& mine, const dp::DistContext* world) {
   const std::vector<std::string> all = all_gather_strings(mine.training_pairs + " " + mine.tokenizer_model, world);
+  // Each rank's "<pairs hash> <tokenizer hash>" back into its two hashes.
+  auto fingerprint_of = [&](size_t r) {
+    const size_t space = all[r].find(' ');
+    return TokenizerFingerprint{all[r].substr(0, space), all[r].substr(space + 1)};
+  };
+  const TokenizerFingerprint rank0 = fingerprint_of(0);
   std::vector<int> other_pairs, other_tokenizer;
   for (size_t r = 1; r < all.size(); ++r) {
-    const std::string& theirs = all[r];
-    const std::string pairs = theirs.substr(0, theirs.find(' ')), model = theirs.substr(theirs.find(' ') + 1);
-    const std::string& rank0 = all[0];
-    if (pairs != rank0.substr(0, rank0.find(' '))) {
+    const TokenizerFingerprint theirs = fingerprint_of(r);
+    if (theirs.training_pairs != rank0.training_pairs) {
       other_pairs.push_back(static_cast<int>(r));
-    } else if (model != rank0.substr(rank0.find(' ') + 1)) {
+    } else if (theirs.tokenizer_model != rank0.tokenizer_model) {
       other_tokenizer.push_back(static_cast<int>(r));
     }
   }
