@@ -76,12 +76,12 @@ PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel gpt2, double learnin
   }
 
   std::vector<Device> attention_devices(static_cast<size_t>(n_layer)), mlp_devices(static_cast<size_t>(n_layer));
-  units_of_stage_.assign(S, {});
+  first_unit_of_stage_.assign(1, 0);
   for (int s = 0, unit = 0; s < S; ++s) {
     for (int k = 0; k < halves_[s]; ++k, ++unit) {
-      units_of_stage_[s].push_back(static_cast<size_t>(unit));
       (unit % 2 == 0 ? attention_devices : mlp_devices)[static_cast<size_t>(unit / 2)] = options_.devices[s % D];
     }
+    first_unit_of_stage_.push_back(first_unit_of_stage_.back() + halves_[s]);
   }
   model()->place(attention_devices, mlp_devices);
 
@@ -136,10 +136,7 @@ double PipelineTrainStep::step(const std::vector<data::Batch>& batches) {
       // GPT-2's own pieces: the embedding on the first stage, the stage's run of block halves, the
       // final norm, tied head and loss on the last.
       at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
-      const std::vector<size_t>& units = units_of_stage_[s];
-      if (!units.empty()) {
-        hidden = gpt2.forward_units(hidden, static_cast<int64_t>(units.front()), static_cast<int64_t>(units.back()) + 1);
-      }
+      hidden = gpt2.forward_units(hidden, first_unit_of_stage_[s], first_unit_of_stage_[s + 1]);
       if (s < S - 1) return hidden;
       return model::weighted_cross_entropy(gpt2.head_logits(hidden, head_weight), labels[i], weight_parts[i],
                                            weight_sum);

@@ -71,7 +71,9 @@ class PipelineTrainStep : public GPT2TrainStep {
  private:
   PipelineStepOptions options_;
   std::vector<int> halves_;
-  std::vector<std::vector<size_t>> units_of_stage_;  // [stage] -> half blocks: 2b attention, 2b + 1 MLP
+  // Stage s runs block halves [first_unit_of_stage_[s], first_unit_of_stage_[s + 1]) (2b: block b's
+  // attention half, 2b + 1 its MLP half): halves_' running sums.
+  std::vector<int64_t> first_unit_of_stage_;
   std::unique_ptr<pipeline::ScheduleExecutor> executor_;
   int64_t global_step_ = 0;
   pipeline::TrainingSchedule last_schedule_;
