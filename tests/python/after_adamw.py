@@ -23,9 +23,9 @@ def adamw_drift_bound(lr, steps, beta1=0.9, beta2=0.999):
     return sum(2 * lr * adam_update_bound(t, beta1, beta2) for t in range(1, steps + 1))
 
 
-def gradient_problems(actual, expected, tolerance=1e-5):
+def gradient_problems(actual, expected, tolerance=1e-5, floor=1e-10):
     """Names of the gradients of `expected` that `actual` misses or whose largest difference is
-    above `tolerance` of the tensor's largest element, with the figures."""
+    above `tolerance` of the tensor's largest element (plus `floor`), with the figures."""
     problems = []
     for name, g in expected.items():
         if name not in actual:
@@ -33,7 +33,7 @@ def gradient_problems(actual, expected, tolerance=1e-5):
             continue
         worst = float((actual[name].double() - g.double()).abs().max())
         scale = float(g.abs().max())
-        if worst > tolerance * scale + 1e-10:
+        if worst > tolerance * scale + floor:
             problems.append(f"{name}: largest difference {worst:.3g} against {tolerance:g} of {scale:.3g}")
     return problems
 
