@@ -427,7 +427,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
     }
 
     if (!o.benchmark_only) {
-      model::GPT2LMHeadModel model = step.model();  // split: every rank of the group evaluates
+      model::GPT2LMHeadModel model = step.gathered_model();  // split: every rank of the group evaluates
       const EpochEvaluation eval = evaluate_epoch(model, *data.validation, *data.tokenizer, *data.test,
                                                   o.model_max_length, o.show_progress);
       if (o.reports) report_evaluation(o, epoch, eval, timing.seconds, rate, *data.test);
@@ -444,7 +444,7 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
               << ", std:" << format_number(rate_stats.std) << std::endl;
   }
 
-  model::GPT2LMHeadModel model = step.model();
+  model::GPT2LMHeadModel model = step.gathered_model();
   // Split over a tensor-parallel group, every rank of it takes part in gathering the weights.
   if (!o.save_dir.empty() || model->tensor_parallel() != nullptr) {
     model::save_pretrained(*model, o.save_dir, /*write=*/!o.save_dir.empty());

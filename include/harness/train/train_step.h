@@ -54,6 +54,11 @@ class TrainStep {
   // over a tensor-parallel group, its forward is a collective (every rank of the group runs the
   // same evaluation), and its full_state() gathers the unsplit weights for saving.
   virtual model::GPT2LMHeadModel model() = 0;
+  // The model with every weight current on this rank, for evaluation, generation and the saved
+  // model: model() itself, unless the layout keeps only some weights current on each process
+  // (pipeline stages that are processes gather the others' here). A collective there, so every
+  // rank calls it at the same points.
+  virtual model::GPT2LMHeadModel gathered_model() { return model(); }
 
   // Checkpoints. The AdamW state under Hugging Face names, unsplit (collective for tensor
   // parallelism and ZeRO; every rank gets it).
