@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <tuple>
 #include <utility>
 
 #include "harness/model/dropout.h"
@@ -28,22 +29,25 @@ struct Stopped : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The tensors crossing stages in one step, and the stop signal. activations[i][s]: the output of
-// forward (i, s) for stage s + 1; gradients[i][s]: the gradient of forward (i, s)'s input for
-// stage s - 1.
-class Exchange {
+// The in-process transport of one step: the tensors crossing stages, handed from worker to worker,
+// and the stop signal. A send is handed over at once; a receive is waited for when the action
+// needs it, so that a worker never waits before it has to.
+class InProcessTransport final : public StageTransport {
  public:
-  Exchange(int micro_batches, int stages)
+  InProcessTransport(int micro_batches, int stages)
       : activations_(micro_batches, std::vector<Slot>(stages)),
         gradients_(micro_batches, std::vector<Slot>(stages)) {}
 
-  void put_activation(int i, int s, at::Tensor t) { put(activations_[i][s], std::move(t)); }
-  void put_gradient(int i, int s, at::Tensor t) { put(gradients_[i][s], std::move(t)); }
-  at::Tensor take_activation(int i, int s) { return take(activations_[i][s]); }
-  at::Tensor take_gradient(int i, int s) { return take(gradients_[i][s]); }
+  void exchange(int device, const std::vector<P2POp>& ops,
+                const std::function<at::Tensor(const P2PMessage&)>& outgoing) override {
+    for (const P2POp& op : ops) {
+      if (op.kind == P2POp::Kind::kSend) put(slot_of(op.message), outgoing(op.message));
+    }
+  }
+  at::Tensor take(int device, const P2PMessage& message) override { return take(slot_of(message)); }
 
   // The first failing device; later ones (and the waiters it wakes) are not the cause.
-  void fail(int device) {
+  void fail(int device) override {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failed_device_ < 0) failed_device_ = device;
@@ -60,6 +64,11 @@ class Exchange {
     at::Tensor tensor;
     bool ready = false;
   };
+  // activations_[i][s]: the output of forward (i, s) for stage s + 1; gradients_[i][s]: the
+  // gradient of forward (i, s)'s input for stage s - 1.
+  Slot& slot_of(const P2PMessage& m) {
+    return (m.kind == P2PMessage::Kind::kActivation ? activations_ : gradients_)[m.micro_batch][m.from_stage];
+  }
   void put(Slot& slot, at::Tensor t) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -161,6 +170,173 @@ ScheduleExecutor::ScheduleExecutor(std::vector<Device> devices, ExecutorOptions 
 
 ScheduleExecutor::~ScheduleExecutor() = default;
 
+const P2PPlan& cached_p2p_plan(const TrainingSchedule& schedule) {
+  static std::mutex mutex;
+  static std::map<std::tuple<std::string, int, int, int>, std::unique_ptr<P2PPlan>> plans;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& plan = plans[{schedule.name, schedule.micro_batches, schedule.devices, schedule.virtual_stages}];
+  if (!plan) {
+    auto made = std::make_unique<P2PPlan>(make_p2p_plan(schedule));  // validates the schedule
+    validate_p2p_plan(*made);  // every send meets its receive, with no cycle of waits
+    plan = std::move(made);
+  }
+  if (plan->schedule.per_device != schedule.per_device) {
+    throw std::invalid_argument("cached_p2p_plan: two different schedules are both called '" + schedule.name + "'");
+  }
+  return *plan;
+}
+
+DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& device, const StageForward& forward,
+                                  uint64_t step_seed, StageTransport& transport, const ExecutorOptions& options,
+                                  const std::string& track) {
+  const TrainingSchedule& schedule = plan.schedule;
+  const int D = schedule.devices, M = schedule.micro_batches, S = schedule.stages();
+  const c10::Device torch_device = device.torch_device();
+  const bool metered = activation_meter_installed();
+  const int64_t live_before = metered ? activation_live_bytes(d + 1)[d] : 0;
+  const std::vector<std::vector<bool>> checkpointed = checkpoint_plan(schedule, options.checkpointing);
+  Tracer* tracer = options.tracer;
+  DeviceStepResult result;
+  result.losses.resize(M);
+
+  struct Held {
+    at::Tensor input, output;  // output undefined when checkpointed
+    bool checkpointed = false;
+  };
+  std::map<std::pair<int, int>, Held> held;  // (micro-batch, stage) -> what its backward needs
+  // Tensors for this device's later stages (V > 1 on one device), and those waiting for the next
+  // exchange's sends.
+  std::map<std::tuple<int, int, int>, at::Tensor> local, outbox;
+  auto key = [](const P2PMessage& m) { return std::make_tuple(static_cast<int>(m.kind), m.micro_batch, m.from_stage); };
+  auto hand_over = [&](const P2PMessage& m, int to_stage, at::Tensor t) {
+    (device_of_stage(to_stage, D) == d ? local : outbox)[key(m)] = std::move(t);
+  };
+  auto receive = [&](const P2PMessage& m) {
+    auto it = local.find(key(m));
+    if (it == local.end()) return to_stage_device(transport.take(d, m), device);
+    at::Tensor t = std::move(it->second);
+    local.erase(it);
+    return t;
+  };
+
+  auto stage_forward = [&](int i, int s, const at::Tensor& input) {
+    ActivationScope charged(d);  // counted only when the benchmarks installed the meter
+    const uint64_t seed = stage_stream_seed(step_seed, i, s);
+    if (device.is_cuda()) {
+      return model::with_default_generator_seeded(torch_device, seed, [&] { return forward(i, s, input); });
+    }
+    model::DropoutGeneratorScope stream(model::make_generator(torch_device, seed));
+    return forward(i, s, input);
+  };
+  auto sample_held = [&] {
+    if (!metered) return;
+    result.peak_held_bytes = std::max(result.peak_held_bytes, activation_live_bytes(d + 1)[d] - live_before);
+  };
+
+  // The k-th compute action of this device (for the checkpoint plan).
+  size_t k = 0;
+  for (const P2PStep& step : plan.per_device[d]) {
+    std::string label;
+    try {
+      if (step.is_exchange()) {
+        label = "exchange " + p2p_exchange_label(step.exchange);
+        transport.exchange(d, step.exchange, [&](const P2PMessage& m) {
+          auto it = outbox.find(key(m));
+          TORCH_CHECK(it != outbox.end(), "the plan sends ", p2p_message_label(m),
+                      " before the action that makes it ran");
+          at::Tensor t = std::move(it->second);
+          outbox.erase(it);
+          return t;
+        });
+        continue;
+      }
+      const Action& action = step.action;
+      const int i = action.micro_batch, s = action.stage;
+      label = (action.kind == Action::Kind::kForward ? "forward" : "backward") + std::string(" of micro-batch ") +
+              std::to_string(i) + ", stage " + std::to_string(s);
+      const size_t position = k++;
+      if (action.kind == Action::Kind::kForward) {
+        at::Tensor input;
+        if (s > 0) {
+          input = receive({P2PMessage::Kind::kActivation, i, s - 1}).detach();
+          if (metered && device.is_cpu()) {  // charge the held input to this device (see StepResult)
+            ActivationScope charged(d);
+            input = input.clone();
+          }
+          if (input.is_floating_point()) input.requires_grad_(true);
+        }
+        Held h;
+        h.checkpointed = checkpointed[d][position];
+        at::Tensor output;
+        {
+          TraceScope scope(tracer, "forward", track,
+                           {{"micro_batch", static_cast<int64_t>(i)}, {"stage", static_cast<int64_t>(s)}});
+          torch::AutoGradMode graph(!h.checkpointed);
+          output = stage_forward(i, s, input);
+        }
+        TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
+        if (s == S - 1) {
+          TORCH_CHECK(output.numel() == 1, "the last stage must return a scalar loss, got shape ", output.sizes());
+          TORCH_CHECK(h.checkpointed || output.requires_grad(),
+                      "the last stage's loss does not require grad: nothing to train");
+          result.losses[i] = output.detach();
+        } else {
+          hand_over({P2PMessage::Kind::kActivation, i, s}, s + 1, output.detach());
+        }
+        h.input = input;
+        if (!h.checkpointed) h.output = output;
+        held[{i, s}] = std::move(h);
+        result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(held.size()));
+        sample_held();
+      } else {
+        auto it = held.find({i, s});
+        TORCH_CHECK(it != held.end(), "its forward has not run on this device");
+        Held h = std::move(it->second);
+        held.erase(it);
+        at::Tensor grad_output;
+        if (s < S - 1) grad_output = receive({P2PMessage::Kind::kGradient, i, s + 1});
+        {
+          TraceScope scope(tracer, "backward", track,
+                           {{"micro_batch", static_cast<int64_t>(i)},
+                            {"stage", static_cast<int64_t>(s)},
+                            {"recomputed", static_cast<int64_t>(h.checkpointed ? 1 : 0)}});
+          if (h.checkpointed) {
+            torch::AutoGradMode graph(true);
+            h.output = stage_forward(i, s, h.input);
+            sample_held();  // the rebuilt graph is held until this backward is done
+          }
+          if (h.output.requires_grad()) {
+            if (s == S - 1) {
+              torch::autograd::backward({h.output});
+            } else {
+              torch::autograd::backward({h.output}, {grad_output});
+            }
+          }
+        }
+        at::Tensor grad_input;
+        if (s > 0) {
+          grad_input = h.input.grad();
+          if (!grad_input.defined()) grad_input = at::zeros_like(h.input);
+        }
+        h = Held{};  // the graph and the input go before the previous stage moves on
+        if (s > 0) hand_over({P2PMessage::Kind::kGradient, i, s}, s - 1, std::move(grad_input));
+      }
+    } catch (const Stopped&) {
+      throw;
+    } catch (const c10::Error& e) {
+      transport.fail(d);
+      throw std::runtime_error(label + ": " + e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      transport.fail(d);
+      throw std::runtime_error(label + ": " + e.what());
+    } catch (...) {
+      transport.fail(d);
+      throw;
+    }
+  }
+  return result;
+}
+
 StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageForward& forward,
                                  uint64_t step_seed) {
   validate_schedule(schedule);
@@ -171,142 +347,30 @@ StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageFo
                                 std::to_string(devices_.size()));
   }
   TORCH_CHECK(static_cast<bool>(forward), "ScheduleExecutor::run: empty stage forward");
+  const P2PPlan& plan = cached_p2p_plan(schedule);
 
-  Exchange exchange(M, S);
-  StepResult result;
-  result.losses.resize(M);
-  result.peak_in_flight.assign(D, 0);
-  const bool metered = activation_meter_installed();
-  const std::vector<int64_t> live_before = metered ? activation_live_bytes(D) : std::vector<int64_t>();
-  if (metered) result.peak_held_bytes.assign(D, 0);
-  const std::vector<std::vector<bool>> plan = checkpoint_plan(schedule, options_.checkpointing);
-  Tracer* tracer = options_.tracer;
-
-  auto run_device = [&](int d) {
-    const Device& device = devices_[d];
-    const c10::Device torch_device = device.torch_device();
-    struct Held {
-      at::Tensor input, output;  // output undefined when checkpointed
-      bool checkpointed = false;
-    };
-    std::map<std::pair<int, int>, Held> held;  // (micro-batch, stage) -> what its backward needs
-    int peak = 0;
-
-    auto stage_forward = [&](int i, int s, const at::Tensor& input) {
-      ActivationScope charged(d);  // counted only when the benchmarks installed the meter
-      const uint64_t seed = stage_stream_seed(step_seed, i, s);
-      if (device.is_cuda()) {
-        return model::with_default_generator_seeded(torch_device, seed, [&] { return forward(i, s, input); });
-      }
-      model::DropoutGeneratorScope stream(model::make_generator(torch_device, seed));
-      return forward(i, s, input);
-    };
-    auto sample_held = [&] {
-      if (!metered) return;
-      result.peak_held_bytes[d] =
-          std::max(result.peak_held_bytes[d], activation_live_bytes(d + 1)[d] - live_before[d]);
-    };
-
-    for (size_t k = 0; k < schedule.per_device[d].size(); ++k) {
-      const Action& action = schedule.per_device[d][k];
-      const int i = action.micro_batch, s = action.stage;
-      const std::string label = (action.kind == Action::Kind::kForward ? "forward" : "backward") +
-                                std::string(" of micro-batch ") + std::to_string(i) + ", stage " +
-                                std::to_string(s);
-      try {
-        if (action.kind == Action::Kind::kForward) {
-          at::Tensor input;
-          if (s > 0) {
-            input = to_stage_device(exchange.take_activation(i, s - 1), device).detach();
-            if (metered && device.is_cpu()) {  // charge the held input to this device (see StepResult)
-              ActivationScope charged(d);
-              input = input.clone();
-            }
-            if (input.is_floating_point()) input.requires_grad_(true);
-          }
-          Held h;
-          h.checkpointed = plan[d][k];
-          at::Tensor output;
-          {
-            TraceScope scope(tracer, "forward", tracks_[d],
-                             {{"micro_batch", static_cast<int64_t>(i)}, {"stage", static_cast<int64_t>(s)}});
-            torch::AutoGradMode graph(!h.checkpointed);
-            output = stage_forward(i, s, input);
-          }
-          TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
-          if (s == S - 1) {
-            TORCH_CHECK(output.numel() == 1, "the last stage must return a scalar loss, got shape ",
-                        output.sizes());
-            TORCH_CHECK(h.checkpointed || output.requires_grad(),
-                        "the last stage's loss does not require grad: nothing to train");
-            result.losses[i] = output.detach();
-          } else {
-            exchange.put_activation(i, s, output.detach());
-          }
-          h.input = input;
-          if (!h.checkpointed) h.output = output;
-          held[{i, s}] = std::move(h);
-          peak = std::max(peak, static_cast<int>(held.size()));
-          sample_held();
-        } else {
-          auto it = held.find({i, s});
-          TORCH_CHECK(it != held.end(), "its forward has not run on this device");
-          Held h = std::move(it->second);
-          held.erase(it);
-          at::Tensor grad_output;
-          if (s < S - 1) grad_output = to_stage_device(exchange.take_gradient(i, s + 1), device);
-          {
-            TraceScope scope(tracer, "backward", tracks_[d],
-                             {{"micro_batch", static_cast<int64_t>(i)},
-                              {"stage", static_cast<int64_t>(s)},
-                              {"recomputed", static_cast<int64_t>(h.checkpointed ? 1 : 0)}});
-            if (h.checkpointed) {
-              torch::AutoGradMode graph(true);
-              h.output = stage_forward(i, s, h.input);
-              sample_held();  // the rebuilt graph is held until this backward is done
-            }
-            if (h.output.requires_grad()) {
-              if (s == S - 1) {
-                torch::autograd::backward({h.output});
-              } else {
-                torch::autograd::backward({h.output}, {grad_output});
-              }
-            }
-          }
-          at::Tensor grad_input;
-          if (s > 0) {
-            grad_input = h.input.grad();
-            if (!grad_input.defined()) grad_input = at::zeros_like(h.input);
-          }
-          h = Held{};  // the graph and the input go before the previous stage moves on
-          if (s > 0) exchange.put_gradient(i, s, std::move(grad_input));
-        }
-      } catch (const Stopped&) {
-        throw;
-      } catch (const c10::Error& e) {
-        exchange.fail(d);
-        throw std::runtime_error(label + ": " + e.what_without_backtrace());
-      } catch (const std::exception& e) {
-        exchange.fail(d);
-        throw std::runtime_error(label + ": " + e.what());
-      } catch (...) {
-        exchange.fail(d);
-        throw;
-      }
-    }
-    result.peak_in_flight[d] = peak;
-  };
-
+  InProcessTransport transport(M, S);
+  std::vector<DeviceStepResult> parts(D);
   for (int d = 0; d < D; ++d) {
-    workers_[d]->submit([&run_device, d] { run_device(d); },
-                        "pipeline step (schedule " + schedule.name + ", device " + std::to_string(d) + ")");
+    workers_[d]->submit(
+        [&, d] { parts[d] = run_device_steps(plan, d, devices_[d], forward, step_seed, transport, options_, tracks_[d]); },
+        "pipeline step (schedule " + schedule.name + ", device " + std::to_string(d) + ")");
   }
   std::vector<std::exception_ptr> errors(D);
   for (int d = 0; d < D; ++d) errors[d] = workers_[d]->take();
-  const int failed = exchange.failed_device();
+  const int failed = transport.failed_device();
   if (failed >= 0 && errors[failed]) std::rethrow_exception(errors[failed]);
   for (const auto& error : errors) {
     if (error) std::rethrow_exception(error);
+  }
+  StepResult result;
+  result.losses.resize(M);
+  for (int d = 0; d < D; ++d) {
+    for (int i = 0; i < M; ++i) {
+      if (parts[d].losses[i].defined()) result.losses[i] = parts[d].losses[i];
+    }
+    result.peak_in_flight.push_back(parts[d].peak_in_flight);
+    if (activation_meter_installed()) result.peak_held_bytes.push_back(parts[d].peak_held_bytes);
   }
   return result;
 }

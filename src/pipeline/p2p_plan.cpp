@@ -59,17 +59,6 @@ std::string context(const P2PPlan& plan) {
          std::to_string(s.devices) + ", V=" + std::to_string(s.virtual_stages) + ")";
 }
 
-std::string message_label(const Message& m) {
-  const int to = m.kind == Message::Kind::kActivation ? m.from_stage + 1 : m.from_stage - 1;
-  return std::string(m.kind == Message::Kind::kActivation ? "act " : "grad ") + std::to_string(m.micro_batch) +
-         " s" + std::to_string(m.from_stage) + "->s" + std::to_string(to);
-}
-
-std::string exchange_label(const std::vector<Op>& ops) {
-  std::string text = "[";
-  for (size_t k = 0; k < ops.size(); ++k) text += (k ? ", " : "") + p2p_op_label(ops[k]);
-  return text + "]";
-}
 
 using MessageKey = std::tuple<int, int, int>;
 MessageKey key_of(const Message& m) { return {static_cast<int>(m.kind), m.micro_batch, m.from_stage}; }
@@ -99,7 +88,7 @@ void check_pairs(const P2PPlan& plan) {
     }
   }
   for (const auto& [key, e] : ends) {
-    const std::string what = context(plan) + ": message " + message_label(e.message);
+    const std::string what = context(plan) + ": message " + p2p_message_label(e.message);
     if (e.sends != 1 || e.recvs != 1) {
       throw std::invalid_argument(what + " is sent " + std::to_string(e.sends) + " times and received " +
                                   std::to_string(e.recvs) + " times (expected once each)");
@@ -133,8 +122,8 @@ void check_pair_order(const P2PPlan& plan) {
       if (messages[k] == other[k]) continue;
       throw std::invalid_argument(context(plan) + ": device " + std::to_string(pair.first) + "'s message " +
                                   std::to_string(k) + " to device " + std::to_string(pair.second) + " is " +
-                                  message_label(messages[k]) + " but device " + std::to_string(pair.second) +
-                                  " receives " + message_label(other[k]) +
+                                  p2p_message_label(messages[k]) + " but device " + std::to_string(pair.second) +
+                                  " receives " + p2p_message_label(other[k]) +
                                   " there (the two ends must post each pair's messages in one order)");
     }
   }
@@ -142,9 +131,21 @@ void check_pair_order(const P2PPlan& plan) {
 
 }  // namespace
 
+std::string p2p_message_label(const P2PMessage& m) {
+  const int to = m.kind == Message::Kind::kActivation ? m.from_stage + 1 : m.from_stage - 1;
+  return std::string(m.kind == Message::Kind::kActivation ? "act " : "grad ") + std::to_string(m.micro_batch) +
+         " s" + std::to_string(m.from_stage) + "->s" + std::to_string(to);
+}
+
 std::string p2p_op_label(const P2POp& op) {
-  return std::string(op.kind == Op::Kind::kSend ? "send " : "recv ") + message_label(op.message) +
+  return std::string(op.kind == Op::Kind::kSend ? "send " : "recv ") + p2p_message_label(op.message) +
          (op.kind == Op::Kind::kSend ? " to " : " from ") + std::to_string(op.peer);
+}
+
+std::string p2p_exchange_label(const std::vector<Op>& ops) {
+  std::string text = "[";
+  for (size_t k = 0; k < ops.size(); ++k) text += (k ? ", " : "") + p2p_op_label(ops[k]);
+  return text + "]";
 }
 
 P2PPlan make_p2p_plan(const TrainingSchedule& schedule, P2PGrouping grouping) {
@@ -261,7 +262,7 @@ void validate_p2p_plan(const P2PPlan& plan) {
   for (size_t d = 0; d < D; ++d) {
     const P2PStep* mine = current_exchange(d);
     if (mine == nullptr) continue;
-    stuck << "; device " << d << " waits at step " << at[d] << " " << exchange_label(mine->exchange) << " for";
+    stuck << "; device " << d << " waits at step " << at[d] << " " << p2p_exchange_label(mine->exchange) << " for";
     for (size_t k = 0; k < mine->exchange.size(); ++k) {
       if (!completed[d][k]) stuck << " " << p2p_op_label(mine->exchange[k]);
     }
@@ -277,7 +278,7 @@ std::string format_p2p_plan(const P2PPlan& plan) {
   for (size_t d = 0; d < plan.per_device.size(); ++d) {
     out << "device " << d << ":";
     for (const P2PStep& step : plan.per_device[d]) {
-      out << " " << (step.is_exchange() ? exchange_label(step.exchange)
+      out << " " << (step.is_exchange() ? p2p_exchange_label(step.exchange)
                                          : action_label(step.action, s.devices, s.virtual_stages));
     }
     out << "\n";

@@ -1,6 +1,10 @@
-// The pipeline's training executor: runs a TrainingSchedule (training_schedule.h) for one step on
-// one worker thread per schedule device. Each worker walks its device's actions in order;
-// activations and their gradients cross stages as tensors handed between workers, and every
+// The pipeline's training executor: runs a TrainingSchedule (training_schedule.h) for one step.
+// One loop runs a device's part: it walks the device's steps of the schedule's P2PPlan
+// (p2p_plan.h), its compute actions and its exchanges, and leaves the carrying of tensors between
+// devices to a StageTransport, so the same schedule data and the same loop drive run_pipeline's
+// worker threads (ScheduleExecutor: one thread per device, tensors handed over in memory) and
+// pipeline stages that are processes (run_device_steps with c10d send/recv,
+// process_transport.h), as Megatron keeps p2p_communication apart from its schedules. Every
 // backward is an explicit torch::autograd::backward called by the worker that owns the stage, so
 // no autograd engine thread ever waits for a worker (on GPUs the engine runs a device's nodes on
 // that device's one engine thread; a node that blocked there would deadlock the workers' own
@@ -17,6 +21,7 @@
 #include <vector>
 
 #include "harness/device.h"
+#include "harness/pipeline/p2p_plan.h"
 #include "harness/pipeline/training_schedule.h"
 #include "harness/trace.h"
 
@@ -73,6 +78,47 @@ struct StepResult {
 // and stages get unrelated streams). A resumed run recomputes them from the step number alone.
 uint64_t step_stream_seed(uint64_t seed, int64_t global_step);
 uint64_t stage_stream_seed(uint64_t step_seed, int micro_batch, int stage);
+
+// How tensors cross from a stage on one device to a stage on another. The executor's loop calls
+// exchange() at each exchange step of the device's plan and take() when a compute action needs a
+// message's tensor (received in an earlier exchange of the plan). Threads and processes differ
+// only here.
+class StageTransport {
+ public:
+  virtual ~StageTransport() = default;
+  // One exchange group of `device`'s plan, in the plan's order: each send carries
+  // `outgoing(message)`; each receive's tensor becomes available to take(). Returns once the
+  // group's sends and receives have completed (in-process: once the sends are handed over).
+  virtual void exchange(int device, const std::vector<P2POp>& ops,
+                        const std::function<at::Tensor(const P2PMessage&)>& outgoing) = 0;
+  // The tensor of `message`, received by `device` (waiting for it where the transport receives
+  // lazily). Each message is taken once.
+  virtual at::Tensor take(int device, const P2PMessage& message) = 0;
+  // `device` failed: whoever waits for it stops waiting (in-process; processes learn it from the
+  // broken connection).
+  virtual void fail(int device) {}
+};
+
+// What one device's part of a step left: the losses of the last stage's micro-batches it ran
+// (indexed by micro-batch, undefined for others), its peak of held forwards and, with the meter
+// installed, of held activation bytes (see StepResult).
+struct DeviceStepResult {
+  std::vector<at::Tensor> losses;
+  int peak_in_flight = 0;
+  int64_t peak_held_bytes = 0;
+};
+
+// Runs device `device_index`'s steps of `plan` on the calling thread, on `device`, tensors between
+// devices going through `transport`: the body of every ScheduleExecutor worker, and the whole of a
+// pipeline stage that is a process. An action that fails tells the transport, and is rethrown
+// naming the action. `track` names the trace track.
+DeviceStepResult run_device_steps(const P2PPlan& plan, int device_index, const Device& device,
+                                  const StageForward& forward, uint64_t step_seed, StageTransport& transport,
+                                  const ExecutorOptions& options, const std::string& track);
+
+// The plan the executor runs for `schedule`, made once per schedule shape and kept (the plan of a
+// schedule depends on its name, M, D and V only).
+const P2PPlan& cached_p2p_plan(const TrainingSchedule& schedule);
 
 class ScheduleExecutor {
  public:

@@ -73,8 +73,14 @@ P2PPlan make_p2p_plan(const TrainingSchedule& schedule, P2PGrouping grouping = P
 // of a pair of devices post its messages in different orders (NCCL matches by order).
 void validate_p2p_plan(const P2PPlan& plan);
 
+// "act 3 s1->s2", "grad 3 s2->s1"
+std::string p2p_message_label(const P2PMessage& message);
+
 // "send act 3 s1->s2 to 1", "recv grad 3 s2->s1 from 1"
 std::string p2p_op_label(const P2POp& op);
+
+// "[send act 0 s0->s1 to 1, recv grad 0 s1->s0 from 1]"
+std::string p2p_exchange_label(const std::vector<P2POp>& ops);
 
 // One line per device, compute actions as action_label gives them and each exchange in brackets:
 //   device 0: F0 [send act 0 s0->s1 to 1] F1 [send act 1 s0->s1 to 1, recv grad 0 s1->s0 from 1] B0 ...

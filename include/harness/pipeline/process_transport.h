@@ -1,0 +1,53 @@
+// Pipeline stages that are processes: the StageTransport (executor.h) that carries a plan's
+// exchanges as c10d point-to-point sends and receives over the pipeline group, NCCL on GPUs and
+// Gloo on CPUs. Each exchange group is posted together and waited for together, as
+// torch.distributed.batch_isend_irecv does (NCCL: one coalesced group, so that a send and a
+// receive to the same peer cannot block each other on one stream; Gloo: every op posted before
+// any is waited for, each message under a tag of its own).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "harness/device.h"
+#include "harness/pipeline/executor.h"
+
+namespace harness::pipeline {
+
+class ProcessTransport final : public StageTransport {
+ public:
+  // The sizes of a message's tensor, which the receiving end allocates before the sender's data
+  // arrives (for GPT-2: the micro-batch's [rows, tokens, n_embd] either way).
+  using MessageShape = std::function<std::vector<int64_t>(const P2PMessage&)>;
+
+  // `group`: the pipeline group, whose rank p is schedule device p. Tensors cross as `dtype` on
+  // `device`; a tensor of another shape or dtype is refused at its send, naming the message.
+  ProcessTransport(c10::intrusive_ptr<c10d::Backend> group, Device device, MessageShape shape_of,
+                   at::ScalarType dtype = at::kFloat);
+
+  void exchange(int device, const std::vector<P2POp>& ops,
+                const std::function<at::Tensor(const P2PMessage&)>& outgoing) override;
+  at::Tensor take(int device, const P2PMessage& message) override;
+
+  // Bytes sent so far (what the point-to-point traffic of the run is).
+  int64_t sent_bytes() const { return sent_bytes_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> group_;
+  Device device_;
+  MessageShape shape_of_;
+  at::ScalarType dtype_;
+  std::map<std::tuple<int, int, int>, at::Tensor> received_;
+  int64_t sent_bytes_ = 0;
+};
+
+// The tag of a message under Gloo, distinct for every (kind, micro-batch, sending stage).
+int p2p_tag(const P2PMessage& message);
+
+}  // namespace harness::pipeline

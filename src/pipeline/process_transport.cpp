@@ -1,0 +1,93 @@
+// c10d point-to-point transport for pipeline stages that are processes (see process_transport.h).
+#include "harness/pipeline/process_transport.h"
+
+#include <torch/torch.h>
+
+#include <sstream>
+#include <stdexcept>
+
+namespace harness::pipeline {
+namespace {
+
+std::tuple<int, int, int> key_of(const P2PMessage& m) {
+  return {static_cast<int>(m.kind), m.micro_batch, m.from_stage};
+}
+
+std::string sizes_text(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << sizes;
+  return out.str();
+}
+
+}  // namespace
+
+int p2p_tag(const P2PMessage& message) {
+  // Stages and micro-batches stay far below these bounds (S <= 1024 stages, M < 2^20).
+  return ((message.from_stage << 1) | (message.kind == P2PMessage::Kind::kGradient ? 1 : 0)) << 20 |
+         message.micro_batch;
+}
+
+ProcessTransport::ProcessTransport(c10::intrusive_ptr<c10d::Backend> group, Device device, MessageShape shape_of,
+                                   at::ScalarType dtype)
+    : group_(std::move(group)), device_(device), shape_of_(std::move(shape_of)), dtype_(dtype) {
+  if (!group_) throw std::invalid_argument("ProcessTransport: no pipeline group given");
+  if (!shape_of_) throw std::invalid_argument("ProcessTransport: no message shape given");
+}
+
+void ProcessTransport::exchange(int device, const std::vector<P2POp>& ops,
+                                const std::function<at::Tensor(const P2PMessage&)>& outgoing) {
+  // Each op's tensor list outlives its work: c10d holds references, not copies.
+  std::vector<std::vector<at::Tensor>> buffers;
+  buffers.reserve(ops.size());
+  std::vector<std::pair<const P2POp*, size_t>> receives;
+  const bool nccl = group_->getBackendName() == "nccl";
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  if (nccl) group_->startCoalescing();
+  for (const P2POp& op : ops) {
+    const std::vector<int64_t> sizes = shape_of_(op.message);
+    if (op.kind == P2POp::Kind::kSend) {
+      at::Tensor t = outgoing(op.message);
+      if (t.sizes() != at::IntArrayRef(sizes) || t.scalar_type() != dtype_) {
+        throw std::runtime_error("pipeline send " + p2p_op_label(op) + ": the tensor is " + sizes_text(t.sizes()) +
+                                 " " + std::string(c10::toString(t.scalar_type())) + ", the receiver expects " +
+                                 sizes_text(sizes) + " " + c10::toString(dtype_));
+      }
+      buffers.push_back({t.to(device_.torch_device()).contiguous()});
+      sent_bytes_ += static_cast<int64_t>(t.nbytes());
+      works.push_back(group_->send(buffers.back(), op.peer, p2p_tag(op.message)));
+    } else {
+      buffers.push_back({at::empty(sizes, at::TensorOptions().dtype(dtype_).device(device_.torch_device()))});
+      receives.emplace_back(&op, buffers.size() - 1);
+      works.push_back(group_->recv(buffers.back(), op.peer, p2p_tag(op.message)));
+    }
+  }
+  if (nccl) {
+    // The coalesced group's one work stands for all of its ops.
+    c10::intrusive_ptr<c10d::Work> group_work = group_->endCoalescing();
+    if (group_work) works = {group_work};
+  }
+  for (size_t k = 0; k < works.size(); ++k) {
+    if (!works[k]) continue;
+    try {
+      works[k]->wait();
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      throw std::runtime_error("pipeline exchange " + p2p_exchange_label(ops) + " of pipeline rank " +
+                               std::to_string(device) + " failed: " + what.substr(0, what.find('\n')));
+    }
+  }
+  for (const auto& [op, index] : receives) received_[key_of(op->message)] = buffers[index].front();
+}
+
+at::Tensor ProcessTransport::take(int device, const P2PMessage& message) {
+  auto it = received_.find(key_of(message));
+  if (it == received_.end()) {
+    throw std::logic_error("pipeline rank " + std::to_string(device) + " needs " + p2p_message_label(message) +
+                           " before its plan received it");
+  }
+  at::Tensor t = std::move(it->second);
+  received_.erase(it);
+  return t;
+}
+
+}  // namespace harness::pipeline
