@@ -106,4 +106,33 @@ std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Devic
   return balance_by_cost(unit_costs, stages, embed, head);
 }
 
+int gpt2_stage_of_parameter(const std::string& name, const std::vector<int64_t>& first_unit_of_stage) {
+  const int S = static_cast<int>(first_unit_of_stage.size()) - 1;
+  if (S < 1) throw std::invalid_argument("gpt2_stage_of_parameter: no stages given");
+  const std::string blocks = "transformer.h.";
+  if (name.rfind("transformer.wte.", 0) == 0 || name.rfind("transformer.wpe.", 0) == 0) return 0;
+  if (name.rfind("transformer.ln_f.", 0) == 0) return S - 1;
+  if (name.rfind(blocks, 0) == 0) {
+    const size_t dot = name.find('.', blocks.size());
+    const std::string rest = dot == std::string::npos ? "" : name.substr(dot + 1);
+    const bool attention = rest.rfind("ln_1.", 0) == 0 || rest.rfind("attn.", 0) == 0;
+    const bool mlp = rest.rfind("ln_2.", 0) == 0 || rest.rfind("mlp.", 0) == 0;
+    if (attention || mlp) {
+      const int64_t unit = 2 * std::stoll(name.substr(blocks.size(), dot - blocks.size())) + (mlp ? 1 : 0);
+      for (int s = 0; s < S; ++s) {
+        if (first_unit_of_stage[s] <= unit && unit < first_unit_of_stage[s + 1]) return s;
+      }
+      throw std::invalid_argument("gpt2_stage_of_parameter: " + name + " is in block half " + std::to_string(unit) +
+                                  ", outside the stages' " + std::to_string(first_unit_of_stage.back()));
+    }
+  }
+  throw std::invalid_argument("gpt2_stage_of_parameter: " + name + " is not a GPT-2 parameter");
+}
+
+bool stage_holds_gpt2_parameter(int stage, const std::string& name, const std::vector<int64_t>& first_unit_of_stage) {
+  const int S = static_cast<int>(first_unit_of_stage.size()) - 1;
+  return gpt2_stage_of_parameter(name, first_unit_of_stage) == stage ||
+         (stage == S - 1 && name == "transformer.wte.weight");
+}
+
 }  // namespace harness::pipeline

@@ -90,4 +90,29 @@ ParallelContext make_parallel_context(const dp::DistContext& world, const dp::Di
   return parallel;
 }
 
+LayoutGroups make_layout_groups(const dp::DistContext& world, const dp::DistOptions& options,
+                                const parallel::Layout& layout) {
+  if (!world.group) throw std::invalid_argument("make_layout_groups: the world has no process group");
+  if (layout.world_size() != world.world_size) {
+    throw std::invalid_argument("make_layout_groups: the layout is " + layout.sizes_text() + " but the world has " +
+                                std::to_string(world.world_size) + " ranks");
+  }
+  const parallel::Coordinates at = layout.coordinates_of(world.rank);
+  const std::string p = std::to_string(at.pipeline), d = std::to_string(at.data), t = std::to_string(at.tensor);
+  auto group = [&](const std::string& prefix, const std::vector<int>& ranks, int position) {
+    if (static_cast<int>(ranks.size()) == world.world_size) return world;
+    return create_group(world, options, prefix, ranks, position);
+  };
+  LayoutGroups groups;
+  groups.world = world;
+  groups.tensor = group("tp/p" + p + "d" + d, layout.tensor_parallel_group(world.rank), at.tensor);
+  groups.data = group("dp/p" + p + "t" + t, layout.data_parallel_group(world.rank), at.data);
+  groups.pipeline = group("pp/d" + d + "t" + t, layout.pipeline_group(world.rank), at.pipeline);
+  const std::vector<int> embedding = layout.embedding_group(world.rank);
+  if (layout.pipeline_parallel_size() > 1 && !embedding.empty()) {
+    groups.embedding = group("emb/d" + d + "t" + t, embedding, at.pipeline == 0 ? 0 : 1);
+  }
+  return groups;
+}
+
 }  // namespace harness::tensor_parallel

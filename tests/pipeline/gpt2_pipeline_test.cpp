@@ -153,3 +153,33 @@ TEST(Gpt2PipelineTiming, PrintsModelParallelVersusPipeline) {
 
 }  // namespace
 }  // namespace harness::pipeline
+
+namespace harness::pipeline {
+namespace {
+
+// Two blocks over two stages cut as 1.5 and 0.5 blocks, half blocks [0, 3) and [3, 4): block 0 and
+// block 1's attention on stage 0, block 1's MLP and ln_f on stage 1; wte on both (the tied head).
+TEST(Gpt2StageOfParameter, EachParameterGoesWithItsBlockHalfAsALiteralTable) {
+  const std::vector<int64_t> first = {0, 3, 4};
+  const std::vector<std::pair<std::string, int>> expected = {
+      {"transformer.wte.weight", 0},          {"transformer.wpe.weight", 0},
+      {"transformer.h.0.ln_1.weight", 0},     {"transformer.h.0.attn.c_attn.weight", 0},
+      {"transformer.h.0.mlp.c_proj.bias", 0}, {"transformer.h.1.ln_1.bias", 0},
+      {"transformer.h.1.attn.c_proj.weight", 0}, {"transformer.h.1.ln_2.weight", 1},
+      {"transformer.h.1.mlp.c_fc.weight", 1}, {"transformer.ln_f.bias", 1}};
+  for (const auto& [name, stage] : expected) EXPECT_EQ(gpt2_stage_of_parameter(name, first), stage) << name;
+  EXPECT_TRUE(stage_holds_gpt2_parameter(1, "transformer.wte.weight", first));
+  EXPECT_TRUE(stage_holds_gpt2_parameter(0, "transformer.wte.weight", first));
+  EXPECT_FALSE(stage_holds_gpt2_parameter(1, "transformer.wpe.weight", first));
+  EXPECT_FALSE(stage_holds_gpt2_parameter(0, "transformer.ln_f.weight", first));
+  try {
+    gpt2_stage_of_parameter("transformer.h.2.mlp.c_fc.weight", first);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("block half 5"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(gpt2_stage_of_parameter("lm_head.weight", first), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace harness::pipeline

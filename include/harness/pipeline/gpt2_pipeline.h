@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "harness/device.h"
@@ -32,5 +33,13 @@ void disable_pipeline(model::GPT2LMHeadModel& model);
 // stage: the head's cost can then be evened out by cutting a block between its halves.
 std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
                                       int64_t rows, int64_t tokens);
+
+// Which stage holds GPT-2's parameter `name` (Hugging Face's name, "transformer.h.3.mlp.c_fc.weight")
+// when stage s runs block halves [first_unit_of_stage[s], first_unit_of_stage[s + 1]) (unit 2b:
+// block b's ln_1 and attn, unit 2b + 1: its ln_2 and mlp): wte and wpe the first stage, ln_f the
+// last. The last stage's head uses wte too (tied): stage_holds_gpt2_parameter says so. Throws
+// std::invalid_argument naming a parameter that is none of GPT-2's or a block outside the stages.
+int gpt2_stage_of_parameter(const std::string& name, const std::vector<int64_t>& first_unit_of_stage);
+bool stage_holds_gpt2_parameter(int stage, const std::string& name, const std::vector<int64_t>& first_unit_of_stage);
 
 }  // namespace harness::pipeline

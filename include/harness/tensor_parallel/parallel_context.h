@@ -5,10 +5,12 @@
 // it communicates in every layer (Megatron's order).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "harness/data_parallel/process_group.h"
+#include "harness/parallel/layout.h"
 
 namespace harness::tensor_parallel {
 
@@ -46,6 +48,22 @@ ParallelContext make_parallel_context(const data_parallel::DistContext& world,
                                       int tensor_parallel_size);
 
 // "ranks [0, 1]"
+// Every c10d group of a data x tensor x pipeline layout that this rank belongs to (parallel::Layout
+// says which ranks each holds), created in one order on every rank: tensor, data, pipeline,
+// embedding. A dimension of size 1 gets the rank alone; one as large as the world, the world.
+struct LayoutGroups {
+  data_parallel::DistContext world;
+  data_parallel::DistContext tensor;    // same (p, d): one stage of one replica, split
+  data_parallel::DistContext data;      // same (p, t): what gradients are averaged over
+  data_parallel::DistContext pipeline;  // same (d, t): the stages, ordered, point-to-point
+  // The first and last stage of this rank's pipeline group, which hold wte and the tied head;
+  // only on those ranks, and only when P > 1.
+  std::optional<data_parallel::DistContext> embedding;
+};
+
+LayoutGroups make_layout_groups(const data_parallel::DistContext& world, const data_parallel::DistOptions& options,
+                                const parallel::Layout& layout);
+
 std::string ranks_text(const std::vector<int>& ranks);
 
 }  // namespace harness::tensor_parallel
