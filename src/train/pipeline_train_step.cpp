@@ -37,9 +37,9 @@ pipeline::TrainingSchedule make_training_schedule(const std::string& name, int m
                          : pipeline::one_f_one_b_schedule(micro_batches, devices);
 }
 
-PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel gpt2, double learning_rate,
+PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel gpt2, const OptimizerSettings& optimizer,
                                      PipelineStepOptions options)
-    : GPT2TrainStep(std::move(gpt2), learning_rate), options_(std::move(options)) {
+    : GPT2TrainStep(std::move(gpt2), optimizer), options_(std::move(options)) {
   const int D = static_cast<int>(options_.devices.size());
   if (D < 1) throw std::invalid_argument("PipelineTrainStep: no devices given");
   if (options_.micro_batches < 1) {

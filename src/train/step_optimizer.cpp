@@ -4,11 +4,14 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <stdexcept>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
+#include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/zero.h"
 #include "harness/model/safetensors.h"
 #include "harness/optim/fused_adamw.h"
@@ -16,17 +19,60 @@
 namespace harness::train {
 namespace {
 
+// The sum of the tensors' squared L2 norms, in double: each tensor's norm on its device
+// (clip_grad_norm_'s per-tensor norms), one transfer per device.
+double sum_of_squares(const std::vector<at::Tensor>& tensors) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
+  for (const at::Tensor& t : tensors) {
+    auto it = std::find_if(by_device.begin(), by_device.end(), [&](const auto& d) { return d.first == t.device(); });
+    if (it == by_device.end()) it = by_device.insert(by_device.end(), {t.device(), {}});
+    it->second.push_back(t);
+  }
+  double total = 0.0;
+  for (const auto& [device, group] : by_device) {
+    total += at::stack(at::_foreach_norm(group)).to(at::kDouble).square().sum().item<double>();
+  }
+  return total;
+}
+
+void scale_in_place(const std::vector<at::Tensor>& tensors, double factor) {
+  torch::NoGradGuard no_grad;
+  for (const at::Tensor& t : tensors) t.mul_(factor);
+}
+
+// The gradients `model` holds now (parameters without one left out).
+std::vector<at::Tensor> gradients_of(model::GPT2LMHeadModelImpl& model) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : model.parameters()) {
+    if (p.grad().defined()) out.push_back(p.grad());
+  }
+  return out;
+}
+
+torch::optim::AdamWOptions adamw_options(const OptimizerSettings& settings) {
+  return torch::optim::AdamWOptions(settings.learning_rate).weight_decay(settings.weight_decay);
+}
+
 // AdamW on the parameters this rank holds: the whole model, or its slices of a split one (each
 // rank steps its shards; the state is gathered unsplit for checkpoints).
 class ReplicatedAdamW final : public StepOptimizer {
  public:
-  ReplicatedAdamW(model::GPT2LMHeadModel model, double learning_rate)
+  ReplicatedAdamW(model::GPT2LMHeadModel model, const OptimizerSettings& settings)
       : model_(std::move(model)),
-        optimizer_(std::make_unique<optim::FusedAdamW>(model_->parameters(),
-                                                       torch::optim::AdamWOptions(learning_rate))) {}
+        settings_(settings),
+        optimizer_(std::make_unique<optim::FusedAdamW>(model_->parameters(), adamw_options(settings))) {}
 
   void zero_grad() override { optimizer_->zero_grad(); }
-  void step() override { optimizer_->step(); }
+  void step() override;
+  void set_learning_rate(double learning_rate) override {
+    for (auto& group : optimizer_->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate);
+    }
+  }
+  double learning_rate() const override {
+    return static_cast<const torch::optim::AdamWOptions&>(optimizer_->param_groups().front().options()).lr();
+  }
   bool collective_state() const override { return model_->tensor_parallel() != nullptr; }
 
   OptimizerState state() override;
@@ -45,24 +91,29 @@ class ReplicatedAdamW final : public StepOptimizer {
 
  private:
   model::GPT2LMHeadModel model_;
+  OptimizerSettings settings_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
 };
 
 // ZeRO-1: AdamW's moments for this rank's chunks of every gradient bucket (data_parallel/zero.h).
 class ShardedAdamWOptimizer final : public StepOptimizer {
  public:
-  ShardedAdamWOptimizer(model::GPT2LMHeadModel model, double learning_rate, data_parallel::BucketedAllReduce& gradients)
-      : model_(std::move(model)), gradients_(gradients) {
+  ShardedAdamWOptimizer(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
+                        data_parallel::BucketedAllReduce& gradients)
+      : model_(std::move(model)), settings_(settings), gradients_(gradients) {
     gradients_.attach(*model_);
     data_parallel::AdamWHyperparameters options;
-    options.lr = learning_rate;
+    options.lr = settings.learning_rate;
+    options.weight_decay = settings.weight_decay;
     adam_ = std::make_unique<data_parallel::ShardedAdamW>(gradients_, model_->parameters(), options);
   }
 
   void zero_grad() override {
     for (auto& p : model_->parameters()) p.mutable_grad() = at::Tensor();
   }
-  void step() override { adam_->step(); }
+  void step() override;
+  void set_learning_rate(double learning_rate) override { adam_->set_learning_rate(learning_rate); }
+  double learning_rate() const override { return adam_->learning_rate(); }
   bool collective_state() const override { return true; }
 
   OptimizerState state() override;
@@ -79,9 +130,35 @@ class ShardedAdamWOptimizer final : public StepOptimizer {
 
  private:
   model::GPT2LMHeadModel model_;
+  OptimizerSettings settings_;
   data_parallel::BucketedAllReduce& gradients_;
   std::unique_ptr<data_parallel::ShardedAdamW> adam_;
 };
+
+void ReplicatedAdamW::step() {
+  const std::vector<at::Tensor> gradients = gradients_of(*model_);
+  model::TensorParallelGroup* group = model_->tensor_parallel();
+  if (group == nullptr) {
+    last_grad_norm_ = std::sqrt(sum_of_squares(gradients));
+  } else {
+    // A split parameter's gradient is the group's slices together: their squares are summed over
+    // the group. A replicated one is the same on every rank: counted once.
+    std::vector<at::Tensor> split, replicated;
+    for (const auto& item : model_->named_parameters()) {
+      if (!item.value().grad().defined()) continue;
+      const bool is_split = model_->shards().at(item.key()).spec.kind != model::ShardSpec::Kind::kReplicated;
+      (is_split ? split : replicated).push_back(item.value().grad());
+    }
+    const at::Tensor mine =
+        torch::tensor({sum_of_squares(split)}, torch::kDouble).to(model_->first_device().torch_device());
+    double split_squares = 0.0;
+    for (const at::Tensor& part : group->all_gather(mine)) split_squares += part.to(torch::kCPU).item<double>();
+    last_grad_norm_ = std::sqrt(split_squares + sum_of_squares(replicated));
+  }
+  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
+  if (coefficient < 1.0) scale_in_place(gradients, coefficient);
+  optimizer_->step();
+}
 
 OptimizerState ReplicatedAdamW::state() {
   OptimizerState state = capture_adamw_state(*optimizer_, named_parameters_of(*model_));
@@ -135,6 +212,36 @@ void ReplicatedAdamW::load_state(const model::NamedTensors& weights, const Optim
     local[name] = {s.step, model_->shard(name, s.exp_avg), model_->shard(name, s.exp_avg_sq)};
   }
   restore_adamw_state(*optimizer_, named_parameters_of(*model_), local);
+}
+
+void ShardedAdamWOptimizer::step() {
+  // Every rank holds its chunk of each bucket's averaged gradient (the bucket's parameters
+  // flattened in plan order, zeros past its end): the squares of all chunks, summed over the
+  // data-parallel ranks, are the whole gradient's. Each parameter's part of a chunk is normed on
+  // its own, as clip_grad_norm_ norms each gradient (one fp32 norm over a whole bucket rounds
+  // several times more).
+  const data_parallel::DistContext& ctx = gradients_.context();
+  const std::vector<at::Tensor> parameters = model_->parameters();
+  const auto& plan = gradients_.bucket_plan();
+  std::vector<at::Tensor> chunks, pieces;
+  for (size_t b = 0; b < plan.size(); ++b) {
+    const at::Tensor& chunk = gradients_.gradient_shard(b);
+    chunks.push_back(chunk);
+    const int64_t begin = ctx.rank * gradients_.chunk_elements(b), end = begin + gradients_.chunk_elements(b);
+    int64_t offset = 0;
+    for (size_t index : plan[b]) {
+      const int64_t n = parameters.at(index).numel();
+      const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
+      if (from < to) pieces.push_back(chunk.narrow(0, from - begin, to - from));
+      offset += n;
+    }
+  }
+  std::vector<at::Tensor> squares{torch::tensor({sum_of_squares(pieces)}, torch::kDouble).to(ctx.device.torch_device())};
+  if (ctx.world_size > 1) ctx.group->allreduce(squares)->wait();
+  last_grad_norm_ = std::sqrt(squares[0].to(torch::kCPU).item<double>());
+  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
+  if (coefficient < 1.0) scale_in_place(chunks, coefficient);
+  adam_->step();
 }
 
 OptimizerState ShardedAdamWOptimizer::state() {
@@ -203,13 +310,18 @@ model::NamedTensors ShardedAdamWOptimizer::unsplit_gradients() {
 
 }  // namespace
 
-std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, double learning_rate) {
-  return std::make_unique<ReplicatedAdamW>(std::move(model), learning_rate);
+double clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0.0) return 1.0;
+  return std::min(1.0, max_norm / (norm + 1e-6));
 }
 
-std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, double learning_rate,
+std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings) {
+  return std::make_unique<ReplicatedAdamW>(std::move(model), settings);
+}
+
+std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients) {
-  return std::make_unique<ShardedAdamWOptimizer>(std::move(model), learning_rate, gradients);
+  return std::make_unique<ShardedAdamWOptimizer>(std::move(model), settings, gradients);
 }
 
 }  // namespace harness::train

@@ -62,9 +62,9 @@ double accumulate_and_step(const std::vector<data::Batch>& batches,
 
 // ----- one GPT-2 (single device, model parallel, pipeline, data parallel) ---------------------
 
-GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, double learning_rate,
+GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer,
                              data_parallel::GradientSynchronizer* synchronizer)
-    : model_(std::move(model)), optimizer_(replicated_adamw(model_, learning_rate)), synchronizer_(synchronizer) {
+    : model_(std::move(model)), optimizer_(replicated_adamw(model_, optimizer)), synchronizer_(synchronizer) {
   if (synchronizer_) synchronizer_->attach(*model_);
 }
 

@@ -40,6 +40,9 @@ class ShardedAdamW {
   // Takes this rank's chunks of a full state (shapes checked, naming the parameter index).
   void load_state(const FullState& state);
 
+  // The rate of the following steps.
+  void set_learning_rate(double lr) { options_.lr = lr; }
+  double learning_rate() const { return options_.lr; }
   int64_t steps() const { return step_; }
   // Bytes of optimizer state this rank holds (its chunks of the two moments).
   int64_t state_bytes() const;

@@ -45,7 +45,7 @@ class PipelineTrainStep : public GPT2TrainStep {
  public:
   // Places the model's blocks by the balance (model->place) and starts the workers. Throws
   // std::invalid_argument, naming the flag, on a bad schedule, balance or device count.
-  PipelineTrainStep(model::GPT2LMHeadModel model, double learning_rate, PipelineStepOptions options);
+  PipelineTrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer, PipelineStepOptions options);
   ~PipelineTrainStep() override;
 
   // Micro-batches: each batch cut into min(M, rows) nearly equal parts (tensor_split), one

@@ -3,6 +3,8 @@
 // whole model, or this rank's slices of a model split over a tensor-parallel group, its state
 // gathered unsplit), or ZeRO-1's AdamW, sharded over the data-parallel ranks (sharded_adamw).
 // Either way checkpoints hold the unsplit, unsharded state, so a run resumes in any layout.
+// Each step measures the global gradient norm as one device would (and clips by it when asked),
+// whatever the layout; the learning rate can change between steps (a schedule).
 #pragma once
 
 #include <cstdint>
@@ -18,12 +20,29 @@ class BucketedAllReduce;
 
 namespace harness::train {
 
+// AdamW's settings and the clipping, fixed for the run. A bare learning rate means the rest at
+// their defaults (torch's AdamW: weight decay 0.01; no clipping).
+struct OptimizerSettings {
+  OptimizerSettings(double learning_rate = 1e-4) : learning_rate(learning_rate) {}  // NOLINT: implicit
+  double learning_rate;         // the rate until set_learning_rate changes it
+  double weight_decay = 0.01;   // AdamW's decoupled decay
+  double max_grad_norm = 0.0;   // clip by the global gradient norm (torch's clip_grad_norm_); 0: off
+};
+
 class StepOptimizer {
  public:
   virtual ~StepOptimizer() = default;
   virtual void zero_grad() = 0;
-  // After the gradients are synchronised.
+  // After the gradients are synchronised: measures the global norm of the whole model's gradient
+  // (last_grad_norm), scales every gradient by max_grad_norm / (norm + 1e-6) where that is below 1
+  // (clip_grad_norm_'s rule) when clipping, then AdamW's step. Collective where the gradient is
+  // split (tensor parallelism) or sharded (ZeRO).
   virtual void step() = 0;
+  // The rate of the following steps (every parameter).
+  virtual void set_learning_rate(double learning_rate) = 0;
+  virtual double learning_rate() const = 0;
+  // The global gradient norm the last step() measured, before clipping (0 before any step).
+  double last_grad_norm() const { return last_grad_norm_; }
   // The state under Hugging Face names, unsplit and unsharded (collective where collective_state()).
   virtual OptimizerState state() = 0;
   // Whether state(), save_state() or the model's full_state() is a collective every rank calls.
@@ -38,14 +57,25 @@ class StepOptimizer {
   virtual model::NamedTensors unsplit_gradients() = 0;
   // Bytes of optimizer state this rank holds.
   virtual int64_t state_bytes() const = 0;
+
+ protected:
+  double last_grad_norm_ = 0.0;
 };
 
-// AdamW (optim::FusedAdamW) on `model`'s parameters as they are here.
-std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, double learning_rate);
+// The factor clip_grad_norm_ scales gradients by: max_norm / (norm + 1e-6), capped at 1 (1 when
+// max_norm is 0, clipping off).
+double clip_coefficient(double norm, double max_norm);
+
+// AdamW (optim::FusedAdamW) on `model`'s parameters as they are here. Split over a tensor-parallel
+// group, the norm sums the split parameters' squares over the group and counts the replicated
+// ones once; spread over devices (model parallel, the in-process pipeline), it sums over them.
+std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings);
 
 // ZeRO-1: `gradients` (a BucketedAllReduce in kReduceScatter mode, the step's synchronizer) is
 // attached to `model` here; each rank keeps AdamW's moments for its chunks (data_parallel/zero.h).
-std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, double learning_rate,
+// The norm sums the squares of every rank's chunks of the averaged gradient.
+std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients);
+
 
 }  // namespace harness::train

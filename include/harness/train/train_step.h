@@ -49,6 +49,12 @@ class TrainStep {
   virtual c10::Device input_device() const = 0;
   // train() or eval() on everything that trains.
   virtual void set_training(bool training) = 0;
+  // The learning rate of the following steps (a schedule sets it before each one).
+  virtual void set_learning_rate(double learning_rate) = 0;
+  virtual double learning_rate() const = 0;
+  // The global L2 norm of the whole model's gradient in the last step, as one device would
+  // compute it, before any clipping (StepOptimizer::last_grad_norm).
+  virtual double last_grad_norm() const = 0;
 
   // The model that trains, with the current weights: evaluation and generation run on it. Split
   // over a tensor-parallel group, its forward is a collective (every rank of the group runs the
@@ -103,7 +109,7 @@ class TrainStep {
 class GPT2TrainStep : public TrainStep {
  public:
   // Replicated AdamW; `synchronizer` (if any) is attached to the model here.
-  GPT2TrainStep(model::GPT2LMHeadModel model, double learning_rate,
+  GPT2TrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer,
                 data_parallel::GradientSynchronizer* synchronizer = nullptr);
   // The parts as built: `optimizer` for this model, `synchronizer` (if any) already attached to it
   // (sharded_adamw attaches the reduce-scattering synchronizer it is built on).
@@ -115,6 +121,9 @@ class GPT2TrainStep : public TrainStep {
   double step(const std::vector<data::Batch>& batches) override;
   c10::Device input_device() const override;
   void set_training(bool training) override;
+  void set_learning_rate(double learning_rate) override { optimizer_->set_learning_rate(learning_rate); }
+  double learning_rate() const override { return optimizer_->learning_rate(); }
+  double last_grad_norm() const override { return optimizer_->last_grad_norm(); }
   model::GPT2LMHeadModel model() override { return model_; }
   OptimizerState optimizer_state() override { return optimizer_->state(); }
   bool collective_state() const override { return optimizer_->collective_state(); }
