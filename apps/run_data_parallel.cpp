@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "common.h"
+#include "pipeline_flags.h"
 #include "harness/host_memory.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/partition.h"
@@ -47,7 +48,9 @@ DataParallelFlags parse(int argc, char** argv) {
       ("grad_reduce_dtype", "fp32 | bf16: the dtype gradients are all-reduced in (bf16 halves the bytes; the summed gradient is rounded to bf16 before the fp32 average is written back)", cxxopts::value<std::string>()->default_value("fp32"))
       ("zero_stage", "0 | 1: 1 shards AdamW's state over the data-parallel ranks (ZeRO-1): gradients are reduce-scattered during backward, each rank steps its shard, parameters are all-gathered; checkpoints keep the unsharded format", cxxopts::value<int>()->default_value("0"))
       ("debug_sync", "before each collective, the ranks compare its fingerprint (sequence number, operation, dtypes and shapes) through the store: a mismatch or a rank that never arrives fails with every rank's view instead of hanging (as TORCH_DISTRIBUTED_DEBUG=DETAIL; costs one store round trip per collective)")
-      ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"));
+      ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"))
+      ("pipeline_parallel_size", "pipeline stages, each a process (or --tensor_parallel_size of them); --world_size = data-parallel size x tensor x this, ranks ordered (p * D + d) * T + t", cxxopts::value<int>()->default_value("1"));
+  add_pipeline_options(options, "--pipeline_parallel_size > 1");
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   DataParallelFlags flags;
   try {
@@ -73,6 +76,8 @@ DataParallelFlags parse(int argc, char** argv) {
     c.debug_sync = result.count("debug_sync") > 0;
     c.grad_reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
     c.zero_stage = result["zero_stage"].as<int>();
+    c.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
+    c.pipe = read_pipeline_flags(result);
     if (c.grad_reduce_dtype != "fp32" && c.grad_reduce_dtype != "bf16") {
       throw std::invalid_argument("--grad_reduce_dtype '" + c.grad_reduce_dtype + "': expected fp32 or bf16");
     }

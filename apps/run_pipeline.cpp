@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "common.h"
+#include "pipeline_flags.h"
 #include "harness/host_memory.h"
 
 namespace harness::apps {
@@ -19,12 +20,8 @@ PipelineFlags parse(int argc, char** argv) {
   add_common_options(options, /*default_batch_size=*/32, /*default_epochs=*/2);
   options.add_options()
       ("model_parallel_mode", "model_parallel | pipeline_parallel (absent: one device)", cxxopts::value<std::string>()->default_value(""))
-      ("n_chunk", "micro-batches per batch in pipeline_parallel mode", cxxopts::value<int64_t>()->default_value("4"))
-      ("pipeline_schedule", "gpipe | 1f1b | interleaved: the order of each device's forwards and backwards (pipeline_parallel)", cxxopts::value<std::string>()->default_value("1f1b"))
-      ("virtual_stages", "stages per device for --pipeline_schedule interleaved", cxxopts::value<int>()->default_value("1"))
-      ("activation_checkpointing", "always | except_last | never: recompute a stage's forward in its backward instead of keeping its activations (torchgpipe's modes)", cxxopts::value<std::string>()->default_value("never"))
-      ("balance", "blocks per stage: auto (timed, torchgpipe's balance_by_time, may cut a block between its attention and MLP halves) or N,N,... with N.5 for such a cut (default: runs of ceil(n_layer / stages))", cxxopts::value<std::string>()->default_value(""))
       ("shuffle", "reshuffle the training pairs every epoch (from --seed); default: in order, as the original (shuffle=False)");
+  add_pipeline_options(options, "pipeline_parallel mode");
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   PipelineFlags flags;
   try {
@@ -33,19 +30,15 @@ PipelineFlags parse(int argc, char** argv) {
     flags.export_dataset = common.export_dataset;
     train::PipelineConfig& c = flags.config;
     c.mode = result["model_parallel_mode"].as<std::string>();
-    c.n_chunk = result["n_chunk"].as<int64_t>();
     c.shuffle = result.count("shuffle") > 0;
-    c.schedule = result["pipeline_schedule"].as<std::string>();
-    c.virtual_stages = result["virtual_stages"].as<int>();
-    c.activation_checkpointing = result["activation_checkpointing"].as<std::string>();
-    c.balance = result["balance"].as<std::string>();
+    c.pipe = read_pipeline_flags(result);
     if (!c.mode.empty() && c.mode != "model_parallel" && c.mode != "pipeline_parallel") {
       throw std::invalid_argument("--model_parallel_mode '" + c.mode +
                                   "': expected model_parallel or pipeline_parallel");
     }
     if (c.mode == "pipeline_parallel" &&
-        (c.n_chunk <= 0 || c.n_chunk > c.run.batch_size)) {
-      throw std::invalid_argument("--n_chunk " + std::to_string(c.n_chunk) +
+        (c.pipe.n_chunk <= 0 || c.pipe.n_chunk > c.run.batch_size)) {
+      throw std::invalid_argument("--n_chunk " + std::to_string(c.pipe.n_chunk) +
                                   " must be between 1 and --batch_size " +
                                   std::to_string(c.run.batch_size));
     }

@@ -71,9 +71,14 @@ void ProcessTransport::exchange(int device, const std::vector<P2POp>& ops,
     try {
       works[k]->wait();
     } catch (const std::exception& e) {
-      std::string what = e.what();
-      throw std::runtime_error("pipeline exchange " + p2p_exchange_label(ops) + " of pipeline rank " +
-                               std::to_string(device) + " failed: " + what.substr(0, what.find('\n')));
+      std::string peers;
+      for (const P2POp& op : ops) {
+        const std::string peer = std::to_string(op.peer);
+        if (peers.find(peer) == std::string::npos) peers += (peers.empty() ? "" : ", ") + peer;
+      }
+      const std::string what = e.what();
+      throw std::runtime_error("pipeline rank " + std::to_string(device) + " got no answer from pipeline rank " +
+                               peers + ": " + what.substr(0, what.find('\n')));
     }
   }
   for (const auto& [op, index] : receives) received_[key_of(op->message)] = buffers[index].front();

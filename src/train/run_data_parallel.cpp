@@ -18,9 +18,12 @@
 #include "harness/data_parallel/zero.h"
 #include "harness/model/safetensors.h"
 #include "harness/parallel/layout.h"
+#include "harness/pipeline/balance.h"
+#include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/tensor_parallel/group.h"
 #include "harness/tensor_parallel/parallel_context.h"
 #include "harness/trace.h"
+#include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/programs.h"
 #include "harness/train/rank_agreement.h"
 
@@ -69,9 +72,41 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
   }
 }
 
-// The run's data x tensor layout, validated (sizes and ZeRO stage; the flags named).
+// The run's data x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags named).
 parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
-  return parallel::Layout::create(world_size, flags.tensor_parallel_size, 1, flags.zero_stage);
+  const parallel::Layout layout = parallel::Layout::create(world_size, flags.tensor_parallel_size,
+                                                           flags.pipeline_parallel_size, flags.zero_stage);
+  return layout;
+}
+
+// The stages' options from the pipeline flags (checked, the flags named), for P > 1; the balance
+// numbers are checked against the model's blocks here too.
+PipelineStepOptions stage_options(const DataParallelConfig& flags, const parallel::Layout& layout,
+                                  const model::GPT2Config& config) {
+  const int P = layout.pipeline_parallel_size();
+  const int64_t replica_batch = data_parallel::per_device_batch_size(flags.run.batch_size, layout.data_parallel_size());
+  const PipelineScheduleConfig& pipe = flags.pipe;
+  if (pipe.n_chunk < 1 || pipe.n_chunk > replica_batch) {
+    throw std::invalid_argument("--n_chunk " + std::to_string(pipe.n_chunk) + " must be between 1 and the " +
+                                std::to_string(replica_batch) + " rows each data-parallel replica trains on");
+  }
+  PipelineStepOptions options = pipeline_step_options(pipe, P);
+  const int S = P * options.virtual_stages;
+  if (!options.balance_halves.empty()) {
+    pipeline::check_balance(options.balance_halves, 2 * static_cast<int>(config.n_layer), S,
+                            std::to_string(P) + " stage processes x " + std::to_string(options.virtual_stages) +
+                                " virtual stages, in half blocks");
+  } else if (!pipeline::parse_balance(pipe.balance).automatic) {
+    try {
+      (void)pipeline::default_balance(static_cast<int>(config.n_layer), S);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("--pipeline_parallel_size " + std::to_string(P) + " x --virtual_stages " +
+                                  std::to_string(options.virtual_stages) + " = " + std::to_string(S) +
+                                  " stages, but the model has " + std::to_string(config.n_layer) + " blocks: " +
+                                  e.what());
+    }
+  }
+  return options;
 }
 
 }  // namespace
@@ -100,6 +135,7 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   const model::GPT2Config config = resolve_config(f.model);
   shipped_tokenizer(f.model, config);
   check_positions(config, f.model_max_length);
+  if (layout.pipeline_parallel_size() > 1) (void)stage_options(flags, layout, config);
   if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
   // config.json against model.safetensors: the weights are read and checked as a worker would.
   if (!f.model.path.empty()) build_model(f.model, config, f.seed);
@@ -155,22 +191,74 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
   if (rank == 0) config.save_json_file(f.workdir + "/config.json");  // as the original, at start
 
+  const int P = layout.pipeline_parallel_size();
   std::optional<tp::ParallelContext> parallel;
-  if (T > 1) parallel = tp::make_parallel_context(world, options, T);
-  const dp::DistContext& ctx = parallel ? parallel->data : world;
+  std::optional<tp::LayoutGroups> stages;
+  if (P > 1) {
+    stages = tp::make_layout_groups(world, options, layout);
+  } else if (T > 1) {
+    parallel = tp::make_parallel_context(world, options, T);
+  }
+  const dp::DistContext& ctx = stages ? stages->data : parallel ? parallel->data : world;
 
   // T > 1: the model is split over the tensor-parallel group from the start (each rank builds
   // and loads its own slices); the ranks holding the same slices are the data-parallel group.
   std::shared_ptr<model::TensorParallelGroup> split =
-      parallel ? tp::make_tensor_parallel_group(parallel->tensor) : nullptr;
+      T == 1     ? nullptr
+      : parallel ? tp::make_tensor_parallel_group(parallel->tensor)
+                 : tp::make_tensor_parallel_group(stages->tensor);
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed, split);
   model->to(device.torch_device());
   broadcast_parameters(ctx, *model);
-  // The step's parts, chosen once: ZeRO-1 shards AdamW over the buckets its reduce-scattering
-  // synchronizer hands it; otherwise every rank's AdamW steps what its synchronizer averaged.
+  // The step's parts, chosen once. How forward and backward run: the whole model here, or this
+  // rank's pipeline stages, the others' activations and gradients coming by send/recv.
+  std::unique_ptr<ForwardBackward> forward_backward;
+  PipelineForwardBackward* pipeline_stages = nullptr;
+  if (P > 1) {
+    PipelineStepOptions stage = stage_options(flags, layout, config);
+    stage.devices = {device};
+    // Each data-parallel replica draws its own dropout masks, the same on every stage of it.
+    stage.seed = f.seed + static_cast<uint64_t>(dp_rank);
+    if (pipeline::parse_balance(flags.pipe.balance).automatic) {
+      // Every rank times GPT-2's pieces; rank 0's balance is everyone's.
+      const int64_t rows = std::max<int64_t>(1, device_batch / stage.micro_batches);
+      std::vector<int> halves = pipeline::balance_gpt2_by_time(model, device, P * stage.virtual_stages, rows,
+                                                               f.model_max_length);
+      at::Tensor agreed = torch::tensor(std::vector<int64_t>(halves.begin(), halves.end()), torch::kLong)
+                              .to(device.torch_device());
+      std::vector<at::Tensor> tensors{agreed};
+      world.group->broadcast(tensors)->wait();
+      agreed = agreed.to(torch::kCPU);
+      stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
+    }
+    auto made = std::make_unique<PipelineForwardBackward>(model, stage,
+                                                          PipelineProcesses{stages->pipeline, stages->embedding});
+    pipeline_stages = made.get();
+    forward_backward = std::move(made);
+  } else {
+    forward_backward = whole_model(model);
+  }
+  // How gradients are averaged and how the optimizer steps: ZeRO-1 shards AdamW over the buckets
+  // its reduce-scattering synchronizer hands it; a pipeline stage's AdamW steps its stage's
+  // parameters, averaged over the stage's data-parallel group; otherwise every rank's AdamW steps
+  // what its synchronizer averaged.
   std::unique_ptr<dp::GradientSynchronizer> sync;
   std::unique_ptr<StepOptimizer> optimizer;
-  if (flags.zero_stage == 1) {
+  if (pipeline_stages) {
+    PipelineStageParameters held;
+    held.held = pipeline_stages->held_parameters();
+    for (const auto& item : model->named_parameters()) held.owner[item.key()] = pipeline_stages->owner_of(item.key());
+    held.pipeline = stages->pipeline;
+    std::vector<at::Tensor> parameters;
+    for (const auto& item : model->named_parameters()) {
+      if (std::find(held.held.begin(), held.held.end(), item.key()) != held.held.end()) parameters.push_back(item.value());
+    }
+    if (dp_size > 1) {  // a stage of the only replica has nothing to average with
+      sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
+      sync->attach(parameters);
+    }
+    optimizer = stage_adamw(model, f.learning_rate, std::move(held));
+  } else if (flags.zero_stage == 1) {
     auto buckets = std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
                                                            dp::GradientReduction::kReduceScatter);
     optimizer = sharded_adamw(model, f.learning_rate, *buckets);
@@ -180,14 +268,15 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     sync->attach(*model);
     optimizer = replicated_adamw(model, f.learning_rate);
   }
-  if (flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
+  if (sync && flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
   if (flags.zero_stage == 1 && rank == 0) {
     int64_t replicated = 0;
     for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
     std::cerr << "run_data_parallel: --zero_stage 1 keeps " << optimizer->state_bytes()
               << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)" << std::endl;
   }
-  std::unique_ptr<TrainStep> step = std::make_unique<GPT2TrainStep>(model, std::move(optimizer), sync.get());
+  std::unique_ptr<TrainStep> step =
+      std::make_unique<GPT2TrainStep>(model, std::move(forward_backward), std::move(optimizer), sync.get());
   step->precision = model::parse_precision(f.precision);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
@@ -200,7 +289,9 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
               << " device=" << device.str() << " threads_per_rank=" << threads << " model="
               << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
               << model->unsplit_parameter_count() << " parameters"
-              << (T > 1 ? ", " + std::to_string(model::count_parameters(*model)) + " on each rank" : std::string())
+              << (T > 1 && P == 1 ? ", " + std::to_string(model::count_parameters(*model)) + " on each rank"
+                  : P > 1         ? ", " + std::to_string(model::count_parameters(*model)) + " held on rank 0"
+                                  : std::string())
               << ") vocab=" << tokenizer.vocab_size()
               << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
               << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
@@ -213,6 +304,13 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
                       : "");
     if (T > 1) {
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
+    }
+    if (pipeline_stages) {
+      std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
+                << " pipeline_schedule=" << flags.pipe.schedule << " n_chunk=" << flags.pipe.n_chunk
+                << " virtual_stages=" << flags.pipe.virtual_stages << " stages=" << pipeline_stages->stages()
+                << " balance=" << pipeline_stages->balance_text()
+                << " activation_checkpointing=" << flags.pipe.activation_checkpointing;
     }
     std::cerr << std::endl << layout.coordinates_table() << std::flush;
   }
@@ -267,7 +365,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   data.test = &corpus.test;
   data.tokenizer = &tokenizer;
   run_training(*step, data, training, &world);
-  if (rank == 0 && sync->finalized_steps() > 0) {
+  if (rank == 0 && sync && sync->finalized_steps() > 0) {
     std::cerr << "run_data_parallel: gradient sync put " << sync->communicated_bytes() << " bytes into all-reduces in "
               << sync->finalized_steps() << " optimizer steps ("
               << sync->communicated_bytes() / sync->finalized_steps() << " per step) on rank 0" << std::endl;

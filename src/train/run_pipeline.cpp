@@ -55,38 +55,41 @@ int run_pipeline(const PipelineConfig& pipeline) {
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const bool pipelined = pipeline.mode == "pipeline_parallel";
   // Everything a schedule needs is checked before the model is placed or a batch is read.
+  const PipelineScheduleConfig& pipe = pipeline.pipe;
   const pipeline::ActivationCheckpointing checkpointing =
-      pipeline::parse_activation_checkpointing(pipeline.activation_checkpointing);
-  const pipeline::BalanceSpec balance_spec = pipeline::parse_balance(pipeline.balance);
-  if (!pipelined && (pipeline.schedule != "1f1b" || pipeline.virtual_stages != 1)) {
+      pipeline::parse_activation_checkpointing(pipe.activation_checkpointing);
+  const pipeline::BalanceSpec balance_spec = pipeline::parse_balance(pipe.balance);
+  if (!pipelined && (pipe.schedule != "1f1b" || pipe.virtual_stages != 1)) {
     throw std::invalid_argument("--pipeline_schedule and --virtual_stages apply to --model_parallel_mode "
                                 "pipeline_parallel only");
   }
   std::unique_ptr<TrainStep> step;
-  PipelineTrainStep* pipeline_step = nullptr;
+  PipelineForwardBackward* stages = nullptr;
   if (pipeline.mode.empty()) {
-    if (!pipeline.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
+    if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
     model->to(devices.front().torch_device());
     step = std::make_unique<GPT2TrainStep>(model, f.learning_rate);
   } else {
-    PipelineStepOptions options;
+    // Model parallel is the pipeline with one micro-batch: GPipe's order over the same stages.
+    PipelineScheduleConfig flags = pipe;
+    if (!pipelined) {
+      flags.schedule = "gpipe";
+      flags.virtual_stages = 1;
+      flags.n_chunk = 1;
+    }
+    PipelineStepOptions options = pipeline_step_options(flags, static_cast<int>(devices.size()));
     options.devices = devices;
-    options.schedule = pipelined ? pipeline.schedule : "gpipe";
-    options.virtual_stages = pipelined ? pipeline.virtual_stages : 1;
-    options.micro_batches = pipelined ? static_cast<int>(pipeline.n_chunk) : 1;
-    options.checkpointing = checkpointing;
     options.threads_per_device = threads;
     options.seed = f.seed;
     options.tracer = tracer.get();
-    const int stages = static_cast<int>(devices.size()) * options.virtual_stages;
+    const int stages_wanted = static_cast<int>(devices.size()) * options.virtual_stages;
     if (balance_spec.automatic) {
       const int64_t rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
-      options.balance_halves = pipeline::balance_gpt2_by_time(model, devices.front(), stages, rows, f.model_max_length);
-    } else {
-      options.balance_halves = balance_spec.halves_per_stage;
+      options.balance_halves =
+          pipeline::balance_gpt2_by_time(model, devices.front(), stages_wanted, rows, f.model_max_length);
     }
     auto made = std::make_unique<PipelineTrainStep>(model, f.learning_rate, options);
-    pipeline_step = made.get();
+    stages = &made->pipeline();
     step = std::move(made);
   }
 
@@ -98,19 +101,19 @@ int run_pipeline(const PipelineConfig& pipeline) {
             << (f.model.path.empty() ? f.model.preset : f.model.path) << " (" << config.n_layer
             << " layers, n_embd " << config.n_embd << ", "
             << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
-            << " batch_size=" << f.batch_size << " n_chunk=" << pipeline.n_chunk << " precision=" << f.precision
+            << " batch_size=" << f.batch_size << " n_chunk=" << pipe.n_chunk << " precision=" << f.precision
             << (f.gradient_accumulation_steps > 1
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "")
             << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size()
             << "/" << corpus.test.size() << std::endl;
-  if (pipeline_step) {
-    std::cerr << "run_pipeline: schedule=" << (pipelined ? pipeline.schedule : "gpipe")
-              << " micro_batches=" << (pipelined ? pipeline.n_chunk : 1)
-              << " virtual_stages=" << (pipelined ? pipeline.virtual_stages : 1)
-              << " stages=" << pipeline_step->stages()
-              << " balance=" << pipeline_step->balance_text()
-              << (balance_spec.automatic ? " (auto, by time)" : pipeline.balance.empty() ? " (default)" : "")
+  if (stages) {
+    std::cerr << "run_pipeline: schedule=" << (pipelined ? pipe.schedule : "gpipe")
+              << " micro_batches=" << (pipelined ? pipe.n_chunk : 1)
+              << " virtual_stages=" << (pipelined ? pipe.virtual_stages : 1)
+              << " stages=" << stages->stages()
+              << " balance=" << stages->balance_text()
+              << (balance_spec.automatic ? " (auto, by time)" : pipe.balance.empty() ? " (default)" : "")
               << " activation_checkpointing=" << pipeline::to_string(checkpointing) << std::endl;
   }
 

@@ -308,6 +308,211 @@ model::NamedTensors ShardedAdamWOptimizer::unsplit_gradients() {
   return out;
 }
 
+
+// Pipeline stages that are processes: AdamW on the parameters this rank's stages hold (its slices
+// of them when the stage is split over a tensor-parallel group). The other weights of the model
+// are kept as loaded until gather_weights() brings them up to date from the stages that own them;
+// checkpoints, gradients and the norm are gathered over the pipeline group, then unsplit over the
+// tensor-parallel one.
+class StageAdamW final : public StepOptimizer {
+ public:
+  StageAdamW(model::GPT2LMHeadModel model, const OptimizerSettings& settings, PipelineStageParameters stage)
+      : model_(std::move(model)), settings_(settings), stage_(std::move(stage)) {
+    if (!stage_.pipeline.group) throw std::invalid_argument("stage_adamw: no pipeline group given");
+    std::vector<at::Tensor> held;
+    for (const auto& item : model_->named_parameters()) {
+      if (!stage_.owner.count(item.key())) {
+        throw std::invalid_argument("stage_adamw: no stage owns " + item.key());
+      }
+      if (std::find(stage_.held.begin(), stage_.held.end(), item.key()) != stage_.held.end()) {
+        held.push_back(item.value());
+        held_named_.emplace_back(item.key(), item.value());
+      } else {
+        others_.push_back({item.key(), item.value(), item.value().sizes().vec()});
+      }
+    }
+    optimizer_ = std::make_unique<optim::FusedAdamW>(held, adamw_options(settings));
+    release_others();
+  }
+
+  // A step needs only this rank's stages: the others' weights, brought here for an evaluation or
+  // a checkpoint, are let go again.
+  void zero_grad() override {
+    release_others();
+    optimizer_->zero_grad();
+  }
+  void step() override;
+  void set_learning_rate(double learning_rate) override {
+    for (auto& group : optimizer_->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate);
+    }
+  }
+  double learning_rate() const override {
+    return static_cast<const torch::optim::AdamWOptions&>(optimizer_->param_groups().front().options()).lr();
+  }
+  bool collective_state() const override { return true; }
+  OptimizerState state() override;
+  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
+    gather_weights();
+    model::write_model_weights(*model_, weights_path, write);
+    const OptimizerState optimizer = state();  // collective: every stage's moments to every rank
+    if (write) write_optimizer_state(optimizer_path, optimizer);
+  }
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override {
+    materialize_others();
+    model_->load_full_state(weights);
+    OptimizerState mine;
+    for (const auto& [name, s] : optimizer) {
+      if (!stage_.owner.count(name)) throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
+      if (std::find(stage_.held.begin(), stage_.held.end(), name) == stage_.held.end()) continue;
+      mine[name] = {s.step, model_->shard(name, s.exp_avg), model_->shard(name, s.exp_avg_sq)};
+    }
+    restore_adamw_state(*optimizer_, held_named_, mine);
+  }
+  model::NamedTensors unsplit_gradients() override;
+  int64_t state_bytes() const override {
+    int64_t bytes = 0;
+    for (const auto& [key, state] : optimizer_->state()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
+      bytes += s.exp_avg().nbytes() + s.exp_avg_sq().nbytes();
+    }
+    return bytes;
+  }
+  void gather_weights() override;
+
+ private:
+  // Broadcasts `tensor` (this rank's copy, overwritten) from pipeline rank `root`.
+  void broadcast_from(int root, at::Tensor& tensor) {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    stage_.pipeline.group->broadcast(tensors, options)->wait();
+  }
+  int rank() const { return stage_.pipeline.rank; }
+  // The parameters of other stages hold no storage between gathers (an empty tensor of their
+  // dtype and device), so a stage process keeps only its own stages' weights while it trains.
+  void release_others() {
+    torch::NoGradGuard no_grad;
+    for (Other& o : others_) {
+      if (o.tensor.numel() != 0) o.tensor.set_data(at::empty({0}, o.tensor.options()));
+    }
+  }
+  void materialize_others() {
+    torch::NoGradGuard no_grad;
+    for (Other& o : others_) {
+      if (o.tensor.sizes() != at::IntArrayRef(o.shape)) o.tensor.set_data(at::empty(o.shape, o.tensor.options()));
+    }
+  }
+  // The shape of a parameter on this rank (its slice, when split), whether its storage is here or not.
+  std::vector<int64_t> shape_of(const std::string& name, const at::Tensor& tensor) const {
+    for (const Other& o : others_) {
+      if (o.name == name) return o.shape;
+    }
+    return tensor.sizes().vec();
+  }
+
+  struct Other {
+    std::string name;
+    at::Tensor tensor;
+    std::vector<int64_t> shape;
+  };
+  model::GPT2LMHeadModel model_;
+  OptimizerSettings settings_;
+  PipelineStageParameters stage_;
+  NamedParameters held_named_;
+  std::vector<Other> others_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+};
+
+void StageAdamW::step() {
+  // The squares of the gradients each stage owns (wte once, on the first stage, whose gradient
+  // already holds the head's), summed over the stages; split over a tensor-parallel group, a split
+  // gradient's squares are summed over the group and a replicated one's counted once.
+  std::vector<at::Tensor> held, split, replicated;
+  for (const auto& [name, p] : held_named_) {
+    if (!p.grad().defined()) continue;
+    held.push_back(p.grad());
+    if (stage_.owner.at(name) != rank()) continue;
+    const bool is_split = model_->tensor_parallel() != nullptr &&
+                          model_->shards().at(name).spec.kind != model::ShardSpec::Kind::kReplicated;
+    (is_split ? split : replicated).push_back(p.grad());
+  }
+  const c10::Device device = stage_.pipeline.device.torch_device();
+  double stage_squares = sum_of_squares(replicated);
+  if (model_->tensor_parallel() != nullptr) {
+    const at::Tensor mine = torch::tensor({sum_of_squares(split)}, torch::kDouble).to(device);
+    for (const at::Tensor& part : model_->tensor_parallel()->all_gather(mine)) {
+      stage_squares += part.to(torch::kCPU).item<double>();
+    }
+  }
+  std::vector<at::Tensor> squares{torch::tensor({stage_squares}, torch::kDouble).to(device)};
+  stage_.pipeline.group->allreduce(squares)->wait();
+  last_grad_norm_ = std::sqrt(squares[0].to(torch::kCPU).item<double>());
+  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
+  if (coefficient < 1.0) scale_in_place(held, coefficient);
+  optimizer_->step();
+}
+
+void StageAdamW::gather_weights() {
+  materialize_others();
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model_->named_parameters()) {
+    at::Tensor weight = item.value();
+    broadcast_from(stage_.owner.at(item.key()), weight);
+  }
+}
+
+OptimizerState StageAdamW::state() {
+  const OptimizerState mine = capture_adamw_state(*optimizer_, held_named_);
+  const c10::Device device = stage_.pipeline.device.torch_device();
+  OptimizerState full;
+  // Every rank walks the parameters in one order; the owner says whether it has state and its step,
+  // then sends the moments.
+  for (const auto& item : model_->named_parameters()) {
+    const int owner = stage_.owner.at(item.key());
+    at::Tensor header = torch::zeros({2}, torch::kDouble);
+    auto it = mine.find(item.key());
+    if (owner == rank() && it != mine.end()) header = torch::tensor({1.0, static_cast<double>(it->second.step)}, torch::kDouble);
+    header = header.to(device);
+    broadcast_from(owner, header);
+    header = header.to(torch::kCPU);
+    if (header[0].item<double>() == 0.0) continue;
+    const std::vector<int64_t> shape = shape_of(item.key(), item.value());
+    at::Tensor exp_avg = owner == rank() ? it->second.exp_avg.to(device) : at::empty(shape, item.value().options());
+    at::Tensor exp_avg_sq =
+        owner == rank() ? it->second.exp_avg_sq.to(device) : at::empty(shape, item.value().options());
+    exp_avg = exp_avg.to(item.value().dtype()).contiguous();
+    exp_avg_sq = exp_avg_sq.to(item.value().dtype()).contiguous();
+    broadcast_from(owner, exp_avg);
+    broadcast_from(owner, exp_avg_sq);
+    if (model_->tensor_parallel() != nullptr) {  // this rank's slices, unsplit over the group
+      exp_avg = model_->unshard(item.key(), exp_avg);
+      exp_avg_sq = model_->unshard(item.key(), exp_avg_sq);
+    }
+    full[item.key()] = {static_cast<int64_t>(header[1].item<double>()), exp_avg.to(torch::kCPU),
+                        exp_avg_sq.to(torch::kCPU)};
+  }
+  return full;
+}
+
+model::NamedTensors StageAdamW::unsplit_gradients() {
+  const c10::Device device = stage_.pipeline.device.torch_device();
+  model::NamedTensors out;
+  for (const auto& item : model_->named_parameters()) {
+    const int owner = stage_.owner.at(item.key());
+    const at::Tensor& grad = item.value().grad();
+    at::Tensor has = torch::tensor({owner == rank() && grad.defined() ? 1.0 : 0.0}, torch::kDouble).to(device);
+    broadcast_from(owner, has);
+    if (has.to(torch::kCPU).item<double>() == 0.0) continue;
+    at::Tensor value = owner == rank() ? grad.detach().clone().contiguous()
+                                       : at::empty(shape_of(item.key(), item.value()), item.value().options());
+    broadcast_from(owner, value);
+    if (model_->tensor_parallel() != nullptr) value = model_->unshard(item.key(), value);
+    out.emplace_back(item.key(), value.to(torch::kCPU));
+  }
+  return out;
+}
+
 }  // namespace
 
 double clip_coefficient(double norm, double max_norm) {
@@ -322,6 +527,11 @@ std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, co
 std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients) {
   return std::make_unique<ShardedAdamWOptimizer>(std::move(model), settings, gradients);
+}
+
+std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
+                                           PipelineStageParameters stage) {
+  return std::make_unique<StageAdamW>(std::move(model), settings, std::move(stage));
 }
 
 }  // namespace harness::train

@@ -11,6 +11,7 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/ring_all_reduce.h"
 #include "harness/train/driver.h"
+#include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/setup.h"
 
 namespace harness::train {
@@ -47,12 +48,8 @@ TrainingOptions training_options(const RunConfig& config, const std::string& pro
 struct PipelineConfig {
   RunConfig run;
   std::string mode;  // "", "model_parallel", "pipeline_parallel"
-  int64_t n_chunk = 4;
   bool shuffle = false;  // the original trains in order (shuffle=False)
-  std::string schedule = "1f1b";                  // --pipeline_schedule (pipeline_parallel)
-  int virtual_stages = 1;                         // --virtual_stages
-  std::string activation_checkpointing = "never";  // --activation_checkpointing
-  std::string balance;                            // --balance: "", "auto" or "N,N,..."
+  PipelineScheduleConfig pipe;  // --n_chunk, --pipeline_schedule, ... (pipeline_parallel)
 };
 int run_pipeline(const PipelineConfig& config);
 
@@ -76,6 +73,8 @@ struct DataParallelConfig {
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
   std::string grad_reduce_dtype = "fp32";  // dtype of the gradient all-reduce: fp32 | bf16
   int zero_stage = 0;                      // 1: AdamW state sharded over the data-parallel ranks
+  int pipeline_parallel_size = 1;          // P: pipeline stages as processes (SPEC §7.2)
+  PipelineScheduleConfig pipe;             // how the stages run when P > 1
 };
 int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
 

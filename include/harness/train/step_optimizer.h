@@ -8,9 +8,12 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "harness/data_parallel/process_group.h"
 #include "harness/model/gpt2.h"
 #include "harness/train/training_state.h"
 
@@ -57,6 +60,10 @@ class StepOptimizer {
   virtual model::NamedTensors unsplit_gradients() = 0;
   // Bytes of optimizer state this rank holds.
   virtual int64_t state_bytes() const = 0;
+  // Brings every weight of the model on this rank up to date where the layout keeps some current
+  // elsewhere only (pipeline stages that are processes: from the stage that steps it). A
+  // collective there; nothing to do otherwise.
+  virtual void gather_weights() {}
 
  protected:
   double last_grad_norm_ = 0.0;
@@ -77,5 +84,20 @@ std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, co
 std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients);
 
+// Pipeline stages that are processes: what this rank's stages hold and who owns each parameter.
+struct PipelineStageParameters {
+  std::vector<std::string> held;      // the parameters this rank's stages use (Hugging Face names)
+  std::map<std::string, int> owner;   // every parameter's owning pipeline rank (wte: the first stage's)
+  data_parallel::DistContext pipeline;  // the pipeline group this rank is rank `owner` of
+};
+
+// AdamW on the parameters this rank's stages hold (wte on the first and the last stage's ranks,
+// whose gradients the embedding group has summed, so both copies take the same step). The other
+// stages' parameters keep no storage here while training (an empty tensor each); gather_weights()
+// brings them from their stages for an evaluation or a checkpoint, and the next step lets them go
+// again. The norm sums each owned gradient's squares over the stages (wte's once); checkpoints and
+// --pytest's gradients gather every stage's part.
+std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
+                                           PipelineStageParameters stage);
 
 }  // namespace harness::train

@@ -16,6 +16,7 @@
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
 #include "harness/model/safetensors.h"
+#include "harness/train/forward_backward.h"
 #include "harness/train/step_optimizer.h"
 #include "harness/train/training_state.h"
 
@@ -99,22 +100,27 @@ class TrainStep {
   std::string trace_track = "main";
 };
 
-// A GPT2LMHeadModel trained by a StepOptimizer (step_optimizer.h): AdamW on every rank's
-// parameters, or ZeRO-1's sharded AdamW. The model runs on one device, spread over devices by its
-// own placement (model parallel) or a Pipe installed as its blocks executor (pipeline), or split
-// over a tensor-parallel group (Megatron; each rank's AdamW steps its shards, checkpoints hold the
-// unsplit state). With a GradientSynchronizer (data parallelism) the gradients are averaged over
-// its group between backward and the optimizer step; `after_backward` (e.g. --pytest's gradient
-// files) runs after that.
+// GPT-2's training step, made of three parts chosen once by the layout (never subclassed):
+//   - how forward and backward run (forward_backward.h): the whole model on this process (one
+//     device, model parallel over devices by its own placement, or split over a tensor-parallel
+//     group, Megatron style), or a pipeline schedule over stages on this process's threads or on
+//     the stages' processes;
+//   - how gradients are synchronised (data_parallel/grad_sync.h): averaged over the data-parallel
+//     group between backward and the optimizer step, or not at all;
+//   - how the optimizer steps (step_optimizer.h): AdamW on what this rank holds, ZeRO-1's sharded
+//     AdamW, or a pipeline stage's AdamW; it also knows where the state lives, for checkpoints that
+//     always hold the unsplit state.
+// `after_backward` (e.g. --pytest's gradient files) runs after the synchronisation.
 class GPT2TrainStep : public TrainStep {
  public:
-  // Replicated AdamW; `synchronizer` (if any) is attached to the model here.
+  // The whole model's forward and replicated AdamW; `synchronizer` (if any) is attached to the
+  // model here.
   GPT2TrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer,
                 data_parallel::GradientSynchronizer* synchronizer = nullptr);
-  // The parts as built: `optimizer` for this model, `synchronizer` (if any) already attached to it
-  // (sharded_adamw attaches the reduce-scattering synchronizer it is built on).
-  GPT2TrainStep(model::GPT2LMHeadModel model, std::unique_ptr<StepOptimizer> optimizer,
-                data_parallel::GradientSynchronizer* synchronizer);
+  // The parts as built for `model`: `synchronizer` (if any) already attached to the parameters it
+  // averages (sharded_adamw attaches the reduce-scattering synchronizer it is built on).
+  GPT2TrainStep(model::GPT2LMHeadModel model, std::unique_ptr<ForwardBackward> forward_backward,
+                std::unique_ptr<StepOptimizer> optimizer, data_parallel::GradientSynchronizer* synchronizer);
   ~GPT2TrainStep() override;
 
   using TrainStep::step;
@@ -125,6 +131,10 @@ class GPT2TrainStep : public TrainStep {
   double learning_rate() const override { return optimizer_->learning_rate(); }
   double last_grad_norm() const override { return optimizer_->last_grad_norm(); }
   model::GPT2LMHeadModel model() override { return model_; }
+  model::GPT2LMHeadModel gathered_model() override {
+    optimizer_->gather_weights();
+    return model_;
+  }
   OptimizerState optimizer_state() override { return optimizer_->state(); }
   bool collective_state() const override { return optimizer_->collective_state(); }
   void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
@@ -136,13 +146,13 @@ class GPT2TrainStep : public TrainStep {
   GeneratorStates extra_generator_states() override;
   void restore_extra_generator_states(const GeneratorStates& states) override;
   model::NamedTensors unsplit_gradients() override { return optimizer_->unsplit_gradients(); }
+  void set_global_step(int64_t global_step) override { forward_backward_->set_global_step(global_step); }
   const StepOptimizer& optimizer() const { return *optimizer_; }
-
- protected:
-  StepOptimizer& optimizer() { return *optimizer_; }
+  ForwardBackward& forward_backward() { return *forward_backward_; }
 
  private:
   model::GPT2LMHeadModel model_;
+  std::unique_ptr<ForwardBackward> forward_backward_;
   std::unique_ptr<StepOptimizer> optimizer_;
   data_parallel::GradientSynchronizer* synchronizer_;
 };

@@ -1,0 +1,51 @@
+// How a training step runs the forward and backward of its batches: one of the three parts a step
+// is made of (train_step.h: this, a gradient synchronizer and a StepOptimizer), chosen once by the
+// layout. The whole model on this process (whole_model: one device, model parallel, data and
+// tensor parallel), or GPT-2 cut into pipeline stages run by a schedule
+// (pipeline_forward_backward.h: on this process's worker threads, or over the stages' processes).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "harness/data/collate.h"
+#include "harness/model/gpt2.h"
+#include "harness/model/precision.h"
+
+namespace harness::train {
+
+class ForwardBackward {
+ public:
+  virtual ~ForwardBackward() = default;
+
+  // The forward and backward of `batch`, micro-step `k` (0, 1, ...) of an optimizer step, under
+  // `precision`: SPEC §3's loss of the batch over `weight_sum` (the label weight of all the step's
+  // batches together, on loss_device(); undefined: the batch's own, a step of one batch), its
+  // gradients accumulated into the parameters. Returns
+  // the loss, detached, on loss_device(); undefined on a process that runs no last stage.
+  virtual at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
+                         model::Precision precision) = 0;
+  // After every batch's backward and the data-parallel synchronisation, before the optimizer: what
+  // the gradients still need (a pipeline's tied head gradient added to wte's).
+  virtual void finish_gradients() {}
+  // The step's loss from the sum of run()'s returns here (a pipeline's other stages get the last
+  // stage's: a collective over the pipeline group).
+  virtual double step_loss(const at::Tensor& local) { return local.item<double>(); }
+  // Whether the gradient synchronizer may start reducing during a backward. A schedule runs many
+  // backward passes per step, so the synchronizer only accumulates until finalize() (DDP's no_sync).
+  virtual bool overlaps_gradient_sync() const { return true; }
+
+  // Where a batch's tensors must be before run(), and where the loss is computed.
+  virtual c10::Device input_device() const = 0;
+  virtual c10::Device loss_device() const = 0;
+  // The optimizer steps taken before the next run() (schedules derive their dropout streams from it).
+  virtual void set_global_step(int64_t global_step) {}
+};
+
+// The model's own forward(), then backward from the loss.
+std::unique_ptr<ForwardBackward> whole_model(model::GPT2LMHeadModel model);
+
+}  // namespace harness::train

@@ -1,0 +1,42 @@
+// The whole model's forward and backward (see forward_backward.h).
+#include "harness/train/forward_backward.h"
+
+#include <torch/torch.h>
+
+#include "harness/model/loss.h"
+
+namespace harness::train {
+namespace {
+
+class WholeModel final : public ForwardBackward {
+ public:
+  explicit WholeModel(model::GPT2LMHeadModel model) : model_(std::move(model)) {}
+
+  at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
+                 model::Precision precision) override {
+    at::Tensor loss;
+    {
+      model::AutocastScope autocast(precision, batch.input_ids.device().type());
+      const at::Tensor logits = model_->forward(batch.input_ids);
+      const at::Tensor labels = batch.labels.to(logits.device());
+      const at::Tensor weights = batch.label_token_weights.to(logits.device());
+      loss = weight_sum.defined() ? model::weighted_cross_entropy(logits, labels, weights, weight_sum)
+                                  : model::weighted_cross_entropy(logits, labels, weights);
+    }
+    loss.backward();
+    return loss.detach();
+  }
+  c10::Device input_device() const override { return model_->first_device().torch_device(); }
+  c10::Device loss_device() const override { return model_->last_device().torch_device(); }
+
+ private:
+  model::GPT2LMHeadModel model_;
+};
+
+}  // namespace
+
+std::unique_ptr<ForwardBackward> whole_model(model::GPT2LMHeadModel model) {
+  return std::make_unique<WholeModel>(std::move(model));
+}
+
+}  // namespace harness::train

@@ -1,0 +1,299 @@
+// GPT-2 as a pipeline schedule program, on threads or processes (see pipeline_forward_backward.h).
+#include "harness/train/pipeline_forward_backward.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <iostream>
+#include <stdexcept>
+
+#include "harness/model/loss.h"
+#include "harness/pipeline/activation_meter.h"
+#include "harness/pipeline/balance.h"
+#include "harness/pipeline/gpt2_pipeline.h"
+#include "harness/pipeline/process_transport.h"
+#include "harness/train/loss.h"
+
+namespace harness::train {
+
+pipeline::TrainingSchedule make_training_schedule(const std::string& name, int micro_batches,
+                                                  int devices, int virtual_stages) {
+  if (virtual_stages < 1) {
+    throw std::invalid_argument("--virtual_stages must be >= 1, got " + std::to_string(virtual_stages));
+  }
+  if (name == "interleaved") {
+    return micro_batches % devices == 0
+               ? pipeline::interleaved_schedule(micro_batches, devices, virtual_stages)
+               : pipeline::gpipe_schedule(micro_batches, devices, virtual_stages);
+  }
+  if (name != "gpipe" && name != "1f1b") {
+    throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b or interleaved, got '" + name + "'");
+  }
+  if (virtual_stages != 1) {
+    throw std::invalid_argument("--virtual_stages " + std::to_string(virtual_stages) +
+                                " needs --pipeline_schedule interleaved (got " + name +
+                                "); gpipe and 1f1b run one stage per device");
+  }
+  return name == "gpipe" ? pipeline::gpipe_schedule(micro_batches, devices)
+                         : pipeline::one_f_one_b_schedule(micro_batches, devices);
+}
+
+PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, int devices) {
+  PipelineStepOptions options;
+  options.schedule = flags.schedule;
+  options.virtual_stages = flags.virtual_stages;
+  options.micro_batches = static_cast<int>(flags.n_chunk);
+  options.checkpointing = pipeline::parse_activation_checkpointing(flags.activation_checkpointing);
+  if (flags.n_chunk < 1) throw std::invalid_argument("--n_chunk must be >= 1, got " + std::to_string(flags.n_chunk));
+  (void)make_training_schedule(flags.schedule, devices, devices, flags.virtual_stages);
+  if (flags.schedule == "interleaved" && flags.n_chunk % devices != 0) {
+    throw std::invalid_argument("--pipeline_schedule interleaved needs --n_chunk to be a multiple of the " +
+                                std::to_string(devices) + " devices (Megatron's rule), got " +
+                                std::to_string(flags.n_chunk));
+  }
+  options.balance_halves = pipeline::parse_balance(flags.balance).halves_per_stage;
+  return options;
+}
+
+PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, PipelineStepOptions options)
+    : model_(std::move(model)), options_(std::move(options)) {
+  const int D = static_cast<int>(options_.devices.size());
+  if (D < 1) throw std::invalid_argument("PipelineForwardBackward: no devices given");
+  cut_into_stages(D);
+  const int S = stages();
+  const int n_layer = static_cast<int>(model_->config().n_layer);
+  std::vector<Device> attention_devices(static_cast<size_t>(n_layer)), mlp_devices(static_cast<size_t>(n_layer));
+  for (int s = 0; s < S; ++s) {
+    for (int64_t unit = first_unit_of_stage_[s]; unit < first_unit_of_stage_[s + 1]; ++unit) {
+      (unit % 2 == 0 ? attention_devices : mlp_devices)[static_cast<size_t>(unit / 2)] = options_.devices[s % D];
+    }
+  }
+  model_->place(attention_devices, mlp_devices);
+
+  pipeline::ExecutorOptions executor_options;
+  executor_options.threads_per_device = options_.threads_per_device;
+  executor_options.checkpointing = options_.checkpointing;
+  executor_options.tracer = options_.tracer;
+  executor_ = std::make_unique<pipeline::ScheduleExecutor>(options_.devices, executor_options);
+}
+
+PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, PipelineStepOptions options,
+                                                 PipelineProcesses processes)
+    : model_(std::move(model)), options_(std::move(options)), processes_(std::move(processes)) {
+  if (options_.devices.size() != 1) {
+    throw std::invalid_argument("PipelineForwardBackward: a stage process runs on one device, got " +
+                                std::to_string(options_.devices.size()));
+  }
+  const int P = processes_->pipeline.world_size;
+  if (P < 2 || !processes_->pipeline.group) {
+    throw std::invalid_argument("PipelineForwardBackward: stages as processes need a pipeline group of 2 or more, got " +
+                                std::to_string(P));
+  }
+  const int p = processes_->pipeline.rank;
+  if ((p == 0 || p == P - 1) != processes_->embedding.has_value()) {
+    throw std::invalid_argument("PipelineForwardBackward: pipeline rank " + std::to_string(p) + " of " +
+                                std::to_string(P) + (processes_->embedding ? " has" : " lacks") +
+                                " an embedding group");
+  }
+  cut_into_stages(P);
+}
+
+PipelineForwardBackward::~PipelineForwardBackward() = default;
+
+void PipelineForwardBackward::cut_into_stages(int D) {
+  if (options_.micro_batches < 1) {
+    throw std::invalid_argument("--n_chunk must be >= 1, got " + std::to_string(options_.micro_batches));
+  }
+  // Checks the names and V now; interleaving's rule on M, for full batches, too.
+  (void)make_training_schedule(options_.schedule, D, D, options_.virtual_stages);
+  if (options_.schedule == "interleaved" && options_.micro_batches % D != 0) {
+    throw std::invalid_argument("--pipeline_schedule interleaved needs --n_chunk to be a multiple of the " +
+                                std::to_string(D) + " devices (Megatron's rule), got " +
+                                std::to_string(options_.micro_batches));
+  }
+  const int S = D * options_.virtual_stages;
+  const int n_layer = static_cast<int>(model_->config().n_layer);
+  const std::string stages_from = std::to_string(D) + " devices x " +
+                                  std::to_string(options_.virtual_stages) + " virtual stages";
+  if (!options_.balance_halves.empty()) {
+    halves_ = options_.balance_halves;
+    pipeline::check_balance(halves_, 2 * n_layer, S, stages_from + ", in half blocks");
+  } else {
+    std::vector<int> blocks;
+    if (options_.balance.empty()) {
+      try {
+        blocks = pipeline::default_balance(n_layer, S);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument("the model's n_layer " + std::to_string(n_layer) + " blocks cannot fill " +
+                                    std::to_string(S) + " stages (" + stages_from + "): " + e.what());
+      }
+    } else {
+      blocks = options_.balance;
+    }
+    pipeline::check_balance(blocks, n_layer, S, stages_from);
+    for (int b : blocks) halves_.push_back(2 * b);
+  }
+  first_unit_of_stage_.assign(1, 0);
+  for (int h : halves_) first_unit_of_stage_.push_back(first_unit_of_stage_.back() + h);
+}
+
+std::string PipelineForwardBackward::balance_text() const { return pipeline::format_halves(halves_); }
+
+int PipelineForwardBackward::schedule_devices() const {
+  return processes_ ? processes_->pipeline.world_size : static_cast<int>(options_.devices.size());
+}
+
+c10::Device PipelineForwardBackward::loss_device() const {
+  if (processes_) return options_.devices.front().torch_device();
+  return options_.devices[(stages() - 1) % schedule_devices()].torch_device();
+}
+
+int PipelineForwardBackward::owner_of(const std::string& name) const {
+  return pipeline::gpt2_stage_of_parameter(name, first_unit_of_stage_) % schedule_devices();
+}
+
+std::vector<std::string> PipelineForwardBackward::held_parameters() const {
+  std::vector<std::string> names;
+  const int D = schedule_devices();
+  for (const auto& item : model_->named_parameters()) {
+    bool held = !processes_;
+    for (int s = processes_ ? processes_->pipeline.rank : 0; s < stages() && !held; s += D) {
+      held = pipeline::stage_holds_gpt2_parameter(s, item.key(), first_unit_of_stage_);
+    }
+    if (held) names.push_back(item.key());
+  }
+  return names;
+}
+
+pipeline::ScheduleExecutor& PipelineForwardBackward::executor() {
+  if (!executor_) throw std::logic_error("PipelineForwardBackward::executor: the stages are processes");
+  return *executor_;
+}
+
+pipeline::TrainingSchedule PipelineForwardBackward::schedule_for(int64_t rows) {
+  const int D = schedule_devices();
+  const int M = static_cast<int>(std::min<int64_t>(options_.micro_batches, rows));
+  pipeline::TrainingSchedule schedule = make_training_schedule(options_.schedule, M, D, options_.virtual_stages);
+  if (schedule.name != options_.schedule && !told_fallback_) {
+    told_fallback_ = true;
+    std::cerr << "pipeline: a batch of " << rows << " rows gives " << M << " micro-batches, not a multiple of the "
+              << D << " devices interleaving needs; such batches run GPipe's order over the same stages" << std::endl;
+  }
+  return schedule;
+}
+
+at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tensor& weight_sum_given, int64_t k,
+                                        model::Precision precision) {
+  const int D = schedule_devices();
+  const int S = stages();
+  const c10::Device last_device = loss_device();
+  const at::Tensor weight_sum =
+      weight_sum_given.defined() ? weight_sum_given : combined_label_weight({batch}, last_device);
+  model::GPT2LMHeadModelImpl& gpt2 = *model_;
+  at::Tensor& wte = gpt2.transformer->wte->weight;
+  if (k == 0) {
+    // In-process, the tied head on the last stage is a leaf of its own with wte's values (sharing
+    // wte's storage when the last stage's device holds wte, a copy otherwise) whose gradient is
+    // added to wte's after the step, so each parameter's gradient accumulates on one worker only,
+    // in the schedule's order: reproducible whatever the thread timing. A stage process uses its
+    // own wte, which the last stage's rank holds for the head alone.
+    head_weight_ = processes_ ? wte : wte.detach().to(last_device).requires_grad_(wte.requires_grad());
+  }
+  last_schedule_ = schedule_for(batch.input_ids.size(0));
+  const int M = last_schedule_.micro_batches;
+  const std::vector<at::Tensor> ids = batch.input_ids.to(input_device()).tensor_split(M, 0);
+  const std::vector<at::Tensor> labels = batch.labels.to(last_device).tensor_split(M, 0);
+  const std::vector<at::Tensor> weight_parts =
+      batch.label_token_weights.to(last_device, torch::kFloat32).tensor_split(M, 0);
+  const at::Tensor head_weight = head_weight_;
+  const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
+    // On the stage's worker thread (autocast state is per thread), recomputation included.
+    const c10::Device where = processes_ ? options_.devices.front().torch_device()
+                                         : options_.devices[s % D].torch_device();
+    model::AutocastScope autocast(precision, where.type());
+    // GPT-2's own pieces: the embedding on the first stage, the stage's run of block halves, the
+    // final norm, tied head and loss on the last.
+    at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
+    hidden = gpt2.forward_units(hidden, first_unit_of_stage_[s], first_unit_of_stage_[s + 1]);
+    if (s < S - 1) return hidden;
+    return model::weighted_cross_entropy(gpt2.head_logits(hidden, head_weight), labels[i], weight_parts[i],
+                                         weight_sum);
+  };
+  // Micro-step k > 0 of an accumulated step draws from streams of its own.
+  const uint64_t step_seed = pipeline::step_stream_seed(options_.seed, global_step_);
+  const uint64_t seed = k == 0 ? step_seed : pipeline::step_stream_seed(step_seed, k);
+
+  std::vector<at::Tensor> losses;
+  if (!processes_) {
+    pipeline::StepResult result = executor_->run(last_schedule_, forward, seed);
+    last_peak_in_flight_ = result.peak_in_flight;
+    last_peak_held_bytes_ = result.peak_held_bytes;
+    losses = std::move(result.losses);
+  } else {
+    const int64_t T = batch.input_ids.size(1), C = model_->config().n_embd;
+    std::vector<int64_t> rows;
+    for (const at::Tensor& part : ids) rows.push_back(part.size(0));
+    // Activations and their gradients alike: the micro-batch's hidden states [rows, T, C], fp32
+    // (the residual stream stays fp32 under autocast).
+    pipeline::ProcessTransport transport(processes_->pipeline.group, options_.devices.front(),
+                                         [&](const pipeline::P2PMessage& m) {
+                                           return std::vector<int64_t>{rows[m.micro_batch], T, C};
+                                         });
+    pipeline::ExecutorOptions executor_options;
+    executor_options.checkpointing = options_.checkpointing;
+    executor_options.tracer = options_.tracer;
+    const int p = processes_->pipeline.rank;
+    pipeline::DeviceStepResult part =
+        pipeline::run_device_steps(pipeline::cached_p2p_plan(last_schedule_), p, options_.devices.front(), forward,
+                                   seed, transport, executor_options, "stage " + std::to_string(p));
+    last_peak_in_flight_ = {part.peak_in_flight};
+    last_peak_held_bytes_.clear();
+    if (pipeline::activation_meter_installed()) last_peak_held_bytes_ = {part.peak_held_bytes};
+    losses = std::move(part.losses);
+  }
+  at::Tensor loss;
+  for (const at::Tensor& l : losses) {
+    if (l.defined()) loss = loss.defined() ? loss + l : l;
+  }
+  return loss;
+}
+
+void PipelineForwardBackward::finish_gradients() {
+  ++global_step_;
+  torch::NoGradGuard no_grad;
+  at::Tensor& wte = model_->transformer->wte->weight;
+  if (!processes_) {
+    if (!head_weight_.defined() || !head_weight_.grad().defined()) return;
+    const at::Tensor head_grad = head_weight_.grad().to(wte.device());
+    if (wte.grad().defined()) {
+      wte.mutable_grad().add_(head_grad);
+    } else {
+      wte.mutable_grad() = head_grad.clone();
+    }
+    head_weight_ = at::Tensor();
+    return;
+  }
+  if (!processes_->embedding) return;
+  // The embedding's gradient (first stage) and the head's (last stage), each already averaged over
+  // its data-parallel group, summed: both copies of wte then take the same step.
+  if (!wte.grad().defined()) wte.mutable_grad() = at::zeros_like(wte);
+  std::vector<at::Tensor> tensors{wte.mutable_grad()};
+  processes_->embedding->group->allreduce(tensors)->wait();
+  head_weight_ = at::Tensor();
+}
+
+double PipelineForwardBackward::step_loss(const at::Tensor& local) {
+  if (!processes_) return local.item<double>();
+  // The last stage computed it; every stage returns it (one float over the pipeline group).
+  const int P = processes_->pipeline.world_size;
+  at::Tensor value = processes_->pipeline.rank == P - 1 ? local.reshape({1}).to(torch::kFloat64)
+                                                        : torch::zeros({1}, torch::kFloat64);
+  value = value.to(options_.devices.front().torch_device());
+  std::vector<at::Tensor> tensors{value};
+  c10d::BroadcastOptions options;
+  options.rootRank = P - 1;
+  processes_->pipeline.group->broadcast(tensors, options)->wait();
+  return value.item<double>();
+}
+
+}  // namespace harness::train

@@ -1,0 +1,239 @@
+"""run_data_parallel --pipeline_parallel_size P: pipeline stages as processes, alone and inside data
+parallelism. After three AdamW steps with dropout 0 the weights equal one device's (or, with D > 1,
+the same run's data parallelism alone) for GPipe, 1F1B and interleaved schedules, whose sends and
+receives cross; the tied embedding stays one tensor; --pytest's gradients are the whole model's;
+the printed lines are SPEC's, from the last stage only; bad layouts are refused before launch; a
+killed stage ends the run promptly, naming it, and --max_restarts resumes it bit for bit. gpt2-tiny
+(2 blocks) and gpt2-mini (4 blocks), a few batches, at most 4 processes."""
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from after_adamw import gradient_problems, weight_problems  # noqa: E402
+from test_checkpoints import (DP, TINY as CHECKPOINTED, Watched, environ_of, free_port, run,  # noqa: E402
+                              saved_step_at_least, weights)
+from fault_injection import descendants  # noqa: E402  (scripts/, on the path test_checkpoints sets)
+
+NUMBER = r"(-?\d+(?:\.\d+)?)"
+DP_TRAIN = re.compile(rf"^Epoch (\d+) on Rank (\d+): Training Time = {NUMBER}, Tokens_per_sec = {NUMBER}$")
+DP_LOSS = re.compile(rf"^Epoch (\d+) on Rank (\d+): Validation Loss = {NUMBER}$")
+
+LR, STEPS = 1e-3, 3
+COMMON = ["--batch_size", "8", "--n_epochs", "1", "--max_batches", str(STEPS), "--threads_per_device", "1",
+          "--dropout", "0", "--model_max_length", "40", "--learning_rate", str(LR), "--train_size", "48",
+          "--validation_size", "8", "--test_size", "2", "--no_progress"]
+N_EMBD = {"gpt2-tiny": 64, "gpt2-mini": 128}
+
+
+def train(tmp, name, model, world, extra=(), benchmark_only=True):
+    work = os.path.join(tmp, name)
+    args = [DP, "--world_size", str(world), "--master_port", str(free_port()), "--workdir", work,
+            "--model", model] + COMMON + list(extra) + (["--benchmark_only"] if benchmark_only else [])
+    return work, run(args, timeout=600)
+
+
+class EqualToOneDevice(unittest.TestCase):
+    def check_same(self, expected_dir, actual_dir, model, label):
+        problems = weight_problems(weights(actual_dir), weights(expected_dir), N_EMBD[model], LR, STEPS)
+        self.assertEqual(problems, [], label)
+
+    def test_two_stages_through_every_schedule_train_like_one_device(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            one, _ = train(tmp, "one", "gpt2-tiny", 1)
+            for schedule in ("gpipe", "1f1b"):
+                staged, proc = train(tmp, schedule, "gpt2-tiny", 2,
+                                     ["--pipeline_parallel_size", "2", "--pipeline_schedule", schedule, "--n_chunk", "4"])
+                self.assertIn("pipeline_parallel_size=2", proc.stderr)
+                self.check_same(one, staged, "gpt2-tiny", schedule)
+                # Stage 1 reports, as data-parallel rank 0; stage 0 prints no epoch line.
+                self.assertEqual([m[2] for m in (DP_TRAIN.match(l) for l in proc.stdout.splitlines()) if m], ["0"])
+
+    def test_interleaved_and_four_stages_train_like_one_device(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            one, _ = train(tmp, "one", "gpt2-mini", 1)
+            interleaved, _ = train(tmp, "interleaved", "gpt2-mini", 2,
+                                   ["--pipeline_parallel_size", "2", "--pipeline_schedule", "interleaved",
+                                    "--virtual_stages", "2", "--n_chunk", "4"])
+            self.check_same(one, interleaved, "gpt2-mini", "interleaved V=2")
+            four, proc = train(tmp, "four", "gpt2-mini", 4, ["--pipeline_parallel_size", "4", "--n_chunk", "4"])
+            self.assertIn("stages=4 balance=1,1,1,1", proc.stderr)
+            # Stage 0 keeps only its own weights (wte, wpe and one block of four) while it trains.
+            total, held = map(int, re.search(r"\((\d+) parameters, (\d+) held on rank 0\)", proc.stderr).groups())
+            self.assertLess(held, total * 0.75)
+            self.check_same(one, four, "gpt2-mini", "(1,1,4) 1f1b")
+
+    def test_data_parallel_over_two_stage_pipelines_trains_like_data_parallel_alone(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, _ = train(tmp, "dp2", "gpt2-tiny", 2)
+            staged, proc = train(tmp, "dp2pp2", "gpt2-tiny", 4, ["--pipeline_parallel_size", "2", "--n_chunk", "2"])
+            self.check_same(plain, staged, "gpt2-tiny", "(2,1,2)")
+            self.assertEqual(sorted(m[2] for m in (DP_TRAIN.match(l) for l in proc.stdout.splitlines()) if m), ["0", "1"])
+
+    def test_tensor_parallel_stages_alone_and_inside_data_parallelism_train_like_one_device_and_dp(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            one, _ = train(tmp, "one", "gpt2-tiny", 1)
+            t2p2, _ = train(tmp, "t2p2", "gpt2-tiny", 4,
+                            ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--n_chunk", "4"])
+            self.check_same(one, t2p2, "gpt2-tiny", "(1,2,2)")
+            plain, _ = train(tmp, "dp2", "gpt2-tiny", 2)
+            d2t2p2, proc = train(tmp, "d2t2p2", "gpt2-tiny", 8,
+                                 ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2", "--n_chunk", "2"])
+            self.check_same(plain, d2t2p2, "gpt2-tiny", "(2,2,2)")
+            # The last stage's tensor rank 0 of each replica reports, as its data-parallel rank.
+            self.assertEqual(sorted(m[2] for m in (DP_TRAIN.match(l) for l in proc.stdout.splitlines()) if m), ["0", "1"])
+
+    def test_evaluation_and_the_saved_model_equal_one_device_and_keep_one_wte(self):
+        torch = __import__("torch")
+        with tempfile.TemporaryDirectory() as tmp:
+            one, proc_one = train(tmp, "one", "gpt2-tiny", 1, benchmark_only=False)
+            staged, proc = train(tmp, "staged", "gpt2-tiny", 2, ["--pipeline_parallel_size", "2"], benchmark_only=False)
+            saved = weights(staged)
+            self.assertIn("transformer.wte.weight", saved)
+            self.assertFalse([k for k in saved if "lm_head" in k], "the tied head is saved once, as wte")
+            self.check_same(one, staged, "gpt2-tiny", "saved model")
+            loss_one = [float(m[3]) for m in (DP_LOSS.match(l) for l in proc_one.stdout.splitlines()) if m]
+            loss = [float(m[3]) for m in (DP_LOSS.match(l) for l in proc.stdout.splitlines()) if m]
+            self.assertEqual(len(loss), 1, proc.stdout)
+            self.assertAlmostEqual(loss[0], loss_one[0], delta=1e-4 * abs(loss_one[0]))
+
+    def test_pytest_gradients_are_the_whole_models_with_the_tied_embeddings_summed(self):
+        torch = __import__("torch")
+        with tempfile.TemporaryDirectory() as tmp:
+            def gradients(name, world, extra):
+                grads = os.path.join(tmp, name + "_grads")
+                run([DP, "--pytest", "--grad_dir", grads, "--world_size", str(world), "--master_port", str(free_port()),
+                     "--workdir", os.path.join(tmp, name), "--model", "gpt2-tiny"] + COMMON + extra, timeout=600)
+                return [torch.load(os.path.join(grads, f"model{r}_gradients.pth")) for r in range(world)]
+            (one,) = gradients("one", 1, [])
+            staged = gradients("staged", 2, ["--pipeline_parallel_size", "2"])
+            for rank, got in enumerate(staged):
+                self.assertEqual(sorted(got), sorted(one), f"rank {rank}")
+                self.assertEqual(gradient_problems(got, one), [], f"rank {rank}")
+
+
+class Refused(unittest.TestCase):
+    def refused(self, extra, *needles):
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = run([DP, "--workdir", os.path.join(tmp, "w"), "--model", "gpt2-tiny"] + COMMON + extra, check=False)
+            self.assertNotEqual(proc.returncode, 0)
+            for needle in needles:
+                self.assertIn(needle, proc.stderr)
+            self.assertNotIn("Epoch", proc.stdout)
+
+    def test_bad_layouts_and_flags_are_refused_before_launch_naming_the_flags(self):
+        self.refused(["--world_size", "3", "--pipeline_parallel_size", "2"], "--world_size 3", "--pipeline_parallel_size 2")
+        self.refused(["--world_size", "2", "--pipeline_parallel_size", "4"], "--pipeline_parallel_size 4")
+        self.refused(["--world_size", "4", "--pipeline_parallel_size", "4"], "4 stages", "2 blocks")
+        self.refused(["--world_size", "2", "--pipeline_parallel_size", "2", "--pipeline_schedule", "zigzag"],
+                     "--pipeline_schedule", "zigzag")
+        self.refused(["--world_size", "2", "--pipeline_parallel_size", "2", "--n_chunk", "9"], "--n_chunk 9")
+        self.refused(["--world_size", "2", "--pipeline_parallel_size", "2", "--balance", "2,1"], "balance")
+        self.refused(["--world_size", "8", "--pipeline_parallel_size", "2", "--tensor_parallel_size", "3"],
+                     "--tensor_parallel_size 3")
+
+
+class Resharding(unittest.TestCase):
+    """Checkpoints are unsplit state whatever the layout: each resumes under any other. With
+    --learning_rate 0 the resumed run must end with exactly the checkpoint's weights."""
+
+    def resume_without_learning(self, layout, checkpoint, tmp, name, epochs):
+        """Resumes `checkpoint` (4 * (epochs - 1) steps in) under `layout` for one more epoch at lr 0;
+        returns the checkpoint that epoch ends with."""
+        torch = __import__("torch")
+        work = os.path.join(tmp, name)
+        proc = run([DP, "--master_port", str(free_port()), "--workdir", work, "--resume", checkpoint] + layout +
+                   CHECKPOINTED + ["--learning_rate", "0", "--n_epochs", str(epochs)], timeout=600)
+        self.assertIn("continuing from " + checkpoint, proc.stderr)
+        a, b = weights(checkpoint), weights(work)
+        for key in a:
+            self.assertTrue(torch.equal(a[key], b[key]), f"{name}: {key}")
+        return os.path.join(work, "checkpoints", "step-%08d" % (4 * epochs))
+
+    def test_a_checkpoint_reshards_along_2_1_2_then_1_2_1_then_4_1_1_then_2_2_2(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "src")
+            run([DP, "--world_size", "4", "--pipeline_parallel_size", "2", "--master_port", str(free_port()),
+                 "--workdir", src] + CHECKPOINTED + ["--n_epochs", "1"], timeout=600)
+            checkpoint = os.path.join(src, "checkpoints", "step-00000004")
+            checkpoint = self.resume_without_learning(["--world_size", "2", "--tensor_parallel_size", "2"],
+                                                      checkpoint, tmp, "t2", epochs=2)
+            checkpoint = self.resume_without_learning(["--world_size", "4"], checkpoint, tmp, "d4", epochs=3)
+            self.resume_without_learning(["--world_size", "8", "--tensor_parallel_size", "2",
+                                          "--pipeline_parallel_size", "2"], checkpoint, tmp, "d2t2p2", epochs=4)
+
+    def test_a_stage_checkpoint_resumed_on_one_rank_continues_like_the_stages(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            stages = ["--world_size", "2", "--pipeline_parallel_size", "2"]
+            nodrop = ["--dropout", "0"]
+            plain = os.path.join(tmp, "plain")
+            run([DP, "--master_port", str(free_port()), "--workdir", plain] + stages + CHECKPOINTED + nodrop, timeout=600)
+            work = os.path.join(tmp, "w")
+            run([DP, "--master_port", str(free_port()), "--workdir", work] + stages + CHECKPOINTED + nodrop +
+                ["--n_epochs", "1"], timeout=600)
+            # One data-parallel rank either way, so the same batches: weights and AdamW state carry
+            # over and the second epoch ends where the stages' did, up to rounding.
+            proc = run([DP, "--world_size", "1", "--master_port", str(free_port()), "--workdir", work,
+                        "--resume", "auto"] + CHECKPOINTED + nodrop, timeout=600)
+            self.assertIn("continuing from", proc.stderr)
+            self.assertEqual(weight_problems(weights(work), weights(plain), n_embd=64, lr=3e-3, steps=8), [])
+
+
+class KilledStage(unittest.TestCase):
+    STAGES = ["--world_size", "2", "--pipeline_parallel_size", "2"]
+
+    def signal_stage(self, args, rank, signum, after_step):
+        """Runs `args`, sends `signum` to the worker of `rank` once step `after_step` is saved, and
+        returns (exit code, stderr lines, seconds from the signal to the end)."""
+        watched = Watched(args)
+        try:
+            watched.wait_for(saved_step_at_least(after_step))
+            workers = [p for p in descendants(watched.proc.pid) if environ_of(p).get(b"RANK") == str(rank).encode()]
+            self.assertTrue(workers, f"no rank {rank} worker found")
+            start = time.time()
+            os.kill(workers[0], signum)
+            code = watched.finish(timeout=120)
+        finally:
+            if watched.proc.poll() is None:
+                watched.kill_all()
+        return code, watched.err, time.time() - start
+
+    def test_a_killed_stage_ends_the_run_promptly_naming_it(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            code, err, seconds = self.signal_stage(
+                [DP, "--master_port", str(free_port()), "--workdir", os.path.join(tmp, "w")] + self.STAGES +
+                CHECKPOINTED + ["--n_epochs", "50"], 0, signal.SIGKILL, 2)
+            self.assertNotEqual(code, 0)
+            self.assertLess(seconds, 30)
+            self.assertTrue(any("rank 0" in l and "SIGKILL" in l for l in err), "\n".join(err[-20:]))
+
+    def test_a_stage_that_stops_answering_is_named(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            code, err, _ = self.signal_stage(
+                [DP, "--master_port", str(free_port()), "--workdir", os.path.join(tmp, "w"), "--dist_timeout_s", "4"] +
+                self.STAGES + CHECKPOINTED + ["--n_epochs", "50"], 1, signal.SIGSTOP, 2)
+            self.assertNotEqual(code, 0)
+            self.assertTrue(any("rank 1 was stopped by SIGSTOP" in l for l in err), "\n".join(err[-20:]))
+            self.assertTrue(any("got no answer from pipeline rank 1" in l for l in err), "\n".join(err[-20:]))
+
+    def test_max_restarts_after_a_killed_stage_ends_bit_identical(self):
+        torch = __import__("torch")
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = os.path.join(tmp, "plain")
+            run([DP, "--master_port", str(free_port()), "--workdir", plain] + self.STAGES + CHECKPOINTED, timeout=600)
+            work = os.path.join(tmp, "w")
+            code, err, _ = self.signal_stage(
+                [DP, "--master_port", str(free_port()), "--workdir", work, "--max_restarts", "1"] + self.STAGES +
+                CHECKPOINTED, 1, signal.SIGKILL, 3)
+            self.assertEqual(code, 0, "\n".join(err[-30:]))
+            a, b = weights(plain), weights(work)
+            for key in a:
+                self.assertTrue(torch.equal(a[key], b[key]), key)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
