@@ -51,6 +51,15 @@ inline void add_common_options(cxxopts::Options& options, int64_t default_batch_
       ("checkpoint_dir", "where checkpoints go (default: <workdir>/checkpoints)", cxxopts::value<std::string>()->default_value(""))
       ("keep_checkpoints", "complete checkpoints kept (older ones are removed once a newer one is complete)", cxxopts::value<int>()->default_value("2"))
       ("resume", "none | auto (the newest complete checkpoint in --checkpoint_dir, falling back to older ones) | a checkpoint folder", cxxopts::value<std::string>()->default_value("none"))
+      ("lr_schedule", "constant | cosine | linear: the learning rate of each optimizer step; cosine and linear decay from --learning_rate after the warmup to --min_learning_rate at the run's end (transformers' get_cosine/linear_schedule_with_warmup)", cxxopts::value<std::string>()->default_value("constant"))
+      ("warmup_steps", "optimizer steps of linear warmup from 0 to --learning_rate", cxxopts::value<int64_t>()->default_value("0"))
+      ("min_learning_rate", "the floor cosine and linear decay to", cxxopts::value<double>()->default_value("0"))
+      ("weight_decay", "AdamW's decoupled weight decay", cxxopts::value<double>()->default_value("0.01"))
+      ("max_grad_norm", "clip the gradient by its global L2 norm over the whole model, whatever the layout (torch.nn.utils.clip_grad_norm_); 0 = off", cxxopts::value<double>()->default_value("0"))
+      ("max_steps", "optimizer steps of the run (0 = the epochs decide); the run ends at whichever comes first", cxxopts::value<int64_t>()->default_value("0"))
+      ("eval_every", "validation loss every N optimizer steps, printed as 'Step s: Validation Loss = ...' and logged (0 = at each epoch's end only)", cxxopts::value<int64_t>()->default_value("0"))
+      ("tensorboard_dir", "also write the metrics of <workdir>/metrics.jsonl as TensorBoard event files to DIR (tensorboard --logdir DIR)", cxxopts::value<std::string>()->default_value(""))
+      ("async_checkpoint", "copy each checkpoint's state into host memory at the step and write it from a background thread while training goes on (atomic as always: a kill during the write leaves the previous checkpoint complete)")
       ("no_progress", "no progress display on stderr")
       ("h,help", "this help");
 }
@@ -88,6 +97,15 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.checkpoint.dir = r["checkpoint_dir"].as<std::string>();
   f.checkpoint.keep = r["keep_checkpoints"].as<int>();
   f.checkpoint.resume = r["resume"].as<std::string>();
+  f.controls.lr_schedule.kind = train::parse_lr_schedule(r["lr_schedule"].as<std::string>());
+  f.controls.lr_schedule.warmup_steps = r["warmup_steps"].as<int64_t>();
+  f.controls.lr_schedule.min_learning_rate = r["min_learning_rate"].as<double>();
+  f.weight_decay = r["weight_decay"].as<double>();
+  f.max_grad_norm = r["max_grad_norm"].as<double>();
+  f.controls.max_steps = r["max_steps"].as<int64_t>();
+  f.controls.eval_every = r["eval_every"].as<int64_t>();
+  f.controls.tensorboard_dir = r["tensorboard_dir"].as<std::string>();
+  f.controls.async_checkpoint = r.count("async_checkpoint") > 0;
   auto positive = [](const char* flag, int64_t value) {
     if (value <= 0) {
       throw std::invalid_argument(std::string("--") + flag + " must be positive, got " +
@@ -108,6 +126,16 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
     throw std::invalid_argument("--keep_checkpoints must be at least 1, got " + std::to_string(f.checkpoint.keep));
   }
   if (f.checkpoint.resume.empty()) throw std::invalid_argument("--resume needs none, auto or a checkpoint folder");
+  train::validate_lr_schedule(f.controls.lr_schedule, f.learning_rate);
+  auto not_negative = [](const char* flag, double value) {
+    if (!(value >= 0.0)) {
+      throw std::invalid_argument(std::string("--") + flag + " must be >= 0, got " + train::format_number(value));
+    }
+  };
+  not_negative("weight_decay", f.weight_decay);
+  not_negative("max_grad_norm", f.max_grad_norm);
+  not_negative("max_steps", static_cast<double>(f.controls.max_steps));
+  not_negative("eval_every", static_cast<double>(f.controls.eval_every));
   if (f.sizes.train == 0 || f.sizes.validation == 0 || f.sizes.test == 0) {
     throw std::invalid_argument("--train_size, --validation_size and --test_size must be positive");
   }

@@ -19,6 +19,7 @@ PY_PACKAGES=(
   "safetensors"
   "transformers==4.57.6"
   "sacrebleu==2.6.0"
+  "tensorboard==2.21.0"
 )
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git

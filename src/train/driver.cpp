@@ -19,8 +19,10 @@
 #include "harness/data_parallel/process_group.h"
 #include "harness/model/safetensors.h"
 #include "harness/trace.h"
+#include "harness/train/async_checkpoint.h"
 #include "harness/train/bleu.h"
 #include "harness/train/checkpoint_store.h"
+#include "harness/train/metrics_log.h"
 #include "harness/train/rank_agreement.h"
 #include "harness/train/setup.h"
 #include "harness/train/trainer.h"
@@ -91,12 +93,145 @@ std::string checkpoint_root(const TrainingOptions& o) {
   return o.checkpoint.dir.empty() ? (fs::path(o.workdir) / "checkpoints").string() : o.checkpoint.dir;
 }
 
+// What a checkpoint holds besides the state files, captured on the training thread.
+struct CheckpointRecord {
+  Position at;
+  model::GPT2Config config;
+  std::string tokenizer;
+  json trainer_state;
+  json rank_states;
+  CheckpointManifest manifest;
+};
+
+CheckpointRecord checkpoint_record(TrainStep& step, const TrainingOptions& o, const Position& at,
+                                   const std::vector<std::string>& ranks) {
+  CheckpointRecord r;
+  r.at = at;
+  r.config = step.model()->config();
+  r.tokenizer = read_bytes(o.tokenizer_path);
+  r.trainer_state = {
+      {"epoch", at.epoch}, {"batch_in_epoch", at.batch_in_epoch}, {"global_step", at.global_step},
+      {"n_epochs", o.n_epochs}, {"max_batches", o.max_batches},
+      {"global_batch_size", o.global_batch_size}, {"seed", o.seed}, {"data_order", o.data_order},
+      {"optimizer", "AdamW"}};
+  r.rank_states = {{"ranks", json::array()}};
+  for (const std::string& rank : ranks) r.rank_states["ranks"].push_back(json::parse(rank));
+  r.manifest.program = o.program;
+  r.manifest.world_size = o.world_size;
+  r.manifest.tensor_parallel_size = o.tensor_parallel_size;
+  r.manifest.data_parallel_size = o.data_parallel_size;
+  r.manifest.pipeline_devices = o.pipeline_devices;
+  r.manifest.model_config = json::parse(r.config.to_json_string());
+  r.manifest.global_step = at.global_step;
+  r.manifest.epoch = at.epoch;
+  r.manifest.batch_in_epoch = at.batch_in_epoch;
+  return r;
+}
+
+// This rank's generator states and figures, gathered from every rank (a collective).
+std::vector<std::string> gather_rank_states(TrainStep& step, const TrainingOptions& o, const RankProgress& progress,
+                                            const dp::DistContext* world) {
+  GeneratorStates generators = capture_generator_states(o.devices);
+  for (auto& [name, bytes] : step.extra_generator_states()) generators[name] = bytes;
+  json mine = {{"rank", o.rank}, {"generators", json::object()},
+               {"epoch_seconds", progress.seconds}, {"epoch_token_rates", progress.rates},
+               {"partial_epoch", timing_to_json(progress.partial)}};
+  for (const auto& [name, bytes] : generators) mine["generators"][name] = to_hex(bytes);
+  return all_gather_strings(mine.dump(), world);
+}
+
+// The files after the state files (written into `files` already): then the manifest, which makes
+// the checkpoint complete, and the pruning of older ones.
+void finish_checkpoint(CheckpointWriter& files, const CheckpointRecord& r, const TrainingOptions& o, double start) {
+  files.add_file("config.json");
+  files.add_file("model.safetensors");
+  files.add_file("optimizer.safetensors");
+  files.add_bytes("tokenizer.model", r.tokenizer);
+  files.add_bytes("trainer_state.json", r.trainer_state.dump(2) + "\n");
+  files.add_bytes("rank_states.json", r.rank_states.dump() + "\n");
+  if (const char* stall = std::getenv("HARNESS_TEST_CHECKPOINT_STALL_MS")) {
+    // Test hook: a window in which the checkpoint is half written, announced on stderr.
+    std::cerr << "checkpoint: writing " << files.temp_path() << std::endl;
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(stall)));
+  }
+  const std::string path = files.commit(r.manifest);
+  prune_checkpoints(checkpoint_root(o), std::max(1, o.checkpoint.keep));
+  uint64_t bytes = 0;
+  for (const auto& f : read_manifest(path).files) bytes += f.size;
+  std::cerr << "checkpoint: saved " << path << " (step " << r.at.global_step << ", epoch " << r.at.epoch
+            << ", batch " << r.at.batch_in_epoch << ", " << std::fixed << std::setprecision(1)
+            << bytes / 1e6 << " MB in " << std::setprecision(3) << now_seconds() - start << " s)"
+            << std::defaultfloat << std::endl;
+}
+
+// --async_checkpoint's parts: the host buffers the state is copied into, and the writer thread.
+struct AsyncCheckpoints {
+  HostSnapshot host;
+  BackgroundWriter writer;
+};
+
+// Until rank 0 has done what `what` names (written a checkpoint, finished the previous background
+// write) the other ranks wait here, polling the rendezvous store, not in a collective, which
+// --dist_timeout_s bounds: a save may take longer than that (GPT-2 XL).
+void wait_for_the_writer(const std::string& what, int64_t global_step, bool writer, const dp::DistContext* world) {
+  if (world == nullptr || world->world_size == 1 || !world->store) return;
+  const std::string key = "harness/" + what + "/" + std::to_string(global_step);
+  if (writer) {
+    world->store->set(key, std::vector<uint8_t>{1});
+    return;
+  }
+  for (int wait_ms = 1; !world->store->check({key}); wait_ms = std::min(2 * wait_ms, 100)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms));
+  }
+}
+
 void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& at,
-                     const RankProgress& progress, const dp::DistContext* world) {
+                     const RankProgress& progress, const dp::DistContext* world, AsyncCheckpoints* async) {
   const bool writer = o.rank == 0;
   const bool collective = step.collective_state();  // unsplitting gathers (tensor parallelism, ZeRO)
   const double start = now_seconds();
   const std::string root = checkpoint_root(o);
+  if (async != nullptr) {
+    // The previous write must be done before its buffers are refilled (its error surfaces here);
+    // meanwhile the other ranks wait outside the collectives below.
+    if (writer) async->writer.wait();
+    wait_for_the_writer("ready_to_checkpoint", at.global_step, writer, world);
+    const double copy_start = now_seconds();
+    // Every rank takes part in the gathers of a split or sharded state; only the writer keeps it.
+    model::GPT2LMHeadModel model = step.gathered_model();
+    model::NamedTensors weights;
+    if (model->tensor_parallel() == nullptr) {
+      if (writer) {
+        for (const auto& item : model->named_parameters()) {
+          weights.emplace_back(item.key(), async->host.copy("weight:" + item.key(), item.value()));
+        }
+      }
+    } else {
+      weights = model->full_state();  // collective; fresh host tensors
+    }
+    // The AdamW state comes as fresh host copies already (gathered where split or sharded).
+    OptimizerState optimizer;
+    if (writer || collective) optimizer = step.optimizer_state();
+    if (!writer) optimizer.clear();
+    async->host.finish();
+    const std::vector<std::string> ranks = gather_rank_states(step, o, progress, world);
+    if (!writer) return;
+    make_directories(root);
+    auto record = std::make_shared<CheckpointRecord>(checkpoint_record(step, o, at, ranks));
+    auto state = std::make_shared<std::pair<model::NamedTensors, OptimizerState>>(std::move(weights), std::move(optimizer));
+    std::cerr << "checkpoint: step " << at.global_step << " copied to host memory in " << std::fixed
+              << std::setprecision(3) << now_seconds() - copy_start << " s (training stalled "
+              << now_seconds() - start << " s); writing it in the background" << std::defaultfloat << std::endl;
+    async->writer.submit([record, state, &o, root] {
+      const double write_start = now_seconds();
+      CheckpointWriter files(root, record->at.global_step);
+      record->config.save_json_file(files.path_for("config.json"));
+      model::write_safetensors(files.path_for("model.safetensors"), state->first);
+      write_optimizer_state(files.path_for("optimizer.safetensors"), state->second);
+      finish_checkpoint(files, *record, o, write_start);
+    });
+    return;
+  }
   std::unique_ptr<CheckpointWriter> files;
   if (writer) {
     make_directories(root);
@@ -107,52 +242,9 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
     step.save_state(writer ? files->path_for("model.safetensors") : std::string(),
                     writer ? files->path_for("optimizer.safetensors") : std::string(), writer);
   }
-  GeneratorStates generators = capture_generator_states(o.devices);
-  for (auto& [name, bytes] : step.extra_generator_states()) generators[name] = bytes;
-  json mine = {{"rank", o.rank}, {"generators", json::object()},
-               {"epoch_seconds", progress.seconds}, {"epoch_token_rates", progress.rates},
-               {"partial_epoch", timing_to_json(progress.partial)}};
-  for (const auto& [name, bytes] : generators) mine["generators"][name] = to_hex(bytes);
-  const std::vector<std::string> ranks = all_gather_strings(mine.dump(), world);
-  if (!writer) return;  // the others go on; they wait for rank 0 at the next collective
-
-  files->add_file("config.json");
-  files->add_file("model.safetensors");
-  files->add_file("optimizer.safetensors");
-  files->add_bytes("tokenizer.model", read_bytes(o.tokenizer_path));
-  const json trainer_state = {
-      {"epoch", at.epoch}, {"batch_in_epoch", at.batch_in_epoch}, {"global_step", at.global_step},
-      {"n_epochs", o.n_epochs}, {"max_batches", o.max_batches},
-      {"global_batch_size", o.global_batch_size}, {"seed", o.seed}, {"data_order", o.data_order},
-      {"optimizer", "AdamW"}};
-  files->add_bytes("trainer_state.json", trainer_state.dump(2) + "\n");
-  json rank_states = {{"ranks", json::array()}};
-  for (const std::string& r : ranks) rank_states["ranks"].push_back(json::parse(r));
-  files->add_bytes("rank_states.json", rank_states.dump() + "\n");
-  if (const char* stall = std::getenv("HARNESS_TEST_CHECKPOINT_STALL_MS")) {
-    // Test hook: a window in which the checkpoint is half written, announced on stderr.
-    std::cerr << "checkpoint: writing " << files->temp_path() << std::endl;
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(stall)));
-  }
-
-  CheckpointManifest manifest;
-  manifest.program = o.program;
-  manifest.world_size = o.world_size;
-  manifest.tensor_parallel_size = o.tensor_parallel_size;
-  manifest.data_parallel_size = o.data_parallel_size;
-  manifest.pipeline_devices = o.pipeline_devices;
-  manifest.model_config = json::parse(step.model()->config().to_json_string());
-  manifest.global_step = at.global_step;
-  manifest.epoch = at.epoch;
-  manifest.batch_in_epoch = at.batch_in_epoch;
-  const std::string path = files->commit(manifest);
-  prune_checkpoints(root, std::max(1, o.checkpoint.keep));
-  uint64_t bytes = 0;
-  for (const auto& f : read_manifest(path).files) bytes += f.size;
-  std::cerr << "checkpoint: saved " << path << " (step " << at.global_step << ", epoch " << at.epoch
-            << ", batch " << at.batch_in_epoch << ", " << std::fixed << std::setprecision(1)
-            << bytes / 1e6 << " MB in " << std::setprecision(3) << now_seconds() - start << " s)"
-            << std::defaultfloat << std::endl;
+  const std::vector<std::string> ranks = gather_rank_states(step, o, progress, world);
+  if (writer) finish_checkpoint(*files, checkpoint_record(step, o, at, ranks), o, start);
+  wait_for_the_writer("checkpoint_written", at.global_step, writer, world);
 }
 
 // ----- choosing and loading a checkpoint ---------------------------------------------------------
@@ -329,6 +421,31 @@ void report_evaluation(const TrainingOptions& o, int64_t epoch, const EpochEvalu
                          eval.generations);
 }
 
+// The run's optimizer steps: --n_epochs epochs of ceil(batches / accumulation) steps each (the
+// last step of an epoch takes what is left), or --max_steps where fewer. The schedule decays over
+// them, the same number whether the run starts fresh or resumes.
+int64_t run_training_steps(const data::BatchLoader& loader, const TrainingOptions& o) {
+  const int64_t batches = batches_in_epoch(loader, o.max_batches);
+  const int64_t per_epoch = (batches + o.gradient_accumulation_steps - 1) / o.gradient_accumulation_steps;
+  const int64_t steps = o.n_epochs * per_epoch;
+  return o.controls.max_steps > 0 ? std::min(steps, o.controls.max_steps) : steps;
+}
+
+// --eval_every: the validation loss after `global_step` steps, printed (as the epoch lines' rank)
+// and logged; every rank of a split model takes part. Training mode is restored after.
+void evaluate_at_step(TrainStep& step, const TrainingData& data, const TrainingOptions& o, int64_t epoch,
+                      int64_t global_step, MetricsLog* metrics) {
+  model::GPT2LMHeadModel model = step.gathered_model();
+  const double loss = evaluate_loss(model, *data.validation, model->transformer->wte->weight.device());
+  step.set_training(true);
+  if (o.reports) {
+    std::cout << "Step " << global_step
+              << (o.style == ReportStyle::kDataParallel ? " on Rank " + std::to_string(o.report_rank) : std::string())
+              << ": Validation Loss = " << format_number(loss) << std::endl;
+  }
+  if (metrics) metrics->log(EvalMetrics{global_step, epoch, loss});
+}
+
 }  // namespace
 
 EpochEvaluation evaluate_epoch(model::GPT2LMHeadModel& model, data::BatchLoader& validation,
@@ -350,6 +467,9 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
                              const dp::DistContext* world) {
   if (o.checkpoint.every < 0) throw std::invalid_argument("--checkpoint_every must be >= 0");
   if (o.checkpoint.keep < 1) throw std::invalid_argument("--keep_checkpoints must be at least 1");
+  if (o.controls.max_steps < 0) throw std::invalid_argument("--max_steps must be >= 0");
+  if (o.controls.eval_every < 0) throw std::invalid_argument("--eval_every must be >= 0");
+  validate_lr_schedule(o.controls.lr_schedule, o.learning_rate);
   RankProgress progress;
   Position at;
   TrainingSummary summary;
@@ -362,12 +482,17 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
   const model::GPT2Config config = step.model()->config();
   const double load_start = now_seconds();
   std::optional<Resumption> resumption;
+  std::optional<MetricsLog> metrics;
   std::string refusal;
   try {
     check_positions(config, o.model_max_length);
     if (o.rank == 0) make_directories(checkpoint_root(o));
     resumption = choose_checkpoint(o, config);
     if (o.rank == 0 && o.checkpoint.resume != "auto") refuse_later_checkpoints(o, resumption);
+    if (o.reports && o.report_rank == 0 && !o.workdir.empty()) {
+      metrics.emplace((fs::path(o.workdir) / "metrics.jsonl").string(),
+                      resumption ? resumption->manifest.global_step : -1, o.controls.tensorboard_dir);
+    }
   } catch (const std::exception& e) {
     if (world == nullptr || world->world_size == 1) throw;
     refusal = e.what();
@@ -392,24 +517,48 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
   }
 
   step.set_global_step(at.global_step);
-  for (int64_t epoch = at.epoch; epoch < o.n_epochs; ++epoch) {
+  const int64_t training_steps = run_training_steps(data.train(at.epoch), o);
+  summary.training_steps = training_steps;
+  const LrSchedule& schedule = o.controls.lr_schedule;
+  std::optional<AsyncCheckpoints> async;
+  if (o.controls.async_checkpoint) async.emplace();
+  AsyncCheckpoints* async_files = async ? &*async : nullptr;
+  for (int64_t epoch = at.epoch; epoch < o.n_epochs && at.global_step < training_steps; ++epoch) {
     data::BatchLoader& loader = data.train(epoch);
-    const int64_t total = batches_in_epoch(loader, o.max_batches);
     TrainEpochOptions options;
-    options.max_batches = o.max_batches;
-    options.accumulation_steps = o.gradient_accumulation_steps;
     options.first_batch = epoch == at.epoch ? at.batch_in_epoch : 0;
+    // The step budget may end the run inside this epoch.
+    const int64_t whole = batches_in_epoch(loader, o.max_batches);
+    const int64_t budget = options.first_batch + (training_steps - at.global_step) * o.gradient_accumulation_steps;
+    const bool cut = budget < whole;
+    const int64_t total = cut ? budget : whole;
+    options.max_batches = total;
+    options.accumulation_steps = o.gradient_accumulation_steps;
     options.description = (o.style == ReportStyle::kDataParallel ? "rank " + std::to_string(o.rank) + " " : "") +
                           "epoch " + std::to_string(epoch);
     options.show_progress = o.show_progress;
     options.tracer = o.tracer;
     options.trace_track = o.trace_track;
+    options.before_step = [&] {
+      if (!schedule.constant()) {
+        step.set_learning_rate(scheduled_learning_rate(schedule, o.learning_rate, at.global_step, training_steps));
+      }
+    };
     options.after_step = [&](const EpochTiming& so_far) {
       ++at.global_step;
+      if (metrics) {
+        metrics->log(StepMetrics{at.global_step, epoch, so_far.last_loss, step.learning_rate(), step.last_grad_norm(),
+                                 so_far.last_step_tokens,
+                                 static_cast<double>(so_far.last_step_tokens) / so_far.last_step_seconds,
+                                 so_far.last_step_seconds, peak_memory_bytes(step.input_device())});
+      }
+      if (o.controls.eval_every > 0 && at.global_step % o.controls.eval_every == 0) {
+        evaluate_at_step(step, data, o, epoch, at.global_step, metrics ? &*metrics : nullptr);
+      }
       // The last batch of an epoch is checkpointed after its evaluation, below.
       if (o.checkpoint.every > 0 && at.global_step % o.checkpoint.every == 0 && so_far.batches < total) {
         progress.partial = so_far;
-        save_checkpoint(step, o, {epoch, so_far.batches, at.global_step}, progress, world);
+        save_checkpoint(step, o, {epoch, so_far.batches, at.global_step}, progress, world, async_files);
       }
     };
     const EpochTiming resumed = epoch == at.epoch ? progress.partial : EpochTiming{};
@@ -431,10 +580,27 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
       const EpochEvaluation eval = evaluate_epoch(model, *data.validation, *data.tokenizer, *data.test,
                                                   o.model_max_length, o.show_progress);
       if (o.reports) report_evaluation(o, epoch, eval, timing.seconds, rate, *data.test);
+      if (metrics) metrics->log(EvalMetrics{at.global_step, epoch, eval.validation_loss});
     }
-    save_checkpoint(step, o, {epoch + 1, 0, at.global_step}, progress, world);
+    if (cut) {
+      // The budget ended the run inside the epoch: the checkpoint is a position in it, so that a
+      // run resumed with a larger budget finishes the epoch (and reports it whole).
+      RankProgress inside = progress;
+      inside.seconds.pop_back();
+      inside.rates.pop_back();
+      inside.partial = timing;
+      save_checkpoint(step, o, {epoch, timing.batches, at.global_step}, inside, world, async_files);
+      break;
+    }
+    save_checkpoint(step, o, {epoch + 1, 0, at.global_step}, progress, world, async_files);
   }
 
+  if (async) {
+    // The last checkpoint is complete before the run ends; the other ranks wait for it outside
+    // any collective (a launcher must not see them exit while rank 0 still writes).
+    if (o.rank == 0) async->writer.wait();
+    wait_for_the_writer("background_writes_done", at.global_step, o.rank == 0, world);
+  }
   const MeanStd time_stats = mean_std(progress.seconds), rate_stats = mean_std(progress.rates);
   if (o.reports) {
     std::cout << (o.style == ReportStyle::kDataParallel ? "Rank " + std::to_string(o.report_rank) + " training time"

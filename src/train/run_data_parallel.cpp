@@ -232,7 +232,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
       stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
     }
     auto made = std::make_unique<PipelineForwardBackward>(model, stage,
-                                                          PipelineProcesses{stages->pipeline, stages->embedding});
+                                                          PipelineProcesses{stages->pipeline, stages->embedding, flags.debug_sync});
     pipeline_stages = made.get();
     forward_backward = std::move(made);
   } else {
@@ -257,16 +257,16 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
       sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
       sync->attach(parameters);
     }
-    optimizer = stage_adamw(model, f.learning_rate, std::move(held));
+    optimizer = stage_adamw(model, f.optimizer_settings(), std::move(held));
   } else if (flags.zero_stage == 1) {
     auto buckets = std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
                                                            dp::GradientReduction::kReduceScatter);
-    optimizer = sharded_adamw(model, f.learning_rate, *buckets);
+    optimizer = sharded_adamw(model, f.optimizer_settings(), *buckets);
     sync = std::move(buckets);
   } else {
     sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
     sync->attach(*model);
-    optimizer = replicated_adamw(model, f.learning_rate);
+    optimizer = replicated_adamw(model, f.optimizer_settings());
   }
   if (sync && flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
   if (flags.zero_stage == 1 && rank == 0) {

@@ -30,6 +30,8 @@ TrainingOptions training_options(const RunConfig& f, const std::string& program,
   o.seed = f.seed;
   o.workdir = f.workdir;
   o.checkpoint = f.checkpoint;
+  o.learning_rate = f.learning_rate;
+  o.controls = f.controls;
   return o;
 }
 
@@ -68,7 +70,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
   if (pipeline.mode.empty()) {
     if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
     model->to(devices.front().torch_device());
-    step = std::make_unique<GPT2TrainStep>(model, f.learning_rate);
+    step = std::make_unique<GPT2TrainStep>(model, f.optimizer_settings());
   } else {
     // Model parallel is the pipeline with one micro-batch: GPipe's order over the same stages.
     PipelineScheduleConfig flags = pipe;
@@ -88,7 +90,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
       options.balance_halves =
           pipeline::balance_gpt2_by_time(model, devices.front(), stages_wanted, rows, f.model_max_length);
     }
-    auto made = std::make_unique<PipelineTrainStep>(model, f.learning_rate, options);
+    auto made = std::make_unique<PipelineTrainStep>(model, f.optimizer_settings(), options);
     stages = &made->pipeline();
     step = std::move(made);
   }

@@ -84,6 +84,7 @@ EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoc
       batches.push_back(std::move(*batch));
     }
     if (batches.empty()) break;
+    if (options.before_step) options.before_step();
     const double t0 = now_seconds();
     {
       TraceScope scope(options.tracer, "step", options.trace_track,
@@ -95,9 +96,11 @@ EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoc
     timing.tokens += tokens;
     timing.batch_token_rates.push_back(static_cast<double>(tokens) / batch_seconds);
     timing.batches += static_cast<int64_t>(batches.size());
+    timing.last_step_seconds = batch_seconds;
+    timing.last_step_tokens = tokens;
     std::ostringstream postfix;
-    postfix << "loss=" << timing.last_loss << " tokens_per_sec="
-            << static_cast<int64_t>(tokens / batch_seconds);
+    postfix << "loss=" << timing.last_loss << " lr=" << step.learning_rate()
+            << " tokens_per_sec=" << static_cast<int64_t>(tokens / batch_seconds);
     progress.update(timing.batches, postfix.str());
     if (options.after_step) {
       const double paused = now_seconds();

@@ -13,6 +13,7 @@
 #include "harness/data/example.h"
 #include "harness/data/loader.h"
 #include "harness/data/tokenizer.h"
+#include "harness/train/lr_schedule.h"
 #include "harness/train/report.h"
 #include "harness/train/train_step.h"
 
@@ -30,6 +31,19 @@ struct CheckpointOptions {
   std::string dir;               // empty: <workdir>/checkpoints
   int keep = 2;                  // complete checkpoints kept
   std::string resume = "none";   // none | auto (newest complete in dir) | a checkpoint folder
+};
+
+// What a real training run adds to the original's loop, all off by default: a learning-rate
+// schedule over the run's optimizer steps, a budget of steps, evaluation every N steps, the
+// metrics in TensorBoard's format, and checkpoints written in the background.
+struct TrainingControls {
+  LrSchedule lr_schedule;  // constant without warmup: AdamW keeps --learning_rate throughout
+  int64_t max_steps = 0;   // optimizer steps of the run; 0: the epochs decide
+  int64_t eval_every = 0;  // validation loss every N optimizer steps; 0: at each epoch's end only
+  std::string tensorboard_dir;  // the metrics as TensorBoard event files too; empty: not
+  // Checkpoints copied into host memory at the step and written by a background thread while
+  // training goes on (the next copy waits for the previous write).
+  bool async_checkpoint = false;
 };
 
 // Which of SPEC §7's line and file formats: "Epoch e on Rank r: ..." and rank{r}_*.json with the
@@ -62,8 +76,10 @@ struct TrainingOptions {
   bool show_progress = true;
   uint64_t seed = 1234;
   std::string data_order;          // how the training order is drawn (recorded, checked on resume)
+  double learning_rate = 1e-4;     // the schedule's peak (the step's optimizer starts at it)
+  TrainingControls controls;
 
-  std::string workdir;             // results files
+  std::string workdir;             // results files, and metrics.jsonl where reports && report_rank == 0
   std::string save_dir;            // where the final model goes; empty: not saved by this rank
   std::string tokenizer_path;      // the run's tokenizer.model (copied into checkpoints)
   CheckpointOptions checkpoint;
@@ -83,11 +99,15 @@ struct TrainingData {
 struct TrainingSummary {
   std::vector<double> epoch_seconds, epoch_token_rates;  // every epoch, resumed ones included
   int64_t global_step = 0;
+  int64_t training_steps = 0;  // the run's optimizer steps, over which the schedule runs
   std::string resumed_from;  // the checkpoint resumed, or empty
 };
 
-// Trains options.n_epochs epochs (resuming first when options.checkpoint.resume says so),
-// printing and writing SPEC §7's lines and files, and checkpointing. `world` (null for one
+// Trains options.n_epochs epochs, or options.controls.max_steps optimizer steps where fewer
+// (resuming first when options.checkpoint.resume says so), printing and writing SPEC §7's lines
+// and files, checkpointing, and logging every step to <workdir>/metrics.jsonl (the process that
+// reports data-parallel rank 0's lines writes it). The learning rate of each step follows
+// options.controls.lr_schedule over the run's steps, continued where a resumed run stopped. `world` (null for one
 // process) is the group whose ranks all call this together: the choice of checkpoint is agreed
 // over it and checkpoints gather every rank's generator states over it; rank 0 writes them.
 TrainingSummary run_training(TrainStep& step, const TrainingData& data, const TrainingOptions& options,

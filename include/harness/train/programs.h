@@ -40,6 +40,16 @@ struct RunConfig {
   bool progress = true;
   bool fit_vocab = false;
   CheckpointOptions checkpoint;
+  double weight_decay = 0.01;  // --weight_decay (AdamW's)
+  double max_grad_norm = 0.0;  // --max_grad_norm: clip by the global gradient norm; 0: off
+  TrainingControls controls;   // --lr_schedule, --warmup_steps, --min_learning_rate, --max_steps, --eval_every
+  // The optimizer the programs build: AdamW at learning_rate with weight_decay, clipped at max_grad_norm.
+  OptimizerSettings optimizer_settings() const {
+    OptimizerSettings settings(learning_rate);
+    settings.weight_decay = weight_decay;
+    settings.max_grad_norm = max_grad_norm;
+    return settings;
+  }
 };
 
 // The driver's options that come from a RunConfig; each program adds its layout.

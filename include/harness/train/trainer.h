@@ -31,8 +31,10 @@ struct TrainEpochOptions {
   bool show_progress = true;
   Tracer* tracer = nullptr;
   std::string trace_track = "main";
-  // After each optimizer step, with the epoch's figures so far (checkpoints); its own time is not
-  // counted as training time.
+  // Before each optimizer step (the learning rate of the step is set here).
+  std::function<void()> before_step;
+  // After each optimizer step, with the epoch's figures so far (checkpoints, evaluations, the
+  // metrics log); its own time is not counted as training time.
   std::function<void(const EpochTiming& so_far)> after_step;
 };
 
@@ -41,7 +43,9 @@ struct EpochTiming {
   std::vector<double> batch_token_rates;  // tokens / seconds of each optimizer step's batches
   int64_t tokens = 0;                     // sum over batches of B * T of input_ids
   int64_t batches = 0;                    // batches trained (the resumed part included)
-  double last_loss = 0.0;
+  double last_loss = 0.0;                 // of the last optimizer step
+  double last_step_seconds = 0.0;
+  int64_t last_step_tokens = 0;
   double mean_batch_token_rate() const;
 };
 
