@@ -93,6 +93,16 @@ std::string checkpoint_root(const TrainingOptions& o) {
   return o.checkpoint.dir.empty() ? (fs::path(o.workdir) / "checkpoints").string() : o.checkpoint.dir;
 }
 
+// The flags the learning rate of every step derives from (with the epochs and batches, recorded
+// beside), as the checkpoint records them: a resume with others says so.
+std::string schedule_text(const TrainingOptions& o) {
+  const LrSchedule& s = o.controls.lr_schedule;
+  return "--lr_schedule " + to_string(s.kind) + " --learning_rate " + format_number(o.learning_rate) +
+         " --warmup_steps " + std::to_string(s.warmup_steps) + " --min_learning_rate " +
+         format_number(s.min_learning_rate) + " --max_steps " + std::to_string(o.controls.max_steps) +
+         " --gradient_accumulation_steps " + std::to_string(o.gradient_accumulation_steps);
+}
+
 // What a checkpoint holds besides the state files, captured on the training thread.
 struct CheckpointRecord {
   Position at;
@@ -113,7 +123,7 @@ CheckpointRecord checkpoint_record(TrainStep& step, const TrainingOptions& o, co
       {"epoch", at.epoch}, {"batch_in_epoch", at.batch_in_epoch}, {"global_step", at.global_step},
       {"n_epochs", o.n_epochs}, {"max_batches", o.max_batches},
       {"global_batch_size", o.global_batch_size}, {"seed", o.seed}, {"data_order", o.data_order},
-      {"optimizer", "AdamW"}};
+      {"optimizer", "AdamW"}, {"learning_rate_schedule", schedule_text(o)}};
   r.rank_states = {{"ranks", json::array()}};
   for (const std::string& rank : ranks) r.rank_states["ranks"].push_back(json::parse(rank));
   r.manifest.program = o.program;
@@ -373,6 +383,11 @@ void apply_checkpoint(const Resumption& r, TrainStep& step, const TrainingOption
                 << o.tensor_parallel_size << ": weights and optimizer state carry over, the "
                 << "interrupted epoch continues at batch " << at.batch_in_epoch
                 << " of this layout's data order";
+    }
+    const std::string schedule = r.trainer_state.value("learning_rate_schedule", std::string());
+    if (!schedule.empty() && schedule != schedule_text(o)) {
+      std::cerr << "; the learning-rate schedule differs (checkpoint: " << schedule << "; this run: "
+                << schedule_text(o) << "): the steps from here take this run's rates";
     }
     const std::string order = r.trainer_state.value("data_order", std::string());
     if (order != o.data_order) {

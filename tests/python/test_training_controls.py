@@ -158,6 +158,10 @@ class ResumedSchedule(unittest.TestCase):
             wa, wb = ck.weights(plain), ck.weights(work)
             for name in wa:
                 self.assertTrue(torch.equal(wa[name], wb[name]), f"{name} differs after the resume")
+            # A resume under another schedule says so.
+            other = ck.run([PP, "--workdir", work, "--resume", "auto"] + ck.TINY + ["--lr_schedule", "linear"])
+            self.assertIn("the learning-rate schedule differs (checkpoint: --lr_schedule cosine --learning_rate 0.003 "
+                          "--warmup_steps 2", other.stderr)
 
 
 class AsyncCheckpoint(unittest.TestCase):
