@@ -2,7 +2,8 @@
 """What a checkpoint costs: run_pipeline trains one step of a model (default `gpt2`, 124M) and writes
 its end-of-epoch checkpoint, then a second run resumes from it; both print their times. Next to
 them, a plain copy of the same files on the same disk (write + fsync), so that the write bandwidth
-has a yardstick. The figures go into benchmark_details.json under "checkpoint" (the file is
+has a yardstick, and the same run with --async_checkpoint: how long training stalls while the
+state is copied to host memory, against the synchronous save. The figures go into benchmark_details.json under "checkpoint" (the file is
 created if missing, other keys are kept).
 
     scripts/checkpoint_bench.py [--model gpt2] [--build-dir build] [--workdir workdir/checkpoint_bench]
@@ -18,6 +19,7 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED = re.compile(r"checkpoint: saved (\S+) \(step \d+, epoch \d+, batch \d+, ([\d.]+) MB in ([\d.]+) s\)")
+STALLED = re.compile(r"checkpoint: step \d+ copied to host memory in ([\d.]+) s \(training stalled ([\d.]+) s\)")
 LOADED = re.compile(r"resume: verified and loaded ([\d.]+) MB in ([\d.]+) s")
 
 
@@ -75,6 +77,12 @@ def main(argv=None):
         raise SystemExit("no 'resume: verified and loaded' line:\n" + resumed.stderr[-2000:])
     load_mb, load_s = float(m[1]), float(m[2])
     copy_bytes, copy_s = plain_copy(path, os.path.join(args.workdir, "plain_copy"))
+    shutil.rmtree(os.path.join(args.workdir, "checkpoints"))
+    in_background = run(common + ["--async_checkpoint"])
+    m, saved = STALLED.search(in_background.stderr), SAVED.search(in_background.stderr)
+    if not m or not saved:
+        raise SystemExit("no 'checkpoint: ... copied to host memory' and 'saved' lines:\n" + in_background.stderr[-2000:])
+    copy_to_host_s, stall_s, background_write_s = float(m[1]), float(m[2]), float(saved[3])
 
     figures = {
         "model": args.model,
@@ -88,10 +96,16 @@ def main(argv=None):
         "plain_copy_seconds": copy_s,
         "plain_copy_MB_per_s": copy_bytes / 1e6 / copy_s,
         "write_vs_plain_copy": (write_mb / write_s) / (copy_bytes / 1e6 / copy_s),
+        "async_stall_seconds": stall_s,
+        "async_copy_to_host_seconds": copy_to_host_s,
+        "async_background_write_seconds": background_write_s,
+        "async_stall_vs_sync_write": stall_s / write_s,
         "note": "write: gathering the unsplit weights and AdamW state, safetensors + JSON files, SHA-256 "
                 "of each, fsync of every file and folder, rename; load: SHA-256 verification of every "
                 "file, then reading weights and optimizer state into the model. Plain copy: the same "
-                "files read and written again with an fsync each.",
+                "files read and written again with an fsync each. Async: the training thread's stall "
+                "(gathering the state, copying the weights into reused host buffers, AdamW's state into "
+                "host copies) while a background thread writes the same files.",
     }
     details = {}
     if os.path.exists(args.out):
