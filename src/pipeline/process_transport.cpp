@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 
@@ -28,14 +29,31 @@ int p2p_tag(const P2PMessage& message) {
 }
 
 ProcessTransport::ProcessTransport(c10::intrusive_ptr<c10d::Backend> group, Device device, MessageShape shape_of,
-                                   at::ScalarType dtype)
-    : group_(std::move(group)), device_(device), shape_of_(std::move(shape_of)), dtype_(dtype) {
+                                   at::ScalarType dtype, std::optional<P2PDebugRecord> debug)
+    : group_(std::move(group)), device_(device), shape_of_(std::move(shape_of)), dtype_(dtype),
+      debug_(std::move(debug)) {
   if (!group_) throw std::invalid_argument("ProcessTransport: no pipeline group given");
   if (!shape_of_) throw std::invalid_argument("ProcessTransport: no message shape given");
 }
 
+std::string ProcessTransport::last_posted_by(int peer) const {
+  const std::string key = debug_->prefix + std::to_string(peer);
+  try {
+    if (!debug_->store->check({key})) return "pipeline rank " + std::to_string(peer) + " had posted no exchange";
+    const std::vector<uint8_t> value = debug_->store->get(key);
+    return "pipeline rank " + std::to_string(peer) + " last posted " + std::string(value.begin(), value.end());
+  } catch (const std::exception& e) {
+    return "pipeline rank " + std::to_string(peer) + "'s record could not be read (" + e.what() + ")";
+  }
+}
+
 void ProcessTransport::exchange(int device, const std::vector<P2POp>& ops,
                                 const std::function<at::Tensor(const P2PMessage&)>& outgoing) {
+  const int64_t number = exchanges_++;
+  if (debug_) {
+    const std::string text = "exchange #" + std::to_string(number) + " " + p2p_exchange_label(ops);
+    debug_->store->set(debug_->prefix + std::to_string(device), std::vector<uint8_t>(text.begin(), text.end()));
+  }
   // Each op's tensor list outlives its work: c10d holds references, not copies.
   std::vector<std::vector<at::Tensor>> buffers;
   buffers.reserve(ops.size());
@@ -71,14 +89,19 @@ void ProcessTransport::exchange(int device, const std::vector<P2POp>& ops,
     try {
       works[k]->wait();
     } catch (const std::exception& e) {
-      std::string peers;
+      std::vector<int> peers;
       for (const P2POp& op : ops) {
-        const std::string peer = std::to_string(op.peer);
-        if (peers.find(peer) == std::string::npos) peers += (peers.empty() ? "" : ", ") + peer;
+        if (std::find(peers.begin(), peers.end(), op.peer) == peers.end()) peers.push_back(op.peer);
+      }
+      std::string names, records;
+      for (int peer : peers) {
+        names += (names.empty() ? "" : ", ") + std::to_string(peer);
+        if (debug_) records += "; " + last_posted_by(peer);
       }
       const std::string what = e.what();
       throw std::runtime_error("pipeline rank " + std::to_string(device) + " got no answer from pipeline rank " +
-                               peers + ": " + what.substr(0, what.find('\n')));
+                               names + " in its exchange #" + std::to_string(number) + ": " +
+                               what.substr(0, what.find('\n')) + records);
     }
   }
   for (const auto& [op, index] : receives) received_[key_of(op->message)] = buffers[index].front();

@@ -11,7 +11,6 @@
 #include "harness/pipeline/activation_meter.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
-#include "harness/pipeline/process_transport.h"
 #include "harness/train/loss.h"
 
 namespace harness::train {
@@ -96,6 +95,17 @@ PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, P
                                 " an embedding group");
   }
   cut_into_stages(P);
+  std::optional<pipeline::P2PDebugRecord> debug;
+  if (processes_->debug_sync) debug = pipeline::P2PDebugRecord{processes_->pipeline.store};
+  // Activations and their gradients alike: a micro-batch's hidden states [rows, T, C], fp32 (the
+  // residual stream stays fp32 under autocast).
+  transport_ = std::make_unique<pipeline::ProcessTransport>(
+      processes_->pipeline.group, options_.devices.front(),
+      [this](const pipeline::P2PMessage& m) {
+        return std::vector<int64_t>{rows_.at(static_cast<size_t>(m.micro_batch)), tokens_,
+                                    model_->config().n_embd};
+      },
+      at::kFloat, std::move(debug));
 }
 
 PipelineForwardBackward::~PipelineForwardBackward() = default;
@@ -230,22 +240,16 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
     last_peak_held_bytes_ = result.peak_held_bytes;
     losses = std::move(result.losses);
   } else {
-    const int64_t T = batch.input_ids.size(1), C = model_->config().n_embd;
-    std::vector<int64_t> rows;
-    for (const at::Tensor& part : ids) rows.push_back(part.size(0));
-    // Activations and their gradients alike: the micro-batch's hidden states [rows, T, C], fp32
-    // (the residual stream stays fp32 under autocast).
-    pipeline::ProcessTransport transport(processes_->pipeline.group, options_.devices.front(),
-                                         [&](const pipeline::P2PMessage& m) {
-                                           return std::vector<int64_t>{rows[m.micro_batch], T, C};
-                                         });
+    tokens_ = batch.input_ids.size(1);
+    rows_.clear();
+    for (const at::Tensor& part : ids) rows_.push_back(part.size(0));
     pipeline::ExecutorOptions executor_options;
     executor_options.checkpointing = options_.checkpointing;
     executor_options.tracer = options_.tracer;
     const int p = processes_->pipeline.rank;
     pipeline::DeviceStepResult part =
         pipeline::run_device_steps(pipeline::cached_p2p_plan(last_schedule_), p, options_.devices.front(), forward,
-                                   seed, transport, executor_options, "stage " + std::to_string(p));
+                                   seed, *transport_, executor_options, "stage " + std::to_string(p));
     last_peak_in_flight_ = {part.peak_in_flight};
     last_peak_held_bytes_.clear();
     if (pipeline::activation_meter_installed()) last_peak_held_bytes_ = {part.peak_held_bytes};

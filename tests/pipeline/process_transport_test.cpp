@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <exception>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,7 +52,7 @@ std::vector<at::Tensor> micro_batches(int M) {
 // failing_stage >= 0 makes that stage's forward of micro-batch 1 throw. Returns each device's error.
 std::vector<std::string> run_as_processes(const TrainingSchedule& schedule, Stages& stages,
                                           const std::vector<at::Tensor>& inputs, std::vector<at::Tensor>& losses,
-                                          int failing_stage = -1) {
+                                          int failing_stage = -1, bool debug_record = false) {
   const int D = schedule.devices;
   const P2PPlan plan = make_p2p_plan(schedule);
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -69,8 +70,11 @@ std::vector<std::string> run_as_processes(const TrainingSchedule& schedule, Stag
         data_parallel::DistOptions options;
         options.timeout = std::chrono::seconds(20);
         auto group = data_parallel::create_backend("gloo", store, d, D, options);
+        std::optional<P2PDebugRecord> debug;
+        if (debug_record) debug = P2PDebugRecord{store};
         ProcessTransport transport(group, Device::cpu(0),
-                                   [](const P2PMessage&) { return std::vector<int64_t>{kRows, kWidth}; });
+                                   [](const P2PMessage&) { return std::vector<int64_t>{kRows, kWidth}; },
+                                   at::kFloat, debug);
         DeviceStepResult part = run_device_steps(plan, d, Device::cpu(0), forward, 7, transport, {}, "rank");
         for (int i = 0; i < schedule.micro_batches; ++i) {
           if (part.losses[i].defined()) losses[i] = part.losses[i];
@@ -127,6 +131,19 @@ TEST(ProcessTransport, AFailingStageEndsItsPeersWaitsWithAnErrorNamingTheExchang
   EXPECT_NE(errors[0].find("exchange ["), std::string::npos) << errors[0];
   EXPECT_NE(errors[0].find("pipeline rank 0 got no answer from pipeline rank 1"), std::string::npos) << errors[0];
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
+}
+
+TEST(ProcessTransport, UnderDebugSyncAFailedExchangeSaysWhatThePeerLastPosted) {
+  const TrainingSchedule schedule = one_f_one_b_schedule(4, 2);
+  const std::vector<at::Tensor> inputs = micro_batches(4);
+  Stages stages(2);
+  std::vector<at::Tensor> losses;
+  const std::vector<std::string> errors =
+      run_as_processes(schedule, stages, inputs, losses, /*failing_stage=*/1, /*debug_record=*/true);
+  // Device 1 failed in its forward of micro-batch 1, right after its third exchange, which sent
+  // micro-batch 0's gradient back (the plan is fixed, so this is too): device 0 learns where it stood.
+  EXPECT_NE(errors[0].find("pipeline rank 1 last posted exchange #2 [send grad 0 s1->s0 to 0]"), std::string::npos)
+      << errors[0];
 }
 
 TEST(ProcessTransport, RefusesATensorOfAnotherShapeNamingTheMessage) {

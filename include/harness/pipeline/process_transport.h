@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -19,6 +21,15 @@
 #include "harness/pipeline/executor.h"
 
 namespace harness::pipeline {
+
+// --debug_sync for point-to-point: before each exchange a rank records in the group's store what
+// it posts ("exchange #12 [send act 3 s0->s1 to 1, recv grad 2 s1->s0 from 1]"), so that an
+// exchange that times out says what each peer was waiting for instead of only that it never
+// answered. One store write per exchange.
+struct P2PDebugRecord {
+  c10::intrusive_ptr<c10d::Store> store;  // the pipeline group's
+  std::string prefix = "harness/debug_p2p/";
+};
 
 class ProcessTransport final : public StageTransport {
  public:
@@ -29,7 +40,7 @@ class ProcessTransport final : public StageTransport {
   // `group`: the pipeline group, whose rank p is schedule device p. Tensors cross as `dtype` on
   // `device`; a tensor of another shape or dtype is refused at its send, naming the message.
   ProcessTransport(c10::intrusive_ptr<c10d::Backend> group, Device device, MessageShape shape_of,
-                   at::ScalarType dtype = at::kFloat);
+                   at::ScalarType dtype = at::kFloat, std::optional<P2PDebugRecord> debug = std::nullopt);
 
   void exchange(int device, const std::vector<P2POp>& ops,
                 const std::function<at::Tensor(const P2PMessage&)>& outgoing) override;
@@ -43,8 +54,13 @@ class ProcessTransport final : public StageTransport {
   Device device_;
   MessageShape shape_of_;
   at::ScalarType dtype_;
+  // What `peer` last recorded under --debug_sync ("posted nothing yet" when it has not).
+  std::string last_posted_by(int peer) const;
+
   std::map<std::tuple<int, int, int>, at::Tensor> received_;
   int64_t sent_bytes_ = 0;
+  std::optional<P2PDebugRecord> debug_;
+  int64_t exchanges_ = 0;
 };
 
 // The tag of a message under Gloo, distinct for every (kind, micro-batch, sending stage).

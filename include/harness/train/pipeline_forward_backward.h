@@ -26,6 +26,7 @@
 #include "harness/data_parallel/process_group.h"
 #include "harness/device.h"
 #include "harness/pipeline/executor.h"
+#include "harness/pipeline/process_transport.h"
 #include "harness/pipeline/training_schedule.h"
 #include "harness/train/forward_backward.h"
 
@@ -70,6 +71,9 @@ PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, i
 struct PipelineProcesses {
   data_parallel::DistContext pipeline;
   std::optional<data_parallel::DistContext> embedding;
+  // --debug_sync: each exchange recorded in the pipeline group's store, so that a stage that
+  // waits in vain says what its peers were waiting for (process_transport.h).
+  bool debug_sync = false;
 };
 
 // The training schedule `name` for M micro-batches on D devices with V stages each. Interleaving
@@ -133,7 +137,12 @@ class PipelineForwardBackward final : public ForwardBackward {
   // halves_' running sums: stage s runs block halves [first_unit_of_stage_[s], first_unit_of_stage_[s + 1])
   // (2b: block b's attention half, 2b + 1 its MLP half).
   std::vector<int64_t> first_unit_of_stage_;
-  std::unique_ptr<pipeline::ScheduleExecutor> executor_;
+  std::unique_ptr<pipeline::ScheduleExecutor> executor_;  // in-process
+  // Processes: the send/recv transport, and the rows of the current batch's micro-batches and its
+  // tokens, from which it sizes what it receives.
+  std::unique_ptr<pipeline::ProcessTransport> transport_;
+  std::vector<int64_t> rows_;
+  int64_t tokens_ = 0;
   at::Tensor head_weight_;  // in-process: the tied head's leaf, from micro-step 0 of each step
   int64_t global_step_ = 0;
   pipeline::TrainingSchedule last_schedule_;
