@@ -87,6 +87,24 @@ class EqualToOneDevice(unittest.TestCase):
             # The last stage's tensor rank 0 of each replica reports, as its data-parallel rank.
             self.assertEqual(sorted(m[2] for m in (DP_TRAIN.match(l) for l in proc.stdout.splitlines()) if m), ["0", "1"])
 
+    def test_clipping_by_the_global_norm_sums_the_stages_and_counts_the_tied_wte_once(self):
+        import json
+        def norms(work):
+            with open(os.path.join(work, "metrics.jsonl")) as f:
+                return [r["grad_norm"] for r in map(json.loads, f) if r["kind"] == "train"]
+        clip = ["--max_grad_norm", "0.5"]  # below every step's norm: each step is clipped
+        with tempfile.TemporaryDirectory() as tmp:
+            one, _ = train(tmp, "one", "gpt2-tiny", 1, clip)
+            expected = norms(one)
+            self.assertEqual(len(expected), STEPS)
+            self.assertTrue(all(n > 0.5 for n in expected), expected)
+            for name, world, layout in (("p2", 2, ["--pipeline_parallel_size", "2"]),
+                                        ("t2p2", 4, ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2"])):
+                staged, _ = train(tmp, name, "gpt2-tiny", world, layout + clip)
+                for k, (a, b) in enumerate(zip(norms(staged), expected)):
+                    self.assertLess(abs(a - b), 1e-6 * b, f"{name}: the norm of step {k + 1}")
+                self.check_same(one, staged, "gpt2-tiny", name + " clipped")
+
     def test_evaluation_and_the_saved_model_equal_one_device_and_keep_one_wte(self):
         torch = __import__("torch")
         with tempfile.TemporaryDirectory() as tmp:
