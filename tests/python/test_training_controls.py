@@ -195,11 +195,13 @@ class AsyncCheckpoint(unittest.TestCase):
             for name in a:
                 self.assertTrue(torch.equal(a[name], b[name]), f"{name} differs after the resume")
 
-    def test_data_parallel_and_zero_ranks_write_the_synchronous_runs_checkpoints(self):
+    def test_every_multi_process_layout_writes_the_synchronous_runs_checkpoints(self):
         torch = __import__("torch")
         from safetensors.torch import load_file
         with tempfile.TemporaryDirectory() as tmp:
-            for layout in (["--world_size", "2"], ["--world_size", "2", "--zero_stage", "1"]):
+            for layout in (["--world_size", "2"], ["--world_size", "2", "--zero_stage", "1"],
+                           ["--world_size", "2", "--tensor_parallel_size", "2"],
+                           ["--world_size", "2", "--pipeline_parallel_size", "2"]):
                 runs = {}
                 for name, extra in (("sync", []), ("async", ["--async_checkpoint"])):
                     work = os.path.join(tmp, name + "_".join(layout))
