@@ -164,6 +164,30 @@ class ResumedSchedule(unittest.TestCase):
                           "--warmup_steps 2", other.stderr)
 
 
+    def test_a_run_ended_by_max_steps_inside_an_epoch_resumes_there_with_a_larger_budget(self):
+        torch = __import__("torch")
+        with tempfile.TemporaryDirectory() as tmp:
+            # ck.TINY without checkpoints every step: 2 epochs of 4 steps, constant rate.
+            at = ck.TINY.index("--checkpoint_every")
+            args = ck.TINY[:at] + ck.TINY[at + 2:]
+            plain = os.path.join(tmp, "plain")
+            undisturbed = ck.run([PP, "--workdir", plain] + args)
+            work = os.path.join(tmp, "budget")
+            first = ck.run([PP, "--workdir", work, "--max_steps", "6"] + args)
+            self.assertRegex(first.stderr, r"checkpoint: saved \S+ \(step 6, epoch 1, batch 2,")
+            self.assertEqual(len([m for m in map(EPOCH_TRAIN.match, first.stdout.splitlines()) if m]), 2)
+            second = ck.run([PP, "--workdir", work, "--resume", "auto"] + args)
+            self.assertRegex(second.stderr, r"resume: continuing from \S+ \(step 6, epoch 1, batch 2\)")
+            self.assertEqual([r["step"] for r in records(work, "train")], list(range(1, 9)))
+            # The finished epoch 1 is reported whole, as the undisturbed run reports it.
+            lines = lambda out: [m[1] for m in map(EPOCH_TRAIN.match, out.splitlines()) if m]
+            self.assertEqual(lines(second.stdout), ["1"])
+            self.assertEqual(lines(undisturbed.stdout), ["0", "1"])
+            wa, wb = ck.weights(plain), ck.weights(work)
+            for name in wa:
+                self.assertTrue(torch.equal(wa[name], wb[name]), f"{name} differs after the resume")
+
+
 class AsyncCheckpoint(unittest.TestCase):
     def test_training_goes_on_during_a_write_and_a_kill_in_one_leaves_the_previous_checkpoint(self):
         torch = __import__("torch")
