@@ -310,16 +310,23 @@ torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t
                         transformer->drop);
 }
 
-torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit) {
+torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit,
+                                                 KVCache* cache) {
   if (first_unit < 0 || end_unit > n_units() || first_unit > end_unit) {
     throw std::invalid_argument("GPT2LMHeadModel: block halves [" + std::to_string(first_unit) + ", " +
                                 std::to_string(end_unit) + ") are outside the model's [0, " +
                                 std::to_string(n_units()) + ")");
   }
+  if (cache != nullptr && cache->layers.empty()) cache->layers.resize(transformer->h->size());
   for (int64_t unit = first_unit; unit < end_unit; ++unit) {
     auto block = transformer->h->ptr<GPT2BlockImpl>(static_cast<size_t>(unit / 2));
-    hidden = unit % 2 == 0 ? block->forward_attention(hidden.to(block->ln_1->weight.device()))
-                           : block->forward_mlp(hidden);
+    if (unit % 2 == 1) {
+      hidden = block->forward_mlp(hidden);
+      continue;
+    }
+    hidden = hidden.to(block->ln_1->weight.device());
+    hidden = cache == nullptr ? block->forward_attention(hidden)
+                              : hidden + block->attn->forward(block->ln_1(hidden), &cache->layers[unit / 2]);
   }
   return hidden;
 }

@@ -450,8 +450,7 @@ int64_t run_training_steps(const data::BatchLoader& loader, const TrainingOption
 // and logged; every rank of a split model takes part. Training mode is restored after.
 void evaluate_at_step(TrainStep& step, const TrainingData& data, const TrainingOptions& o, int64_t epoch,
                       int64_t global_step, MetricsLog* metrics) {
-  model::GPT2LMHeadModel model = step.gathered_model();
-  const double loss = evaluate_loss(model, *data.validation, model->transformer->wte->weight.device());
+  const double loss = step.validation_loss(*data.validation);
   step.set_training(true);
   if (o.reports) {
     std::cout << "Step " << global_step
@@ -463,14 +462,12 @@ void evaluate_at_step(TrainStep& step, const TrainingData& data, const TrainingO
 
 }  // namespace
 
-EpochEvaluation evaluate_epoch(model::GPT2LMHeadModel& model, data::BatchLoader& validation,
-                               const data::Tokenizer& tokenizer,
-                               const std::vector<data::TranslationExample>& test,
-                               int64_t model_max_length, bool progress) {
-  const c10::Device device = model->transformer->wte->weight.device();
+EpochEvaluation evaluate_epoch(TrainStep& step, data::BatchLoader& validation, const data::Tokenizer& tokenizer,
+                               const std::vector<data::TranslationExample>& test, int64_t model_max_length,
+                               bool progress) {
   EpochEvaluation out;
-  out.validation_loss = evaluate_loss(model, validation, device);
-  out.generations = generate_translations(model, tokenizer, test, model_max_length, device, progress);
+  out.validation_loss = step.validation_loss(validation);
+  out.generations = step.generate(tokenizer, test, model_max_length, progress);
   std::vector<std::string> references;
   references.reserve(test.size());
   for (const auto& example : test) references.push_back(example.en);
@@ -591,8 +588,8 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
     }
 
     if (!o.benchmark_only) {
-      model::GPT2LMHeadModel model = step.gathered_model();  // split: every rank of the group evaluates
-      const EpochEvaluation eval = evaluate_epoch(model, *data.validation, *data.tokenizer, *data.test,
+      // Split over processes, every rank of the group takes part.
+      const EpochEvaluation eval = evaluate_epoch(step, *data.validation, *data.tokenizer, *data.test,
                                                   o.model_max_length, o.show_progress);
       if (o.reports) report_evaluation(o, epoch, eval, timing.seconds, rate, *data.test);
       if (metrics) metrics->log(EvalMetrics{at.global_step, epoch, eval.validation_loss});

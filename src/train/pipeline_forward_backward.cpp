@@ -12,6 +12,8 @@
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/train/loss.h"
+#include "harness/train/setup.h"
+#include "harness/train/trainer.h"
 
 namespace harness::train {
 
@@ -286,18 +288,89 @@ void PipelineForwardBackward::finish_gradients() {
   head_weight_ = at::Tensor();
 }
 
-double PipelineForwardBackward::step_loss(const at::Tensor& local) {
-  if (!processes_) return local.item<double>();
-  // The last stage computed it; every stage returns it (one float over the pipeline group).
+at::Tensor PipelineForwardBackward::from_last_stage(at::Tensor value) {
   const int P = processes_->pipeline.world_size;
-  at::Tensor value = processes_->pipeline.rank == P - 1 ? local.reshape({1}).to(torch::kFloat64)
-                                                        : torch::zeros({1}, torch::kFloat64);
-  value = value.to(options_.devices.front().torch_device());
-  std::vector<at::Tensor> tensors{value};
+  std::vector<at::Tensor> tensors{value.reshape({1}).to(options_.devices.front().torch_device()).contiguous()};
   c10d::BroadcastOptions options;
   options.rootRank = P - 1;
   processes_->pipeline.group->broadcast(tensors, options)->wait();
-  return value.item<double>();
+  return tensors.front().to(torch::kCPU);
+}
+
+double PipelineForwardBackward::step_loss(const at::Tensor& local) {
+  if (!processes_) return local.item<double>();
+  // The last stage computed it; every stage returns it (one float over the pipeline group).
+  const bool last = processes_->pipeline.rank == processes_->pipeline.world_size - 1;
+  return from_last_stage(last ? local.to(torch::kFloat64) : torch::zeros({1}, torch::kFloat64)).item<double>();
+}
+
+at::Tensor PipelineForwardBackward::forward_through_stages(const at::Tensor& ids, model::KVCache* cache) {
+  model::GPT2LMHeadModelImpl& gpt2 = *model_;
+  const int P = processes_->pipeline.world_size, p = processes_->pipeline.rank, S = stages();
+  const c10::Device device = options_.devices.front().torch_device();
+  c10d::Backend& group = *processes_->pipeline.group;
+  const std::vector<int64_t> sizes = {ids.size(0), ids.size(1), model_->config().n_embd};
+  at::Tensor hidden;
+  for (int s = p; s < S; s += P) {
+    if (s == 0) {
+      hidden = gpt2.embed(ids.to(device), cache ? cache->length() : 0);
+    } else {
+      std::vector<at::Tensor> received{at::empty(sizes, at::TensorOptions().dtype(at::kFloat).device(device))};
+      group.recv(received, (s - 1) % P, pipeline::p2p_tag({pipeline::P2PMessage::Kind::kActivation, 0, s - 1}))->wait();
+      hidden = received.front();
+    }
+    hidden = gpt2.forward_units(hidden, first_unit_of_stage_[s], first_unit_of_stage_[s + 1], cache);
+    if (s < S - 1) {
+      std::vector<at::Tensor> sent{hidden.to(at::kFloat).contiguous()};
+      group.send(sent, (s + 1) % P, pipeline::p2p_tag({pipeline::P2PMessage::Kind::kActivation, 0, s}))->wait();
+    }
+  }
+  return p == (S - 1) % P ? hidden : at::Tensor();
+}
+
+std::optional<double> PipelineForwardBackward::validation_loss(data::BatchLoader& loader) {
+  if (!processes_) return std::nullopt;
+  model_->eval();
+  torch::NoGradGuard no_grad;
+  const c10::Device device = options_.devices.front().torch_device();
+  at::Tensor& wte = model_->transformer->wte->weight;
+  loader.start_epoch(0);
+  double sum = 0.0;
+  int64_t count = 0;
+  // Every stage reads the same batches (the whole validation set); the last computes the loss.
+  while (std::optional<data::Batch> batch = loader.next()) {
+    const at::Tensor hidden = forward_through_stages(batch->input_ids, nullptr);
+    if (hidden.defined()) {
+      const at::Tensor logits = model_->head_logits(hidden, wte);
+      sum += model::weighted_cross_entropy(logits, batch->labels.to(device), batch->label_token_weights.to(device))
+                 .item<double>();
+    }
+    ++count;
+  }
+  if (count == 0) throw std::runtime_error("evaluate_loss: the validation loader gave no batch");
+  return from_last_stage(torch::tensor({sum / static_cast<double>(count)}, torch::kFloat64)).item<double>();
+}
+
+std::optional<std::vector<std::string>> PipelineForwardBackward::generate(
+    const data::Tokenizer& tokenizer, const std::vector<data::TranslationExample>& examples,
+    int64_t model_max_length, bool show_progress) {
+  if (!processes_) return std::nullopt;
+  check_positions(model_->config(), model_max_length);
+  model_->eval();
+  const int64_t vocabulary = tokenizer.vocab_size();
+  at::Tensor& wte = model_->transformer->wte->weight;
+  // Each new token goes down the stages once, each stage attending to its own layers' cache; the
+  // last stage picks the next token and every stage learns it, so all of them stop together.
+  const NextToken next = [&](const torch::Tensor& new_ids, model::KVCache& cache) {
+    const at::Tensor hidden = forward_through_stages(new_ids, &cache);
+    at::Tensor chosen = torch::zeros({1}, torch::kLong);
+    if (hidden.defined()) {
+      chosen = model_->head_logits(hidden, wte).index({0, -1}).narrow(0, 0, vocabulary).argmax().reshape({1});
+    }
+    return from_last_stage(chosen).item<int64_t>();
+  };
+  return generate_translations_with(next, tokenizer, examples, model_max_length, options_.devices.front().torch_device(),
+                               show_progress);
 }
 
 }  // namespace harness::train

@@ -11,6 +11,7 @@
 #include "harness/trace.h"
 #include "harness/model/loss.h"
 #include "harness/train/loss.h"
+#include "harness/train/trainer.h"
 
 namespace harness::train {
 GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer,
@@ -60,6 +61,33 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
   optimizer_->step();
   // Reading the loss also waits for the step, so a step's time is finished work on every device.
   return run.step_loss(total);
+}
+
+double TrainStep::validation_loss(data::BatchLoader& loader) {
+  model::GPT2LMHeadModel gathered = gathered_model();
+  return evaluate_loss(gathered, loader, gathered->transformer->wte->weight.device());
+}
+
+std::vector<std::string> TrainStep::generate(const data::Tokenizer& tokenizer,
+                                             const std::vector<data::TranslationExample>& examples,
+                                             int64_t model_max_length, bool show_progress) {
+  model::GPT2LMHeadModel gathered = gathered_model();
+  return generate_translations(gathered, tokenizer, examples, model_max_length,
+                               gathered->transformer->wte->weight.device(), show_progress);
+}
+
+double GPT2TrainStep::validation_loss(data::BatchLoader& loader) {
+  if (std::optional<double> loss = forward_backward_->validation_loss(loader)) return *loss;
+  return TrainStep::validation_loss(loader);
+}
+
+std::vector<std::string> GPT2TrainStep::generate(const data::Tokenizer& tokenizer,
+                                                 const std::vector<data::TranslationExample>& examples,
+                                                 int64_t model_max_length, bool show_progress) {
+  if (auto generations = forward_backward_->generate(tokenizer, examples, model_max_length, show_progress)) {
+    return *generations;
+  }
+  return TrainStep::generate(tokenizer, examples, model_max_length, show_progress);
 }
 
 c10::Device GPT2TrainStep::input_device() const { return forward_backward_->input_device(); }

@@ -137,6 +137,21 @@ double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
   return sum / static_cast<double>(count);
 }
 
+std::vector<int64_t> greedy_continuation(const NextToken& next_token, const std::vector<int64_t>& prompt,
+                                         int64_t model_max_length, int64_t stop_id, const c10::Device& device) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> ids = prompt;
+  model::KVCache cache;
+  torch::Tensor step_input = torch::tensor(ids, torch::kLong).unsqueeze(0).to(device);
+  while (static_cast<int64_t>(ids.size()) <= model_max_length) {
+    const int64_t next = next_token(step_input, cache);
+    if (next == stop_id) break;
+    ids.push_back(next);
+    step_input = torch::full({1, 1}, next, torch::TensorOptions().dtype(torch::kLong).device(device));
+  }
+  return std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(prompt.size()), ids.end());
+}
+
 std::vector<int64_t> greedy_continuation(model::GPT2LMHeadModel& model, const std::vector<int64_t>& prompt,
                                          int64_t model_max_length, int64_t stop_id, int64_t vocabulary,
                                          const c10::Device& device) {
@@ -145,20 +160,12 @@ std::vector<int64_t> greedy_continuation(model::GPT2LMHeadModel& model, const st
                                 " ids do not fit the model's vocab_size " +
                                 std::to_string(model->config().vocab_size));
   }
-  torch::NoGradGuard no_grad;
-  std::vector<int64_t> ids = prompt;
-  model::KVCache cache;
-  torch::Tensor step_input = torch::tensor(ids, torch::kLong).unsqueeze(0).to(device);
-  while (static_cast<int64_t>(ids.size()) <= model_max_length) {
-    torch::Tensor logits = model->forward_cached(step_input, cache);
-    // Rows of the head past the tokenizer's ids (a model vocabulary larger than the tokenizer's)
-    // are never chosen: they have no text.
-    const int64_t next = logits.index({0, -1}).narrow(0, 0, vocabulary).argmax().item<int64_t>();
-    if (next == stop_id) break;
-    ids.push_back(next);
-    step_input = torch::full({1, 1}, next, torch::TensorOptions().dtype(torch::kLong).device(device));
-  }
-  return std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(prompt.size()), ids.end());
+  // Rows of the head past the tokenizer's ids (a model vocabulary larger than the tokenizer's) are
+  // never chosen: they have no text.
+  const NextToken next = [&](const torch::Tensor& new_ids, model::KVCache& cache) {
+    return model->forward_cached(new_ids, cache).index({0, -1}).narrow(0, 0, vocabulary).argmax().item<int64_t>();
+  };
+  return greedy_continuation(next, prompt, model_max_length, stop_id, device);
 }
 
 std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
@@ -167,15 +174,31 @@ std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
                                                int64_t model_max_length, const c10::Device& device,
                                                bool show_progress) {
   check_positions(model->config(), model_max_length);
+  if (tokenizer.vocab_size() < 1 || tokenizer.vocab_size() > model->config().vocab_size) {
+    throw std::invalid_argument("generate_translations: the tokenizer's " + std::to_string(tokenizer.vocab_size()) +
+                                " ids do not fit the model's vocab_size " +
+                                std::to_string(model->config().vocab_size));
+  }
   model->eval();
+  const int64_t vocabulary = tokenizer.vocab_size();
+  const NextToken next = [&](const torch::Tensor& new_ids, model::KVCache& cache) {
+    return model->forward_cached(new_ids, cache).index({0, -1}).narrow(0, 0, vocabulary).argmax().item<int64_t>();
+  };
+  return generate_translations_with(next, tokenizer, examples, model_max_length, device, show_progress);
+}
+
+std::vector<std::string> generate_translations_with(const NextToken& next_token, const data::Tokenizer& tokenizer,
+                                                    const std::vector<data::TranslationExample>& examples,
+                                                    int64_t model_max_length, const c10::Device& device,
+                                                    bool show_progress) {
   torch::NoGradGuard no_grad;
   std::vector<std::string> generations;
   generations.reserve(examples.size());
   Progress progress("generate", static_cast<int64_t>(examples.size()), show_progress);
   for (const data::TranslationExample& example : examples) {
     const std::vector<int64_t> prompt = tokenizer.encode(example.de + data::Tokenizer::kEosDe);
-    generations.push_back(tokenizer.decode(greedy_continuation(
-        model, prompt, model_max_length, tokenizer.eos_en_id(), tokenizer.vocab_size(), device)));
+    generations.push_back(tokenizer.decode(
+        greedy_continuation(next_token, prompt, model_max_length, tokenizer.eos_en_id(), device)));
     progress.update(static_cast<int64_t>(generations.size()), "");
   }
   progress.finish();

@@ -119,6 +119,32 @@ class EqualToOneDevice(unittest.TestCase):
             self.assertEqual(len(loss), 1, proc.stdout)
             self.assertAlmostEqual(loss[0], loss_one[0], delta=1e-4 * abs(loss_one[0]))
 
+    def test_evaluation_through_the_stages_gives_one_devices_loss_generations_and_bleu(self):
+        import json
+        # A checkpoint trained a little on one device, resumed at learning rate 0 in every layout:
+        # the same weights everywhere, so the loss must agree to rounding and greedy generation
+        # (each stage keeping its own layers' KV cache, a block cut between its halves included)
+        # token for token.
+        with tempfile.TemporaryDirectory() as tmp:
+            src, _ = train(tmp, "src", "gpt2-tiny", 1, ["--learning_rate", "3e-2"])
+            checkpoint = os.path.join(src, "checkpoints", "step-%08d" % STEPS)
+            still = ["--resume", checkpoint, "--learning_rate", "0", "--n_epochs", "2"]
+            def evaluated(name, world, layout):
+                work, proc = train(tmp, name, "gpt2-tiny", world, layout + still, benchmark_only=False)
+                with open(os.path.join(work, "rank0_gen_epoch1.json")) as f:
+                    generations = [item["gen"] for item in json.load(f)]
+                losses = [float(m[3]) for m in (DP_LOSS.match(l) for l in proc.stdout.splitlines()) if m]
+                self.assertEqual(len(losses), 1, proc.stdout)
+                return losses[0], generations
+            loss_one, generations_one = evaluated("one", 1, [])
+            self.assertTrue(any(generations_one), generations_one)
+            for name, world, layout in (("p2", 2, ["--pipeline_parallel_size", "2"]),
+                                        ("p2cut", 2, ["--pipeline_parallel_size", "2", "--balance", "1.5,0.5"]),
+                                        ("t2p2", 4, ["--pipeline_parallel_size", "2", "--tensor_parallel_size", "2"])):
+                loss, generations = evaluated(name, world, layout)
+                self.assertAlmostEqual(loss, loss_one, delta=1e-5 * abs(loss_one), msg=name)
+                self.assertEqual(generations, generations_one, name)
+
     def test_pytest_gradients_are_the_whole_models_with_the_tied_embeddings_summed(self):
         torch = __import__("torch")
         with tempfile.TemporaryDirectory() as tmp:

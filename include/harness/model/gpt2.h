@@ -152,8 +152,10 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   torch::Tensor embed(const torch::Tensor& input_ids, int64_t past_length = 0);
   // Block halves [first_unit, end_unit) on hidden states [B, T, C]: unit 2i is block i's attention
   // half, x + attn(ln_1(x)), unit 2i + 1 its MLP half, h + mlp(ln_2(h)), each run where its
-  // parameters are. forward() runs all of them; a pipeline stage runs its run of them.
-  torch::Tensor forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit);
+  // parameters are. forward() runs all of them; a pipeline stage runs its run of them. With
+  // `cache`, the attention halves attend to and extend their layers' entries (generation through
+  // a pipeline: each stage keeps its own layers' cache).
+  torch::Tensor forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit, KVCache* cache = nullptr);
   int64_t n_units() const { return 2 * config_.n_layer; }
   // ln_f, then the tied head's product with `head_weight` (wte's weight, or a pipeline's copy of it
   // on the last stage) on that weight's device: logits [B, T, vocab_size]. With embed() and

@@ -119,15 +119,15 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
 void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path,
                                  int64_t accumulation_steps = 1);
 
-// Validation loss, generations and BLEU of `model` (SPEC §3).
+// Validation loss, generations and BLEU of the step's model (SPEC §3), as the step evaluates it
+// (TrainStep::validation_loss and generate: a collective where the model is split).
 struct EpochEvaluation {
   double validation_loss = 0.0;
   double bleu = 0.0;
   std::vector<std::string> generations;
 };
-EpochEvaluation evaluate_epoch(model::GPT2LMHeadModel& model, data::BatchLoader& validation,
-                               const data::Tokenizer& tokenizer,
-                               const std::vector<data::TranslationExample>& test,
-                               int64_t model_max_length, bool progress);
+EpochEvaluation evaluate_epoch(TrainStep& step, data::BatchLoader& validation, const data::Tokenizer& tokenizer,
+                               const std::vector<data::TranslationExample>& test, int64_t model_max_length,
+                               bool progress);
 
 }  // namespace harness::train

@@ -10,8 +10,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "harness/data/collate.h"
+#include "harness/data/example.h"
+#include "harness/data/loader.h"
+#include "harness/data/tokenizer.h"
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
 
@@ -43,6 +49,15 @@ class ForwardBackward {
   virtual c10::Device loss_device() const = 0;
   // The optimizer steps taken before the next run() (schedules derive their dropout streams from it).
   virtual void set_global_step(int64_t global_step) {}
+
+  // Evaluation through this part, where the model lives on several processes (TrainStep's
+  // validation_loss and generate); nullopt: evaluate the gathered model as one.
+  virtual std::optional<double> validation_loss(data::BatchLoader& loader) { return std::nullopt; }
+  virtual std::optional<std::vector<std::string>> generate(const data::Tokenizer& tokenizer,
+                                                           const std::vector<data::TranslationExample>& examples,
+                                                           int64_t model_max_length, bool show_progress) {
+    return std::nullopt;
+  }
 };
 
 // The model's own forward(), then backward from the loss.

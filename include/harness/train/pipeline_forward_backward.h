@@ -103,6 +103,13 @@ class PipelineForwardBackward final : public ForwardBackward {
   c10::Device input_device() const override { return options_.devices.front().torch_device(); }
   c10::Device loss_device() const override;
   void set_global_step(int64_t global_step) override { global_step_ = global_step; }
+  // Processes: evaluation through the stages, forward only, one batch (or one new token) at a
+  // time down the chain of stages, the result sent from the last stage to every stage; each stage
+  // keeps its own layers' KV cache in generation. In-process: nullopt (the model is whole here).
+  std::optional<double> validation_loss(data::BatchLoader& loader) override;
+  std::optional<std::vector<std::string>> generate(const data::Tokenizer& tokenizer,
+                                                   const std::vector<data::TranslationExample>& examples,
+                                                   int64_t model_max_length, bool show_progress) override;
 
   // Half blocks per stage, and as --balance would say it: "2,2", or "2.5,1.5" when a block is cut.
   const std::vector<int>& balance_halves() const { return halves_; }
@@ -128,6 +135,13 @@ class PipelineForwardBackward final : public ForwardBackward {
 
  private:
   void cut_into_stages(int schedule_devices);
+  // Processes: `ids` [B, T] through this rank's stages in model order, each stage's input received
+  // from the one before and its output sent to the one after; returns the last stage's hidden
+  // states on the last stage's rank (undefined on the others). With `cache`, generation's
+  // positions continue after it.
+  at::Tensor forward_through_stages(const at::Tensor& ids, model::KVCache* cache);
+  // `value` (a scalar, the last stage's) on every rank of the pipeline group.
+  at::Tensor from_last_stage(at::Tensor value);
   pipeline::TrainingSchedule schedule_for(int64_t rows);
 
   model::GPT2LMHeadModel model_;

@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "harness/data/collate.h"
+#include "harness/data/example.h"
+#include "harness/data/loader.h"
+#include "harness/data/tokenizer.h"
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
 #include "harness/model/safetensors.h"
@@ -66,6 +69,14 @@ class TrainStep {
   // (pipeline stages that are processes gather the others' here). A collective there, so every
   // rank calls it at the same points.
   virtual model::GPT2LMHeadModel gathered_model() { return model(); }
+  // Evaluation (SPEC §3): the mean validation loss over `loader`'s batches, and greedy generation
+  // for each example. By default gathered_model() evaluated as one model; pipeline stages that
+  // are processes run it through the stages instead (forward only; in generation each stage keeps
+  // its own layers' KV cache). A collective wherever the model is split, so every rank calls them.
+  virtual double validation_loss(data::BatchLoader& loader);
+  virtual std::vector<std::string> generate(const data::Tokenizer& tokenizer,
+                                            const std::vector<data::TranslationExample>& examples,
+                                            int64_t model_max_length, bool show_progress);
 
   // Checkpoints. The AdamW state under Hugging Face names, unsplit (collective for tensor
   // parallelism and ZeRO; every rank gets it).
@@ -147,6 +158,10 @@ class GPT2TrainStep : public TrainStep {
   void restore_extra_generator_states(const GeneratorStates& states) override;
   model::NamedTensors unsplit_gradients() override { return optimizer_->unsplit_gradients(); }
   void set_global_step(int64_t global_step) override { forward_backward_->set_global_step(global_step); }
+  double validation_loss(data::BatchLoader& loader) override;
+  std::vector<std::string> generate(const data::Tokenizer& tokenizer,
+                                    const std::vector<data::TranslationExample>& examples, int64_t model_max_length,
+                                    bool show_progress) override;
   const StepOptimizer& optimizer() const { return *optimizer_; }
   ForwardBackward& forward_backward() { return *forward_backward_; }
 

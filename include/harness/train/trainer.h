@@ -69,6 +69,13 @@ std::vector<int64_t> greedy_continuation(model::GPT2LMHeadModel& model, const st
                                          int64_t model_max_length, int64_t stop_id, int64_t vocabulary,
                                          const c10::Device& device);
 
+// The same over any way of running the model: `next_token(new_ids [1, n], cache)` returns the
+// arg-max id over the first `vocabulary` after the new ids, extending `cache` (one model's
+// forward_cached, or a pipeline's stages, each keeping its own layers' cache).
+using NextToken = std::function<int64_t(const torch::Tensor& new_ids, model::KVCache& cache)>;
+std::vector<int64_t> greedy_continuation(const NextToken& next_token, const std::vector<int64_t>& prompt,
+                                         int64_t model_max_length, int64_t stop_id, const c10::Device& device);
+
 // Greedy generation of SPEC §3 for each example's de side: start from encode(de + <eos_de>),
 // append the arg-max token while the sequence has at most model_max_length tokens, stop at
 // <eos_en>. Returns the decoded continuations. One position per new token (KV cache).
@@ -77,6 +84,11 @@ std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
                                                const std::vector<data::TranslationExample>& examples,
                                                int64_t model_max_length, const c10::Device& device,
                                                bool show_progress = true);
+// The same with each continuation from greedy_continuation(next_token, ...) (a pipeline's stages).
+std::vector<std::string> generate_translations_with(const NextToken& next_token, const data::Tokenizer& tokenizer,
+                                                    const std::vector<data::TranslationExample>& examples,
+                                                    int64_t model_max_length, const c10::Device& device,
+                                                    bool show_progress = true);
 
 // Progress on stderr: a bar redrawn in place on a terminal, else a plain line every few batches.
 class Progress {
