@@ -54,6 +54,26 @@ torch::optim::AdamWOptions adamw_options(const OptimizerSettings& settings) {
   return torch::optim::AdamWOptions(settings.learning_rate).weight_decay(settings.weight_decay);
 }
 
+// The rate of every parameter group of `optimizer` (a schedule's step), and the group's rate.
+void set_adamw_learning_rate(torch::optim::AdamW& optimizer, double learning_rate) {
+  for (auto& group : optimizer.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate);
+  }
+}
+double adamw_learning_rate(const torch::optim::AdamW& optimizer) {
+  return static_cast<const torch::optim::AdamWOptions&>(optimizer.param_groups().front().options()).lr();
+}
+
+// Bytes of AdamW's two moments held by `optimizer`.
+int64_t adamw_state_bytes(const torch::optim::AdamW& optimizer) {
+  int64_t bytes = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
+    bytes += s.exp_avg().nbytes() + s.exp_avg_sq().nbytes();
+  }
+  return bytes;
+}
+
 // AdamW on the parameters this rank holds: the whole model, or its slices of a split one (each
 // rank steps its shards; the state is gathered unsplit for checkpoints).
 class ReplicatedAdamW final : public StepOptimizer {
@@ -65,14 +85,8 @@ class ReplicatedAdamW final : public StepOptimizer {
 
   void zero_grad() override { optimizer_->zero_grad(); }
   void step() override;
-  void set_learning_rate(double learning_rate) override {
-    for (auto& group : optimizer_->param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate);
-    }
-  }
-  double learning_rate() const override {
-    return static_cast<const torch::optim::AdamWOptions&>(optimizer_->param_groups().front().options()).lr();
-  }
+  void set_learning_rate(double learning_rate) override { set_adamw_learning_rate(*optimizer_, learning_rate); }
+  double learning_rate() const override { return adamw_learning_rate(*optimizer_); }
   bool collective_state() const override { return model_->tensor_parallel() != nullptr; }
 
   OptimizerState state() override;
@@ -80,14 +94,7 @@ class ReplicatedAdamW final : public StepOptimizer {
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
   model::NamedTensors unsplit_gradients() override { return model_->full_gradients(); }
 
-  int64_t state_bytes() const override {
-    int64_t bytes = 0;
-    for (const auto& [key, state] : optimizer_->state()) {
-      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
-      bytes += s.exp_avg().nbytes() + s.exp_avg_sq().nbytes();
-    }
-    return bytes;
-  }
+  int64_t state_bytes() const override { return adamw_state_bytes(*optimizer_); }
 
  private:
   model::GPT2LMHeadModel model_;
@@ -342,22 +349,11 @@ class StageAdamW final : public StepOptimizer {
     optimizer_->zero_grad();
   }
   void step() override;
-  void set_learning_rate(double learning_rate) override {
-    for (auto& group : optimizer_->param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate);
-    }
-  }
-  double learning_rate() const override {
-    return static_cast<const torch::optim::AdamWOptions&>(optimizer_->param_groups().front().options()).lr();
-  }
+  void set_learning_rate(double learning_rate) override { set_adamw_learning_rate(*optimizer_, learning_rate); }
+  double learning_rate() const override { return adamw_learning_rate(*optimizer_); }
   bool collective_state() const override { return true; }
   OptimizerState state() override;
-  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
-    gather_weights();
-    model::write_model_weights(*model_, weights_path, write);
-    const OptimizerState optimizer = state();  // collective: every stage's moments to every rank
-    if (write) write_optimizer_state(optimizer_path, optimizer);
-  }
+  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override {
     materialize_others();
     model_->load_full_state(weights);
@@ -370,14 +366,7 @@ class StageAdamW final : public StepOptimizer {
     restore_adamw_state(*optimizer_, held_named_, mine);
   }
   model::NamedTensors unsplit_gradients() override;
-  int64_t state_bytes() const override {
-    int64_t bytes = 0;
-    for (const auto& [key, state] : optimizer_->state()) {
-      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
-      bytes += s.exp_avg().nbytes() + s.exp_avg_sq().nbytes();
-    }
-    return bytes;
-  }
+  int64_t state_bytes() const override { return adamw_state_bytes(*optimizer_); }
   void gather_weights() override;
 
  private:
@@ -389,6 +378,22 @@ class StageAdamW final : public StepOptimizer {
     stage_.pipeline.group->broadcast(tensors, options)->wait();
   }
   int rank() const { return stage_.pipeline.rank; }
+
+  // Whether each parameter has AdamW state, and its step, as its owner says (a collective over
+  // the pipeline group, in the model's order).
+  struct Header {
+    std::string name;
+    bool has_state = false;
+    int64_t step = 0;
+  };
+  std::vector<Header> state_headers();
+  // Each parameter's weight (or, with `headers`, each stepped parameter's two moments) from its
+  // owner, unsplit over the tensor-parallel group, handed to `take` one at a time and then let go:
+  // no rank ever holds more than one unsplit tensor (or pair) of the others' stages.
+  void for_each_weight(const std::function<void(const std::string&, const at::Tensor&)>& take);
+  void for_each_moment(const std::vector<Header>& headers,
+                       const std::function<void(const Header&, const at::Tensor&, const at::Tensor&)>& take);
+
   // The parameters of other stages hold no storage between gathers (an empty tensor of their
   // dtype and device), so a stage process keeps only its own stages' weights while it trains.
   void release_others() {
@@ -462,37 +467,103 @@ void StageAdamW::gather_weights() {
   }
 }
 
-OptimizerState StageAdamW::state() {
+std::vector<StageAdamW::Header> StageAdamW::state_headers() {
   const OptimizerState mine = capture_adamw_state(*optimizer_, held_named_);
   const c10::Device device = stage_.pipeline.device.torch_device();
-  OptimizerState full;
-  // Every rank walks the parameters in one order; the owner says whether it has state and its step,
-  // then sends the moments.
+  std::vector<Header> headers;
   for (const auto& item : model_->named_parameters()) {
     const int owner = stage_.owner.at(item.key());
     at::Tensor header = torch::zeros({2}, torch::kDouble);
     auto it = mine.find(item.key());
-    if (owner == rank() && it != mine.end()) header = torch::tensor({1.0, static_cast<double>(it->second.step)}, torch::kDouble);
+    if (owner == rank() && it != mine.end()) {
+      header = torch::tensor({1.0, static_cast<double>(it->second.step)}, torch::kDouble);
+    }
     header = header.to(device);
     broadcast_from(owner, header);
     header = header.to(torch::kCPU);
-    if (header[0].item<double>() == 0.0) continue;
+    headers.push_back({item.key(), header[0].item<double>() != 0.0, static_cast<int64_t>(header[1].item<double>())});
+  }
+  return headers;
+}
+
+void StageAdamW::for_each_weight(const std::function<void(const std::string&, const at::Tensor&)>& take) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model_->named_parameters()) {
+    const int owner = stage_.owner.at(item.key());
+    at::Tensor weight = owner == rank() ? item.value().detach().contiguous()
+                                        : at::empty(shape_of(item.key(), item.value()), item.value().options());
+    broadcast_from(owner, weight);
+    if (model_->tensor_parallel() != nullptr) weight = model_->unshard(item.key(), weight);
+    take(item.key(), weight);
+  }
+}
+
+void StageAdamW::for_each_moment(const std::vector<Header>& headers,
+                                 const std::function<void(const Header&, const at::Tensor&, const at::Tensor&)>& take) {
+  const c10::Device device = stage_.pipeline.device.torch_device();
+  auto& states = optimizer_->state();
+  size_t k = 0;
+  for (const auto& item : model_->named_parameters()) {
+    const Header& header = headers.at(k++);
+    if (!header.has_state) continue;
+    const int owner = stage_.owner.at(item.key());
     const std::vector<int64_t> shape = shape_of(item.key(), item.value());
-    at::Tensor exp_avg = owner == rank() ? it->second.exp_avg.to(device) : at::empty(shape, item.value().options());
-    at::Tensor exp_avg_sq =
-        owner == rank() ? it->second.exp_avg_sq.to(device) : at::empty(shape, item.value().options());
-    exp_avg = exp_avg.to(item.value().dtype()).contiguous();
-    exp_avg_sq = exp_avg_sq.to(item.value().dtype()).contiguous();
+    at::Tensor exp_avg, exp_avg_sq;
+    if (owner == rank()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(
+          *states.at(item.value().unsafeGetTensorImpl()));
+      exp_avg = s.exp_avg().to(device, item.value().scalar_type()).contiguous();
+      exp_avg_sq = s.exp_avg_sq().to(device, item.value().scalar_type()).contiguous();
+    } else {
+      exp_avg = at::empty(shape, item.value().options());
+      exp_avg_sq = at::empty(shape, item.value().options());
+    }
     broadcast_from(owner, exp_avg);
     broadcast_from(owner, exp_avg_sq);
     if (model_->tensor_parallel() != nullptr) {  // this rank's slices, unsplit over the group
       exp_avg = model_->unshard(item.key(), exp_avg);
       exp_avg_sq = model_->unshard(item.key(), exp_avg_sq);
     }
-    full[item.key()] = {static_cast<int64_t>(header[1].item<double>()), exp_avg.to(torch::kCPU),
-                        exp_avg_sq.to(torch::kCPU)};
+    take(header, exp_avg, exp_avg_sq);
   }
+}
+
+OptimizerState StageAdamW::state() {
+  OptimizerState full;
+  for_each_moment(state_headers(), [&](const Header& header, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
+    full[header.name] = {header.step, exp_avg.to(torch::kCPU), exp_avg_sq.to(torch::kCPU)};
+  });
   return full;
+}
+
+void StageAdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
+  // Streamed: each unsplit tensor goes into its file as it arrives and is let go.
+  std::optional<model::SafetensorsWriter> weights;
+  if (write) {
+    std::vector<model::SafetensorsEntry> entries;
+    for (const auto& item : model_->named_parameters()) {
+      entries.push_back({item.key(), item.value().scalar_type(), model_->shards().at(item.key()).full_shape});
+    }
+    weights.emplace(weights_path, std::move(entries));
+  }
+  for_each_weight([&](const std::string&, const at::Tensor& weight) {
+    if (weights) weights->append(weight);
+  });
+  if (weights) weights->finish();
+
+  const std::vector<Header> headers = state_headers();
+  std::optional<OptimizerStateWriter> moments;
+  if (write) {
+    std::vector<OptimizerStateWriter::Parameter> parameters;
+    for (const Header& h : headers) {
+      if (h.has_state) parameters.push_back({h.name, h.step, model_->shards().at(h.name).full_shape});
+    }
+    moments.emplace(optimizer_path, parameters);
+  }
+  for_each_moment(headers, [&](const Header&, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
+    if (moments) moments->add(exp_avg, exp_avg_sq);
+  });
+  if (moments) moments->finish();
 }
 
 model::NamedTensors StageAdamW::unsplit_gradients() {
