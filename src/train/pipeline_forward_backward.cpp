@@ -307,22 +307,23 @@ double PipelineForwardBackward::step_loss(const at::Tensor& local) {
 at::Tensor PipelineForwardBackward::forward_through_stages(const at::Tensor& ids, model::KVCache* cache) {
   model::GPT2LMHeadModelImpl& gpt2 = *model_;
   const int P = processes_->pipeline.world_size, p = processes_->pipeline.rank, S = stages();
-  const c10::Device device = options_.devices.front().torch_device();
-  c10d::Backend& group = *processes_->pipeline.group;
-  const std::vector<int64_t> sizes = {ids.size(0), ids.size(1), model_->config().n_embd};
+  using Message = pipeline::P2PMessage;
+  // The training transport carries the one "micro-batch" of ids' rows down the chain.
+  rows_ = {ids.size(0)};
+  tokens_ = ids.size(1);
   at::Tensor hidden;
   for (int s = p; s < S; s += P) {
     if (s == 0) {
-      hidden = gpt2.embed(ids.to(device), cache ? cache->length() : 0);
+      hidden = gpt2.embed(ids.to(options_.devices.front().torch_device()), cache ? cache->length() : 0);
     } else {
-      std::vector<at::Tensor> received{at::empty(sizes, at::TensorOptions().dtype(at::kFloat).device(device))};
-      group.recv(received, (s - 1) % P, pipeline::p2p_tag({pipeline::P2PMessage::Kind::kActivation, 0, s - 1}))->wait();
-      hidden = received.front();
+      const Message input{Message::Kind::kActivation, 0, s - 1};
+      transport_->exchange(p, {{pipeline::P2POp::Kind::kRecv, (s - 1) % P, input}}, {});
+      hidden = transport_->take(p, input);
     }
     hidden = gpt2.forward_units(hidden, first_unit_of_stage_[s], first_unit_of_stage_[s + 1], cache);
     if (s < S - 1) {
-      std::vector<at::Tensor> sent{hidden.to(at::kFloat).contiguous()};
-      group.send(sent, (s + 1) % P, pipeline::p2p_tag({pipeline::P2PMessage::Kind::kActivation, 0, s}))->wait();
+      transport_->exchange(p, {{pipeline::P2POp::Kind::kSend, (s + 1) % P, {Message::Kind::kActivation, 0, s}}},
+                           [&](const Message&) { return hidden; });
     }
   }
   return p == (S - 1) % P ? hidden : at::Tensor();
@@ -365,7 +366,7 @@ std::optional<std::vector<std::string>> PipelineForwardBackward::generate(
     const at::Tensor hidden = forward_through_stages(new_ids, &cache);
     at::Tensor chosen = torch::zeros({1}, torch::kLong);
     if (hidden.defined()) {
-      chosen = model_->head_logits(hidden, wte).index({0, -1}).narrow(0, 0, vocabulary).argmax().reshape({1});
+      chosen = torch::tensor({greedy_choice(model_->head_logits(hidden, wte), vocabulary)}, torch::kLong);
     }
     return from_last_stage(chosen).item<int64_t>();
   };

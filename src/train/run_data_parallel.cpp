@@ -74,9 +74,8 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
 
 // The run's data x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags named).
 parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
-  const parallel::Layout layout = parallel::Layout::create(world_size, flags.tensor_parallel_size,
-                                                           flags.pipeline_parallel_size, flags.zero_stage);
-  return layout;
+  return parallel::Layout::create(world_size, flags.tensor_parallel_size, flags.pipeline_parallel_size,
+                                  flags.zero_stage);
 }
 
 // The stages' options from the pipeline flags (checked, the flags named), for P > 1; the balance

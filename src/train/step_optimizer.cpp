@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -52,6 +53,26 @@ std::vector<at::Tensor> gradients_of(model::GPT2LMHeadModelImpl& model) {
 
 torch::optim::AdamWOptions adamw_options(const OptimizerSettings& settings) {
   return torch::optim::AdamWOptions(settings.learning_rate).weight_decay(settings.weight_decay);
+}
+
+// The squares of the gradients of `model`'s parameters that `counted` names, summed as one device
+// would: split over a tensor-parallel group, a split parameter's gradient is the group's slices
+// together, so their squares are summed over the group (a collective), and a replicated one is the
+// same on every rank, so it is counted once.
+double gradient_squares(model::GPT2LMHeadModelImpl& model, const std::function<bool(const std::string&)>& counted) {
+  model::TensorParallelGroup* group = model.tensor_parallel();
+  std::vector<at::Tensor> split, replicated;
+  for (const auto& item : model.named_parameters()) {
+    if (!item.value().grad().defined() || !counted(item.key())) continue;
+    const bool is_split =
+        group != nullptr && model.shards().at(item.key()).spec.kind != model::ShardSpec::Kind::kReplicated;
+    (is_split ? split : replicated).push_back(item.value().grad());
+  }
+  if (group == nullptr) return sum_of_squares(replicated);
+  const at::Tensor mine = torch::tensor({sum_of_squares(split)}, torch::kDouble).to(model.first_device().torch_device());
+  double split_squares = 0.0;
+  for (const at::Tensor& part : group->all_gather(mine)) split_squares += part.to(torch::kCPU).item<double>();
+  return split_squares + sum_of_squares(replicated);
 }
 
 // The rate of every parameter group of `optimizer` (a schedule's step), and the group's rate.
@@ -144,24 +165,7 @@ class ShardedAdamWOptimizer final : public StepOptimizer {
 
 void ReplicatedAdamW::step() {
   const std::vector<at::Tensor> gradients = gradients_of(*model_);
-  model::TensorParallelGroup* group = model_->tensor_parallel();
-  if (group == nullptr) {
-    last_grad_norm_ = std::sqrt(sum_of_squares(gradients));
-  } else {
-    // A split parameter's gradient is the group's slices together: their squares are summed over
-    // the group. A replicated one is the same on every rank: counted once.
-    std::vector<at::Tensor> split, replicated;
-    for (const auto& item : model_->named_parameters()) {
-      if (!item.value().grad().defined()) continue;
-      const bool is_split = model_->shards().at(item.key()).spec.kind != model::ShardSpec::Kind::kReplicated;
-      (is_split ? split : replicated).push_back(item.value().grad());
-    }
-    const at::Tensor mine =
-        torch::tensor({sum_of_squares(split)}, torch::kDouble).to(model_->first_device().torch_device());
-    double split_squares = 0.0;
-    for (const at::Tensor& part : group->all_gather(mine)) split_squares += part.to(torch::kCPU).item<double>();
-    last_grad_norm_ = std::sqrt(split_squares + sum_of_squares(replicated));
-  }
+  last_grad_norm_ = std::sqrt(gradient_squares(*model_, [](const std::string&) { return true; }));
   const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
   if (coefficient < 1.0) scale_in_place(gradients, coefficient);
   optimizer_->step();
@@ -433,24 +437,14 @@ void StageAdamW::step() {
   // The squares of the gradients each stage owns (wte once, on the first stage, whose gradient
   // already holds the head's), summed over the stages; split over a tensor-parallel group, a split
   // gradient's squares are summed over the group and a replicated one's counted once.
-  std::vector<at::Tensor> held, split, replicated;
+  std::vector<at::Tensor> held;
   for (const auto& [name, p] : held_named_) {
-    if (!p.grad().defined()) continue;
-    held.push_back(p.grad());
-    if (stage_.owner.at(name) != rank()) continue;
-    const bool is_split = model_->tensor_parallel() != nullptr &&
-                          model_->shards().at(name).spec.kind != model::ShardSpec::Kind::kReplicated;
-    (is_split ? split : replicated).push_back(p.grad());
+    if (p.grad().defined()) held.push_back(p.grad());
   }
-  const c10::Device device = stage_.pipeline.device.torch_device();
-  double stage_squares = sum_of_squares(replicated);
-  if (model_->tensor_parallel() != nullptr) {
-    const at::Tensor mine = torch::tensor({sum_of_squares(split)}, torch::kDouble).to(device);
-    for (const at::Tensor& part : model_->tensor_parallel()->all_gather(mine)) {
-      stage_squares += part.to(torch::kCPU).item<double>();
-    }
-  }
-  std::vector<at::Tensor> squares{torch::tensor({stage_squares}, torch::kDouble).to(device)};
+  const double stage_squares =
+      gradient_squares(*model_, [this](const std::string& name) { return stage_.owner.at(name) == rank(); });
+  std::vector<at::Tensor> squares{
+      torch::tensor({stage_squares}, torch::kDouble).to(stage_.pipeline.device.torch_device())};
   stage_.pipeline.group->allreduce(squares)->wait();
   last_grad_norm_ = std::sqrt(squares[0].to(torch::kCPU).item<double>());
   const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
@@ -468,15 +462,16 @@ void StageAdamW::gather_weights() {
 }
 
 std::vector<StageAdamW::Header> StageAdamW::state_headers() {
-  const OptimizerState mine = capture_adamw_state(*optimizer_, held_named_);
   const c10::Device device = stage_.pipeline.device.torch_device();
+  auto& states = optimizer_->state();
   std::vector<Header> headers;
   for (const auto& item : model_->named_parameters()) {
     const int owner = stage_.owner.at(item.key());
     at::Tensor header = torch::zeros({2}, torch::kDouble);
-    auto it = mine.find(item.key());
-    if (owner == rank() && it != mine.end()) {
-      header = torch::tensor({1.0, static_cast<double>(it->second.step)}, torch::kDouble);
+    auto it = owner == rank() ? states.find(item.value().unsafeGetTensorImpl()) : states.end();
+    if (it != states.end()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      header = torch::tensor({1.0, static_cast<double>(s.step())}, torch::kDouble);
     }
     header = header.to(device);
     broadcast_from(owner, header);

@@ -137,6 +137,23 @@ double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
   return sum / static_cast<double>(count);
 }
 
+int64_t greedy_choice(const torch::Tensor& logits, int64_t vocabulary) {
+  // Rows of the head past the tokenizer's ids (a model vocabulary larger than the tokenizer's) are
+  // never chosen: they have no text.
+  return logits.index({0, -1}).narrow(0, 0, vocabulary).argmax().item<int64_t>();
+}
+
+namespace {
+
+// One model's next token: its cached forward, then greedy_choice.
+NextToken next_token_of(model::GPT2LMHeadModel& model, int64_t vocabulary) {
+  return [&model, vocabulary](const torch::Tensor& new_ids, model::KVCache& cache) {
+    return greedy_choice(model->forward_cached(new_ids, cache), vocabulary);
+  };
+}
+
+}  // namespace
+
 std::vector<int64_t> greedy_continuation(const NextToken& next_token, const std::vector<int64_t>& prompt,
                                          int64_t model_max_length, int64_t stop_id, const c10::Device& device) {
   torch::NoGradGuard no_grad;
@@ -160,12 +177,7 @@ std::vector<int64_t> greedy_continuation(model::GPT2LMHeadModel& model, const st
                                 " ids do not fit the model's vocab_size " +
                                 std::to_string(model->config().vocab_size));
   }
-  // Rows of the head past the tokenizer's ids (a model vocabulary larger than the tokenizer's) are
-  // never chosen: they have no text.
-  const NextToken next = [&](const torch::Tensor& new_ids, model::KVCache& cache) {
-    return model->forward_cached(new_ids, cache).index({0, -1}).narrow(0, 0, vocabulary).argmax().item<int64_t>();
-  };
-  return greedy_continuation(next, prompt, model_max_length, stop_id, device);
+  return greedy_continuation(next_token_of(model, vocabulary), prompt, model_max_length, stop_id, device);
 }
 
 std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
@@ -180,11 +192,8 @@ std::vector<std::string> generate_translations(model::GPT2LMHeadModel& model,
                                 std::to_string(model->config().vocab_size));
   }
   model->eval();
-  const int64_t vocabulary = tokenizer.vocab_size();
-  const NextToken next = [&](const torch::Tensor& new_ids, model::KVCache& cache) {
-    return model->forward_cached(new_ids, cache).index({0, -1}).narrow(0, 0, vocabulary).argmax().item<int64_t>();
-  };
-  return generate_translations_with(next, tokenizer, examples, model_max_length, device, show_progress);
+  return generate_translations_with(next_token_of(model, tokenizer.vocab_size()), tokenizer, examples, model_max_length,
+                                    device, show_progress);
 }
 
 std::vector<std::string> generate_translations_with(const NextToken& next_token, const data::Tokenizer& tokenizer,

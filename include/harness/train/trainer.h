@@ -69,6 +69,10 @@ std::vector<int64_t> greedy_continuation(model::GPT2LMHeadModel& model, const st
                                          int64_t model_max_length, int64_t stop_id, int64_t vocabulary,
                                          const c10::Device& device);
 
+// The greedy pick from logits [1, T, V]: the arg-max over the first `vocabulary` ids at the last
+// position (rows of a larger head are never chosen).
+int64_t greedy_choice(const torch::Tensor& logits, int64_t vocabulary);
+
 // The same over any way of running the model: `next_token(new_ids [1, n], cache)` returns the
 // arg-max id over the first `vocabulary` after the new ids, extending `cache` (one model's
 // forward_cached, or a pipeline's stages, each keeping its own layers' cache).
