@@ -93,6 +93,7 @@ void BucketedAllReduce::attach(std::vector<at::Tensor> parameters) {
   bucket_of_.assign(parameters_.size(), kNoBucket);
   ready_.assign(parameters_.size(), 0);
   fired_.assign(parameters_.size(), 0);
+  accumulated_.assign(parameters_.size(), 0);
   buckets_.resize(plan_.size());
   for (size_t b = 0; b < plan_.size(); ++b) {
     buckets_[b].params = plan_[b];
@@ -125,8 +126,16 @@ void BucketedAllReduce::add(size_t index) {
     if (bucket.launched) bucket.stale = true;
     return;
   }
+  // Complete only at its last expected accumulation (a schedule's last micro-batch backward); a
+  // parameter that gets fewer is reduced in finalize(), one that gets more makes its bucket stale.
+  if (++accumulated_[index] < expected_accumulations_) return;
   ready_[index] = 1;
   if (--bucket.pending == 0) launch_ready_buckets_locked();
+}
+
+int64_t BucketedAllReduce::launched_in_step() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return launched_in_step_;
 }
 
 void BucketedAllReduce::launch_ready_buckets_locked() {
@@ -333,6 +342,7 @@ void BucketedAllReduce::reset_step_locked() {
     if (unused) --buckets_[bucket_of_[index]].pending;
   }
   std::fill(fired_.begin(), fired_.end(), 0);
+  std::fill(accumulated_.begin(), accumulated_.end(), 0);
   next_to_launch_ = 0;
   launched_in_step_ = 0;
 }

@@ -194,6 +194,10 @@ pipeline::TrainingSchedule PipelineForwardBackward::schedule_for(int64_t rows) {
   return schedule;
 }
 
+int64_t PipelineForwardBackward::gradient_accumulations(const data::Batch& batch) const {
+  return std::min<int64_t>(options_.micro_batches, batch.input_ids.size(0));
+}
+
 at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tensor& weight_sum_given, int64_t k,
                                         model::Precision precision) {
   const int D = schedule_devices();

@@ -37,9 +37,9 @@ GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, std::unique_ptr<Forwa
 GPT2TrainStep::~GPT2TrainStep() = default;
 
 // Each batch's forward and backward (the losses weighted over all the batches), the
-// synchronisation once after the last backward (no_sync before it, or throughout for a schedule,
-// which runs many backward passes per batch), what the gradients still need, the hook, the
-// optimizer step.
+// synchronisation once, overlapping the last batch's backward passes (no_sync before it; a
+// schedule's buckets start as their parameters' last micro-batch backward completes them), what
+// the gradients still need, the hook, the optimizer step.
 double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
   if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
   ForwardBackward& run = *forward_backward_;
@@ -48,7 +48,10 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
       batches.size() > 1 ? combined_label_weight(batches, run.loss_device()) : at::Tensor();
   at::Tensor total;
   for (size_t k = 0; k < batches.size(); ++k) {
-    if (synchronizer_) synchronizer_->set_no_sync(!run.overlaps_gradient_sync() || k + 1 < batches.size());
+    if (synchronizer_) {
+      synchronizer_->set_no_sync(k + 1 < batches.size());
+      synchronizer_->set_expected_accumulations(run.gradient_accumulations(batches[k]));
+    }
     const at::Tensor loss = run.run(batches[k], weight_sum, static_cast<int64_t>(k), precision);
     if (loss.defined()) total = total.defined() ? total + loss : loss;
   }

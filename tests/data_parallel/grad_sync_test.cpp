@@ -56,6 +56,40 @@ TEST(BucketedAllReduce, HooksLaunchBucketsDuringBackwardOnOneRank) {
   EXPECT_THROW(BucketedAllReduce(ctx, 0.0), std::invalid_argument);
 }
 
+// A step that accumulates each gradient k = 3 times (a schedule's micro-batches): a bucket starts
+// only at its parameters' third accumulation, never before, and the result is the sum of the three
+// (one rank: the average is the sum itself). A fourth accumulation after the launch is reduced again.
+TEST(BucketedAllReduce, BucketsExpectingKAccumulationsLaunchOnlyAfterTheKth) {
+  const DistContext ctx = one_rank();
+  torch::manual_seed(3);
+  torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  BucketedAllReduce bucketed(ctx, 64.0 / (1024 * 1024));  // four buckets, one per tensor
+  bucketed.attach(*model);
+  EXPECT_THROW(bucketed.set_expected_accumulations(0), std::invalid_argument);
+  const at::Tensor x = torch::randn({4, 5, 4});
+  for (int extra : {0, 1}) {
+    SCOPED_TRACE(extra ? "one accumulation more than expected" : "as expected");
+    for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    bucketed.set_expected_accumulations(3);
+    const int64_t bytes = bucketed.communicated_bytes();
+    for (int k = 0; k < 3 + extra; ++k) {
+      EXPECT_EQ(bucketed.launched_in_step(), k < 3 ? 0 : 4) << "before backward " << k;
+      model->forward(x[k]).pow(2).sum().backward();
+    }
+    EXPECT_EQ(bucketed.launched_in_step(), 4);
+    std::vector<at::Tensor> expected;
+    for (const auto& p : model->parameters()) expected.push_back(p.grad().clone());
+    bucketed.finalize();
+    EXPECT_EQ(bucketed.launched_during_backward(), 4);
+    EXPECT_EQ(bucketed.launched_in_step(), 0);
+    const int64_t gradient_bytes = 4 * (8 * 4 + 8 + 2 * 8 + 2);
+    // The stale buckets go again (every one, after the fourth backward); then the agreement flags.
+    EXPECT_EQ(bucketed.communicated_bytes() - bytes, (extra ? 2 : 1) * gradient_bytes + 4 * (4 + 4));
+    const auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i].grad(), expected[i])) << i;
+  }
+}
+
 // DDP's no_sync: 4 backward passes, the first 3 under no_sync, reduce once: the gradients are the
 // sum of the 4, the buckets start during the last backward only, and the bytes sent are one
 // step's, for both kinds.

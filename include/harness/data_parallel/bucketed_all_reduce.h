@@ -3,6 +3,8 @@
 // produces gradients); a hook on each parameter's gradient accumulator marks it ready, and as soon
 // as a bucket is complete its flattened SUM all-reduce starts asynchronously while backward goes
 // on. finalize() waits, divides by the world size and writes the averages back into .grad().
+// Where a step accumulates each gradient several times before it is complete (a pipeline
+// schedule's micro-batches: set_expected_accumulations), a parameter is ready at its last.
 // With AllReduceAlgorithm::kRing the buckets' ring all-reduces run, in bucket order, on a
 // communication thread this object owns (RingAllReduceThread), so they overlap backward as well.
 #pragma once
@@ -68,6 +70,8 @@ class BucketedAllReduce : public GradientSynchronizer {
   const std::vector<std::vector<size_t>>& bucket_plan() const { return plan_; }
   // Buckets whose all-reduce started during backward in the last finalized step.
   int64_t launched_during_backward() const { return launched_during_backward_; }
+  // Buckets whose all-reduce has started so far in the current step (before finalize()).
+  int64_t launched_in_step() const;
 
   // kReduceScatter: the elements of bucket b (its parameters flattened in bucket_plan() order), the
   // chunk each rank owns (ceil(elements / world size)), and after finalize() this rank's chunk of
@@ -117,11 +121,12 @@ class BucketedAllReduce : public GradientSynchronizer {
   std::vector<size_t> bucket_of_;   // parameter index -> bucket (SIZE_MAX: not synchronised)
   std::vector<char> ready_;          // counted towards its bucket this step (fired or presumed unused)
   std::vector<char> fired_;          // its accumulator hook ran this step
+  std::vector<int64_t> accumulated_;  // its hook's runs this step outside no_sync, up to ready
   size_t next_to_launch_ = 0;       // buckets launch strictly in order, the same on every rank
   int64_t launched_in_step_ = 0;
   int64_t launched_during_backward_ = 0;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
 };
 
 }  // namespace harness::data_parallel

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,20 @@ class GradientSynchronizer {
   void set_no_sync(bool no_sync) { no_sync_ = no_sync; }
   bool no_sync() const { return no_sync_; }
 
+  // How many times each attached parameter's gradient accumulates in the backward passes that
+  // synchronise (those outside no_sync) before the next finalize(): 1 for one backward, M for a
+  // pipeline schedule's M micro-batch backward passes. An overlapping implementation starts a
+  // parameter's reduction only after its last; the others ignore it. The step's forward-backward
+  // part says how many (ForwardBackward::gradient_accumulations).
+  void set_expected_accumulations(int64_t accumulations) {
+    if (accumulations < 1) {
+      throw std::invalid_argument("GradientSynchronizer: expected gradient accumulations must be >= 1, got " +
+                                  std::to_string(accumulations));
+    }
+    expected_accumulations_ = accumulations;
+  }
+  int64_t expected_accumulations() const { return expected_accumulations_; }
+
   // Bytes this rank has put into gradient all-reduces so far (gradients, buckets reduced again,
   // agreement flags): what the benchmarks count per optimizer step.
   int64_t communicated_bytes() const { return communicated_bytes_; }
@@ -59,6 +74,7 @@ class GradientSynchronizer {
 
  protected:
   std::atomic<bool> no_sync_{false};
+  std::atomic<int64_t> expected_accumulations_{1};
   std::atomic<int64_t> communicated_bytes_{0};
   std::atomic<int64_t> finalized_steps_{0};
   std::optional<at::ScalarType> reduce_dtype_;

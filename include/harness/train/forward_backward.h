@@ -40,9 +40,11 @@ class ForwardBackward {
   // The step's loss from the sum of run()'s returns here (a pipeline's other stages get the last
   // stage's: a collective over the pipeline group).
   virtual double step_loss(const at::Tensor& local) { return local.item<double>(); }
-  // Whether the gradient synchronizer may start reducing during a backward. A schedule runs many
-  // backward passes per step, so the synchronizer only accumulates until finalize() (DDP's no_sync).
-  virtual bool overlaps_gradient_sync() const { return true; }
+  // How many times run(batch) accumulates into each gradient it produces: one backward, or one
+  // per micro-batch for a schedule (each stage's parameters once per micro-batch backward,
+  // activation checkpointing's recomputation adding none). The gradient synchronizer is told, so
+  // that it reduces a parameter during the backward passes, once its gradient is complete.
+  virtual int64_t gradient_accumulations(const data::Batch& batch) const { return 1; }
 
   // Where a batch's tensors must be before run(), and where the loss is computed.
   virtual c10::Device input_device() const = 0;

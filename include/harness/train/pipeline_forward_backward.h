@@ -99,7 +99,10 @@ class PipelineForwardBackward final : public ForwardBackward {
                  model::Precision precision) override;
   void finish_gradients() override;
   double step_loss(const at::Tensor& local) override;
-  bool overlaps_gradient_sync() const override { return false; }
+  // The batch's micro-batches, min(M, rows): each of this process's stages accumulates its
+  // parameters' gradients once in each micro-batch's backward (wte, on the first and the last
+  // stage's ranks, once on each).
+  int64_t gradient_accumulations(const data::Batch& batch) const override;
   c10::Device input_device() const override { return options_.devices.front().torch_device(); }
   c10::Device loss_device() const override;
   void set_global_step(int64_t global_step) override { global_step_ = global_step; }
