@@ -4,9 +4,9 @@
 namespace harness::train {
 
 PipelineTrainStep::PipelineTrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer,
-                                     PipelineStepOptions options)
+                                     PipelineStepOptions options, TrainStepSettings settings)
     : GPT2TrainStep(model, std::make_unique<PipelineForwardBackward>(model, std::move(options)),
-                    replicated_adamw(model, optimizer), nullptr),
+                    replicated_adamw(model, optimizer), nullptr, std::move(settings)),
       pipeline_(&static_cast<PipelineForwardBackward&>(forward_backward())) {}
 
 }  // namespace harness::train

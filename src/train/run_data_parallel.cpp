@@ -274,9 +274,14 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     std::cerr << "run_data_parallel: --zero_stage 1 keeps " << optimizer->state_bytes()
               << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)" << std::endl;
   }
-  std::unique_ptr<TrainStep> step =
-      std::make_unique<GPT2TrainStep>(model, std::move(forward_backward), std::move(optimizer), sync.get());
-  step->precision = model::parse_precision(f.precision);
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  const std::string track = "rank " + std::to_string(rank);
+  TrainStepSettings settings;
+  settings.precision = model::parse_precision(f.precision);
+  settings.tracer = tracer.get();
+  settings.trace_track = track;
+  std::unique_ptr<TrainStep> step = std::make_unique<GPT2TrainStep>(model, std::move(forward_backward),
+                                                                    std::move(optimizer), sync.get(), settings);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
@@ -322,10 +327,6 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
                                 dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
   // Validation in batches of the global --batch_size, as the original's validation loader.
   data::BatchLoader validation_loader(corpus.validation, collate, {f.batch_size, false, 0, false, 2});
-  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  const std::string track = "rank " + std::to_string(rank);
-  step->tracer = tracer.get();
-  step->trace_track = track;
 
   if (flags.pytest) {
     // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged

@@ -65,12 +65,14 @@ int run_pipeline(const PipelineConfig& pipeline) {
     throw std::invalid_argument("--pipeline_schedule and --virtual_stages apply to --model_parallel_mode "
                                 "pipeline_parallel only");
   }
+  TrainStepSettings settings;
+  settings.precision = model::parse_precision(f.precision);
   std::unique_ptr<TrainStep> step;
   PipelineForwardBackward* stages = nullptr;
   if (pipeline.mode.empty()) {
     if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
     model->to(devices.front().torch_device());
-    step = std::make_unique<GPT2TrainStep>(model, f.optimizer_settings());
+    step = std::make_unique<GPT2TrainStep>(model, f.optimizer_settings(), nullptr, settings);
   } else {
     // Model parallel is the pipeline with one micro-batch: GPipe's order over the same stages.
     PipelineScheduleConfig flags = pipe;
@@ -90,12 +92,11 @@ int run_pipeline(const PipelineConfig& pipeline) {
       options.balance_halves =
           pipeline::balance_gpt2_by_time(model, devices.front(), stages_wanted, rows, f.model_max_length);
     }
-    auto made = std::make_unique<PipelineTrainStep>(model, f.optimizer_settings(), options);
+    auto made = std::make_unique<PipelineTrainStep>(model, f.optimizer_settings(), options, settings);
     stages = &made->pipeline();
     step = std::move(made);
   }
 
-  step->precision = model::parse_precision(f.precision);
   std::cerr << "run_pipeline: mode=" << (pipeline.mode.empty() ? "single_device" : pipeline.mode)
             << " devices=";
   for (size_t i = 0; i < devices.size(); ++i) std::cerr << (i ? "," : "") << devices[i].str();

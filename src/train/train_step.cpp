@@ -15,21 +15,23 @@
 
 namespace harness::train {
 GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer,
-                             data_parallel::GradientSynchronizer* synchronizer)
+                             data_parallel::GradientSynchronizer* synchronizer, TrainStepSettings settings)
     : model_(std::move(model)),
       forward_backward_(whole_model(model_)),
       optimizer_(replicated_adamw(model_, optimizer)),
-      synchronizer_(synchronizer) {
+      synchronizer_(synchronizer),
+      settings_(std::move(settings)) {
   if (synchronizer_) synchronizer_->attach(*model_);
 }
 
 GPT2TrainStep::GPT2TrainStep(model::GPT2LMHeadModel model, std::unique_ptr<ForwardBackward> forward_backward,
                              std::unique_ptr<StepOptimizer> optimizer,
-                             data_parallel::GradientSynchronizer* synchronizer)
+                             data_parallel::GradientSynchronizer* synchronizer, TrainStepSettings settings)
     : model_(std::move(model)),
       forward_backward_(std::move(forward_backward)),
       optimizer_(std::move(optimizer)),
-      synchronizer_(synchronizer) {
+      synchronizer_(synchronizer),
+      settings_(std::move(settings)) {
   if (!forward_backward_) throw std::invalid_argument("GPT2TrainStep: no forward-backward given");
   if (!optimizer_) throw std::invalid_argument("GPT2TrainStep: no optimizer given");
 }
@@ -52,11 +54,11 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
       synchronizer_->set_no_sync(k + 1 < batches.size());
       synchronizer_->set_expected_accumulations(run.gradient_accumulations(batches[k]));
     }
-    const at::Tensor loss = run.run(batches[k], weight_sum, static_cast<int64_t>(k), precision);
+    const at::Tensor loss = run.run(batches[k], weight_sum, static_cast<int64_t>(k), settings_.precision);
     if (loss.defined()) total = total.defined() ? total + loss : loss;
   }
   if (synchronizer_) {
-    TraceScope scope(tracer, "gradient all-reduce", trace_track);
+    TraceScope scope(settings_.tracer, "gradient all-reduce", settings_.trace_track);
     synchronizer_->finalize();
   }
   run.finish_gradients();

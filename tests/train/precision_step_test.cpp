@@ -30,8 +30,13 @@ data::Batch make_batch(const model::GPT2Config& config) {
   return b;
 }
 
-double first_loss(TrainStep& step, const data::Batch& batch, model::Precision precision) {
-  step.precision = precision;
+TrainStepSettings in(model::Precision precision) {
+  TrainStepSettings settings;
+  settings.precision = precision;
+  return settings;
+}
+
+double first_loss(TrainStep& step, const data::Batch& batch) {
   step.set_training(true);
   return step.step(batch);
 }
@@ -39,10 +44,11 @@ double first_loss(TrainStep& step, const data::Batch& batch, model::Precision pr
 TEST(PrecisionStep, Bf16KeepsWeightsGradientsAndOptimizerStateFp32) {
   const model::GPT2Config config = tiny_config();
   const data::Batch batch = make_batch(config);
-  GPT2TrainStep fp32(make_model(config), 1e-3);
-  GPT2TrainStep bf16(make_model(config), 1e-3);
-  const double fp32_loss = first_loss(fp32, batch, model::Precision::kFp32);
-  const double bf16_loss = first_loss(bf16, batch, model::Precision::kBf16);
+  GPT2TrainStep fp32(make_model(config), 1e-3, nullptr, in(model::Precision::kFp32));
+  GPT2TrainStep bf16(make_model(config), 1e-3, nullptr, in(model::Precision::kBf16));
+  EXPECT_EQ(bf16.settings().precision, model::Precision::kBf16);
+  const double fp32_loss = first_loss(fp32, batch);
+  const double bf16_loss = first_loss(bf16, batch);
   EXPECT_NEAR(bf16_loss, fp32_loss, 1e-2 * fp32_loss);
   EXPECT_NE(bf16_loss, fp32_loss);
   bf16.step(batch);
@@ -59,23 +65,23 @@ TEST(PrecisionStep, Bf16KeepsWeightsGradientsAndOptimizerStateFp32) {
 TEST(PrecisionStep, PipelineWorkersRunTheirStagesUnderAutocastRecomputationIncluded) {
   const model::GPT2Config config = tiny_config();
   const data::Batch batch = make_batch(config);
-  GPT2TrainStep single(make_model(config), 1e-3);
-  const double single_bf16 = first_loss(single, batch, model::Precision::kBf16);
-  auto pipeline_step = [&](pipeline::ActivationCheckpointing checkpointing) {
+  GPT2TrainStep single(make_model(config), 1e-3, nullptr, in(model::Precision::kBf16));
+  const double single_bf16 = first_loss(single, batch);
+  auto pipeline_step = [&](pipeline::ActivationCheckpointing checkpointing, model::Precision precision) {
     PipelineStepOptions options;
     options.devices = {Device::cpu(0), Device::cpu(1)};
     options.schedule = "1f1b";
     options.micro_batches = 2;
     options.threads_per_device = 1;
     options.checkpointing = checkpointing;
-    return std::make_unique<PipelineTrainStep>(make_model(config), 1e-3, options);
+    return std::make_unique<PipelineTrainStep>(make_model(config), 1e-3, options, in(precision));
   };
-  auto fp32 = pipeline_step(pipeline::ActivationCheckpointing::kNever);
-  auto bf16 = pipeline_step(pipeline::ActivationCheckpointing::kNever);
-  auto recomputed = pipeline_step(pipeline::ActivationCheckpointing::kAlways);
-  const double fp32_loss = first_loss(*fp32, batch, model::Precision::kFp32);
-  const double bf16_loss = first_loss(*bf16, batch, model::Precision::kBf16);
-  const double recomputed_loss = first_loss(*recomputed, batch, model::Precision::kBf16);
+  auto fp32 = pipeline_step(pipeline::ActivationCheckpointing::kNever, model::Precision::kFp32);
+  auto bf16 = pipeline_step(pipeline::ActivationCheckpointing::kNever, model::Precision::kBf16);
+  auto recomputed = pipeline_step(pipeline::ActivationCheckpointing::kAlways, model::Precision::kBf16);
+  const double fp32_loss = first_loss(*fp32, batch);
+  const double bf16_loss = first_loss(*bf16, batch);
+  const double recomputed_loss = first_loss(*recomputed, batch);
   EXPECT_NE(bf16_loss, fp32_loss);  // the workers did compute in bf16
   EXPECT_NEAR(bf16_loss, single_bf16, 1e-2 * single_bf16);
   // Recomputing a stage's forward under the same autocast gives the same gradients bit for bit.

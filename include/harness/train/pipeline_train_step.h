@@ -12,7 +12,8 @@ class PipelineTrainStep final : public GPT2TrainStep {
  public:
   // Places the model's blocks by the balance (model->place) and starts the workers. Throws
   // std::invalid_argument, naming the flag, on a bad schedule, balance or device count.
-  PipelineTrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer, PipelineStepOptions options);
+  PipelineTrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer, PipelineStepOptions options,
+                    TrainStepSettings settings = {});
 
   PipelineForwardBackward& pipeline() { return *pipeline_; }
   const std::vector<int>& balance_halves() const { return pipeline_->balance_halves(); }

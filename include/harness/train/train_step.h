@@ -103,8 +103,13 @@ class TrainStep {
   // resume; each step() adds one). Layouts whose random streams derive from the step use it.
   virtual void set_global_step(int64_t global_step) {}
 
-  // Runs after backward and the gradient synchronisation, before the optimizer step.
+  // A hook, not a setting: runs after backward and the gradient synchronisation, before the
+  // optimizer step (the driver installs one around a step whose gradients it writes).
   std::function<void()> after_backward;
+};
+
+// How a GPT2TrainStep runs its steps, given at construction.
+struct TrainStepSettings {
   // --precision: the forward passes (and the loss) of step() run under autocast in it.
   model::Precision precision = model::Precision::kFp32;
   Tracer* tracer = nullptr;  // records the gradient synchronisation when set
@@ -121,18 +126,22 @@ class TrainStep {
 //   - how the optimizer steps (step_optimizer.h): AdamW on what this rank holds, ZeRO-1's sharded
 //     AdamW, or a pipeline stage's AdamW; it also knows where the state lives, for checkpoints that
 //     always hold the unsplit state.
-// `after_backward` (e.g. --pytest's gradient files) runs after the synchronisation.
+// Its settings (precision, tracer) are given at construction; `after_backward` (e.g. --pytest's
+// gradient files) runs after the synchronisation.
 class GPT2TrainStep : public TrainStep {
  public:
   // The whole model's forward and replicated AdamW; `synchronizer` (if any) is attached to the
   // model here.
   GPT2TrainStep(model::GPT2LMHeadModel model, const OptimizerSettings& optimizer,
-                data_parallel::GradientSynchronizer* synchronizer = nullptr);
+                data_parallel::GradientSynchronizer* synchronizer = nullptr, TrainStepSettings settings = {});
   // The parts as built for `model`: `synchronizer` (if any) already attached to the parameters it
   // averages (sharded_adamw attaches the reduce-scattering synchronizer it is built on).
   GPT2TrainStep(model::GPT2LMHeadModel model, std::unique_ptr<ForwardBackward> forward_backward,
-                std::unique_ptr<StepOptimizer> optimizer, data_parallel::GradientSynchronizer* synchronizer);
+                std::unique_ptr<StepOptimizer> optimizer, data_parallel::GradientSynchronizer* synchronizer,
+                TrainStepSettings settings = {});
   ~GPT2TrainStep() override;
+  GPT2TrainStep(const GPT2TrainStep&) = delete;
+  GPT2TrainStep& operator=(const GPT2TrainStep&) = delete;
 
   using TrainStep::step;
   double step(const std::vector<data::Batch>& batches) override;
@@ -164,12 +173,20 @@ class GPT2TrainStep : public TrainStep {
                                     bool show_progress) override;
   const StepOptimizer& optimizer() const { return *optimizer_; }
   ForwardBackward& forward_backward() { return *forward_backward_; }
+  const TrainStepSettings& settings() const { return settings_; }
 
  private:
   model::GPT2LMHeadModel model_;
   std::unique_ptr<ForwardBackward> forward_backward_;
   std::unique_ptr<StepOptimizer> optimizer_;
   data_parallel::GradientSynchronizer* synchronizer_;
+  TrainStepSettings settings_;
+
+ public:
+  // The precision setting itself, for the one caller that still sets it after construction
+  // (apps/step_breakdown.cpp); every other caller gives it in TrainStepSettings. To go once that
+  // program passes its settings to the constructor.
+  model::Precision& precision = settings_.precision;
 };
 
 
