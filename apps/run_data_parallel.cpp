@@ -14,6 +14,7 @@
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/tensor_parallel/parallel_context.h"
+#include "harness/train/memory_plan.h"
 
 namespace harness::apps {
 namespace {
@@ -49,7 +50,8 @@ DataParallelFlags parse(int argc, char** argv) {
       ("zero_stage", "0 | 1: 1 shards AdamW's state over the data-parallel ranks (ZeRO-1): gradients are reduce-scattered during backward, each rank steps its shard, parameters are all-gathered; checkpoints keep the unsharded format", cxxopts::value<int>()->default_value("0"))
       ("debug_sync", "before each collective, the ranks compare its fingerprint (sequence number, operation, dtypes and shapes) through the store: a mismatch or a rank that never arrives fails with every rank's view instead of hanging (as TORCH_DISTRIBUTED_DEBUG=DETAIL; costs one store round trip per collective)")
       ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"))
-      ("pipeline_parallel_size", "pipeline stages, each a process (or --tensor_parallel_size of them); --world_size = data-parallel size x tensor x this, ranks ordered (p * D + d) * T + t", cxxopts::value<int>()->default_value("1"));
+      ("pipeline_parallel_size", "pipeline stages, each a process (or --tensor_parallel_size of them); --world_size = data-parallel size x tensor x this, ranks ordered (p * D + d) * T + t", cxxopts::value<int>()->default_value("1"))
+      ("memory_plan", "print each rank's parameters, gradients, optimizer state and an activation estimate for this layout, model and batch, and the memory available per rank, then exit");
   add_pipeline_options(options, "--pipeline_parallel_size > 1");
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   DataParallelFlags flags;
@@ -78,6 +80,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.zero_stage = result["zero_stage"].as<int>();
     c.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
     c.pipe = read_pipeline_flags(result);
+    c.run.memory_plan = result.count("memory_plan") > 0;
     if (c.grad_reduce_dtype != "fp32" && c.grad_reduce_dtype != "bf16") {
       throw std::invalid_argument("--grad_reduce_dtype '" + c.grad_reduce_dtype + "': expected fp32 or bf16");
     }
@@ -129,6 +132,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::optional<dp::WorkerEnv> env = dp::worker_env_from_environment();
+    if (config.run.memory_plan) return env && env->rank != 0 ? 0 : harness::train::print_memory_plan(config);
     if (env) return harness::train::run_data_parallel_worker(config, *env);
     // Not started by a launcher: start --world_size workers of this program here.
     const std::string addr = !config.master_addr.empty() ? config.master_addr : env_or("MASTER_ADDR", "localhost");

@@ -5,6 +5,7 @@
 #include "common.h"
 #include "pipeline_flags.h"
 #include "harness/host_memory.h"
+#include "harness/train/memory_plan.h"
 
 namespace harness::apps {
 namespace {
@@ -20,7 +21,8 @@ PipelineFlags parse(int argc, char** argv) {
   add_common_options(options, /*default_batch_size=*/32, /*default_epochs=*/2);
   options.add_options()
       ("model_parallel_mode", "model_parallel | pipeline_parallel (absent: one device)", cxxopts::value<std::string>()->default_value(""))
-      ("shuffle", "reshuffle the training pairs every epoch (from --seed); default: in order, as the original (shuffle=False)");
+      ("shuffle", "reshuffle the training pairs every epoch (from --seed); default: in order, as the original (shuffle=False)")
+      ("memory_plan", "print each device's parameters, gradients, optimizer state and an activation estimate for this mode, model and batch, and the memory available per device, then exit");
   add_pipeline_options(options, "pipeline_parallel mode");
   cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
   PipelineFlags flags;
@@ -32,6 +34,7 @@ PipelineFlags parse(int argc, char** argv) {
     c.mode = result["model_parallel_mode"].as<std::string>();
     c.shuffle = result.count("shuffle") > 0;
     c.pipe = read_pipeline_flags(result);
+    c.run.memory_plan = result.count("memory_plan") > 0;
     if (!c.mode.empty() && c.mode != "model_parallel" && c.mode != "pipeline_parallel") {
       throw std::invalid_argument("--model_parallel_mode '" + c.mode +
                                   "': expected model_parallel or pipeline_parallel");
@@ -63,6 +66,7 @@ int main(int argc, char** argv) {
       std::cout << "wrote the corpus to " << flags.export_dataset << std::endl;
       return 0;
     }
+    if (flags.config.run.memory_plan) return harness::train::print_memory_plan(flags.config);
     return harness::train::run_pipeline(flags.config);
   } catch (const std::exception& e) {
     std::cerr << "run_pipeline: error: " << e.what() << std::endl;

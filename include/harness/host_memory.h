@@ -5,13 +5,19 @@
 // time again: about 11% of a GPT-2 124M step on one CPU thread (3.11 s against 2.76 s, measured
 // 2026-11-30). keep_freed_host_memory() makes glibc serve every allocation from its heaps and keep
 // what is freed for reuse, as PyTorch's caching allocator does for GPU memory; the resident set
-// then stays at its peak instead of shrinking between steps.
+// then stays at its peak instead of shrinking between steps. And what the host has available.
 #pragma once
+
+#include <cstdint>
 
 namespace harness {
 
 // Call once, at program start, before large allocations. No effect on other C libraries.
 // HARNESS_KEEP_FREED_MEMORY=0 in the environment leaves glibc's defaults.
 void keep_freed_host_memory();
+
+// /proc/meminfo's MemAvailable in bytes: what the kernel estimates can be allocated without
+// swapping (free memory plus reclaimable caches). -1 where it cannot be read.
+int64_t host_available_memory_bytes();
 
 }  // namespace harness

@@ -4,6 +4,9 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -18,6 +21,20 @@ void keep_freed_host_memory() {
   ::mallopt(M_MMAP_MAX, 0);              // no allocation gets its own mapping
   ::mallopt(M_TRIM_THRESHOLD, INT_MAX);  // freed memory at the heap's top is not given back
 #endif
+}
+
+int64_t host_available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream fields(line.substr(13));
+    int64_t kilobytes = -1;
+    std::string unit;
+    fields >> kilobytes >> unit;
+    return kilobytes < 0 || unit != "kB" ? -1 : kilobytes * 1024;
+  }
+  return -1;
 }
 
 }  // namespace harness

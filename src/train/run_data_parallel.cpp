@@ -23,6 +23,7 @@
 #include "harness/tensor_parallel/group.h"
 #include "harness/tensor_parallel/parallel_context.h"
 #include "harness/trace.h"
+#include "harness/train/memory_plan.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/programs.h"
 #include "harness/train/rank_agreement.h"
@@ -136,6 +137,21 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   check_positions(config, f.model_max_length);
   if (layout.pipeline_parallel_size() > 1) (void)stage_options(flags, layout, config);
   if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
+  // Each rank's model state against the memory each has on this machine, before any weight is read.
+  check_model_state_fits(plan_memory(memory_plan_input(flags, config)),
+                         available_memory(data_parallel_devices(flags.device, flags.world_size),
+                                          /*release_gpu_context=*/true),
+                         [&flags](int stage) -> std::string {
+                           DataParallelConfig other = flags;
+                           other.zero_stage = stage;
+                           try {
+                             (void)run_layout(other, other.world_size);
+                             check_zero_stage(other);
+                           } catch (const std::invalid_argument& e) {
+                             return e.what();
+                           }
+                           return std::string();
+                         });
   // config.json against model.safetensors: the weights are read and checked as a worker would.
   if (!f.model.path.empty()) build_model(f.model, config, f.seed);
 }
@@ -317,6 +333,14 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
                 << " activation_checkpointing=" << flags.pipe.activation_checkpointing;
     }
     std::cerr << std::endl << layout.coordinates_table() << std::flush;
+    try {
+      const int ranks_here = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
+      const std::vector<Device> here = device.is_cuda() ? std::vector<Device>{device} : std::vector<Device>(ranks_here, device);
+      std::cerr << "run_data_parallel: " << memory_plan_line(plan_memory(memory_plan_input(flags, config)), available_memory(here))
+                << std::endl;
+    } catch (const std::exception& e) {
+      std::cerr << "run_data_parallel: memory plan: not made: " << e.what() << std::endl;
+    }
   }
 
   const int64_t max_length = f.model_max_length;

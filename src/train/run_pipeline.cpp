@@ -11,6 +11,7 @@
 #include "harness/pipeline/executor.h"
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/trace.h"
+#include "harness/train/memory_plan.h"
 #include "harness/train/pipeline_train_step.h"
 #include "harness/train/programs.h"
 
@@ -52,6 +53,13 @@ int run_pipeline(const PipelineConfig& pipeline) {
       prepare_tokenizer(f.model, config, corpus.train, f.workdir + "/tokenizer.model");
   if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
   config.save_json_file(f.workdir + "/config.json");  // as the original, at start
+  // Each device's model state against the memory it has, before the model is built.
+  const MemoryPlan memory = plan_memory(memory_plan_input(pipeline, config, devices));
+  const AvailableMemory available = available_memory(devices, false, "device");
+  check_model_state_fits(memory, available, [](int) {
+    return std::string("run_pipeline trains one replica, and ZeRO shards over data-parallel replicas "
+                       "(run_data_parallel --zero_stage)");
+  });
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
 
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
@@ -119,6 +127,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
               << (balance_spec.automatic ? " (auto, by time)" : pipe.balance.empty() ? " (default)" : "")
               << " activation_checkpointing=" << pipeline::to_string(checkpointing) << std::endl;
   }
+  std::cerr << "run_pipeline: " << memory_plan_line(memory, available) << std::endl;
 
   const int64_t max_length = f.model_max_length;
   data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {

@@ -43,6 +43,7 @@ struct RunConfig {
   double weight_decay = 0.01;  // --weight_decay (AdamW's)
   double max_grad_norm = 0.0;  // --max_grad_norm: clip by the global gradient norm; 0: off
   TrainingControls controls;   // --lr_schedule, --warmup_steps, --min_learning_rate, --max_steps, --eval_every
+  bool memory_plan = false;    // --memory_plan: print the per-rank memory plan (train/memory_plan.h) and exit
   // The optimizer the programs build: AdamW at learning_rate with weight_decay, clipped at max_grad_norm.
   OptimizerSettings optimizer_settings() const {
     OptimizerSettings settings(learning_rate);

@@ -1,0 +1,125 @@
+"""--memory_plan end to end through both programs: the plan's figures for gpt2-tiny (whole, as
+pipeline stages, on one device and on two) printed with exit 0 before anything is started or
+written, the one line of it every run prints at start, and the refusal of a run whose model state
+does not fit the memory a rank has, naming the bytes and the ZeRO stage that would fit (the memory
+available set through the HARNESS_TEST_AVAILABLE_MEMORY_BYTES test hook)."""
+import os
+import re
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_checkpoints as ck  # noqa: E402  the programs' paths and run()
+
+DP, PP = ck.DP, ck.PP
+TINY = ["--model", "gpt2-tiny", "--model_max_length", "40", "--train_size", "16", "--validation_size", "8",
+        "--test_size", "2", "--no_progress", "--benchmark_only", "--batch_size", "8", "--n_epochs", "1",
+        "--max_batches", "1"]
+# gpt2-tiny: 173824 parameters; as two pipeline stages 123712 (wte, wpe, block 0) and 115648
+# (block 1, ln_f, the tied head's copy of wte).
+ROW = re.compile(r"^  (\S+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  (.+)$", re.M)
+
+
+def plan_rows(text):
+    """{ranks or device: (parameters, weights, gradients, optimizer, activations, total)}"""
+    return {m.group(1): tuple(int(m.group(i)) for i in range(2, 8)) for m in ROW.finditer(text)}
+
+
+def env_with(**values):
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in values.items()})
+    return env
+
+
+class PrintedPlan(unittest.TestCase):
+    def test_data_parallel_plans_each_rank_kind_and_exits_before_starting_anything(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            work = os.path.join(tmp, "never")
+            proc = ck.run([DP, "--world_size", "2", "--workdir", work, "--memory_plan"] + TINY)
+            self.assertEqual(proc.returncode, 0)
+            rows = plan_rows(proc.stdout)
+            self.assertEqual(rows["0-1"][:4], (173824, 695296, 695296, 1390592), proc.stdout)
+            params, weights, grads, adamw, activations, total = rows["0-1"]
+            self.assertGreater(activations, 0)
+            self.assertEqual(total, weights + grads + adamw + activations)
+            self.assertIn("data 2 x tensor 1 x pipeline 1 = world 2", proc.stdout)
+            self.assertRegex(proc.stdout, r"available per rank: \d+ bytes .*\(MemAvailable \d+ bytes / 2 ranks on this host\)")
+            self.assertIn("model state per rank: at most 2781184 bytes", proc.stdout)
+            self.assertNotIn("Epoch", proc.stdout)
+            self.assertFalse(os.path.exists(work), "--memory_plan wrote the work directory")
+
+            # ZeRO-1 halves AdamW's state over the 2 data-parallel ranks; pipeline stages hold their own.
+            proc = ck.run([DP, "--world_size", "2", "--zero_stage", "1", "--memory_plan"] + TINY)
+            self.assertEqual(plan_rows(proc.stdout)["0-1"][:4], (173824, 695296, 695296, 695296))
+            proc = ck.run([DP, "--world_size", "2", "--pipeline_parallel_size", "2", "--n_chunk", "2",
+                           "--memory_plan"] + TINY)
+            rows = plan_rows(proc.stdout)
+            self.assertEqual(rows["0"][:4], (123712, 494848, 494848, 989696), proc.stdout)
+            self.assertEqual(rows["1"][:4], (115648, 462592, 462592, 925184), proc.stdout)
+            self.assertIn("stage 1: block halves 2-3, ln_f, wte (tied head)", proc.stdout)
+
+    def test_pipeline_plans_each_device(self):
+        proc = ck.run([PP, "--memory_plan"] + TINY)
+        self.assertEqual(plan_rows(proc.stdout)["cpu:0"][:4], (173824, 695296, 695296, 1390592), proc.stdout)
+        self.assertIn("available per device:", proc.stdout)
+        proc = ck.run([PP, "--model_parallel_mode", "pipeline_parallel", "--devices", "cpu:0,cpu:1", "--n_chunk", "2",
+                       "--memory_plan"] + TINY)
+        rows = plan_rows(proc.stdout)
+        self.assertEqual(rows["cpu:0"][:4], (123712, 494848, 494848, 989696), proc.stdout)
+        self.assertEqual(rows["cpu:1"][:4], (115648, 462592, 462592, 925184), proc.stdout)
+        self.assertRegex(proc.stdout, r"\(MemAvailable \d+ bytes / 2 devices on this host\)")
+        self.assertNotIn("Epoch", proc.stdout)
+
+
+class StartLine(unittest.TestCase):
+    def test_every_run_prints_one_line_of_the_plan(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for program, extra, line in (
+                    (DP, ["--world_size", "2", "--master_port", str(ck.free_port())],
+                     "run_data_parallel: memory plan per rank (the most: ranks 0-1): weights 695296 + gradients 695296 "
+                     "+ optimizer 1390592 = model state 2781184 bytes, activations ~"),
+                    (PP, [], "run_pipeline: memory plan per device (the most: cpu:0): weights 695296 + gradients "
+                             "695296 + optimizer 1390592 = model state 2781184 bytes, activations ~")):
+                proc = ck.run([program, "--workdir", os.path.join(tmp, os.path.basename(program))] + TINY + extra)
+                self.assertEqual(proc.stderr.count("memory plan per"), 1, proc.stderr)
+                self.assertIn(line, proc.stderr)
+                self.assertRegex(proc.stdout, r"Epoch 0(?: on Rank 0)?: Training Time = ")
+
+
+class Refusal(unittest.TestCase):
+    def refused(self, args, available):
+        proc = ck.run(args + TINY, check=False, env=env_with(HARNESS_TEST_AVAILABLE_MEMORY_BYTES=available))
+        self.assertNotEqual(proc.returncode, 0, proc.stderr)
+        self.assertNotIn("Epoch", proc.stdout)
+        self.assertIn("are available per", proc.stderr)
+        self.assertIn("HARNESS_TEST_AVAILABLE_MEMORY_BYTES, the test hook", proc.stderr)
+        return proc.stderr
+
+    def test_a_model_state_that_does_not_fit_is_refused_naming_the_figures_and_the_stage(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            work = os.path.join(tmp, "w")
+            # 16 x 173824 bytes per rank; ZeRO-1 over 2 ranks: 4 + 4 + 8 / 2 per parameter = 2085888.
+            err = self.refused([DP, "--world_size", "2", "--workdir", work], 2100000)
+            self.assertIn("the model state needs 2781184 bytes (2.65 MiB) per rank on ranks 0-1", err)
+            self.assertIn("but 2100000 bytes (2.00 MiB) are available per rank", err)
+            self.assertIn("--zero_stage 1 would need 2085888 bytes per rank and fit", err)
+            self.assertNotIn("cannot run it", err)
+            # Over 4 ranks with a 0.01 MB bucket only ZeRO-2 fits: 4 + 4 / 4 + 8 / 4 per parameter + the bucket.
+            err = self.refused([DP, "--world_size", "4", "--bucket_cap_mb", "0.01", "--workdir", work], 1500000)
+            self.assertIn("--zero_stage 2 would need 1227253 bytes per rank and fit", err)
+            if "cannot run it" in err:  # a build without ZeRO-2 says so
+                self.assertIn("but this build cannot run it here: --zero_stage 2", err)
+            # Nothing shards a single replica.
+            err = self.refused([PP, "--workdir", work], 1000000)
+            self.assertIn("the model state needs 2781184 bytes (2.65 MiB) per device on cpu:0", err)
+            self.assertIn("no ZeRO stage fits: --zero_stage 3 would still need 2781184 bytes per device over 1 "
+                          "data-parallel rank", err)
+            # Enough memory: the same runs go ahead.
+            proc = ck.run([DP, "--world_size", "2", "--workdir", work, "--master_port", str(ck.free_port())] + TINY,
+                          env=env_with(HARNESS_TEST_AVAILABLE_MEMORY_BYTES=2781184))
+            self.assertIn("HARNESS_TEST_AVAILABLE_MEMORY_BYTES, the test hook", proc.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
