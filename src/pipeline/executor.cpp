@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <tuple>
 #include <utility>
@@ -186,24 +187,44 @@ const P2PPlan& cached_p2p_plan(const TrainingSchedule& schedule) {
   return *plan;
 }
 
-DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& device, const StageForward& forward,
-                                  uint64_t step_seed, StageTransport& transport, const ExecutorOptions& options,
-                                  const std::string& track) {
+struct HeldForwards {
+  // What a forward leaves for its backward: its input and, unless checkpointed, its output.
+  struct Held {
+    at::Tensor input, output;  // output undefined when checkpointed
+    bool checkpointed = false;
+  };
+  std::map<std::pair<int, int>, Held> by_task;  // (micro-batch, stage) -> what its backward needs
+};
+
+StageEnds::StageEnds(int micro_batches, int devices)
+    : inputs(micro_batches), outputs(micro_batches), grad_outputs(micro_batches), grad_inputs(micro_batches) {
+  for (int d = 0; d < devices; ++d) held.push_back(std::make_shared<HeldForwards>());
+}
+
+namespace {
+
+DeviceStepResult run_steps(const P2PPlan& plan, int d, const Device& device, const StageForward& forward,
+                           uint64_t step_seed, StageTransport& transport, const ExecutorOptions& options,
+                           const std::string& track, StageEnds* ends) {
   const TrainingSchedule& schedule = plan.schedule;
   const int D = schedule.devices, M = schedule.micro_batches, S = schedule.stages();
   const c10::Device torch_device = device.torch_device();
   const bool metered = activation_meter_installed();
   const int64_t live_before = metered ? activation_live_bytes(d + 1)[d] : 0;
   const std::vector<std::vector<bool>> checkpointed = checkpoint_plan(schedule, options.checkpointing);
+  const bool keep_graph = ends != nullptr && ends->keep_graph;
   Tracer* tracer = options.tracer;
   DeviceStepResult result;
   result.losses.resize(M);
+  if (ends != nullptr) {
+    TORCH_CHECK(static_cast<int>(ends->inputs.size()) == M && static_cast<int>(ends->held.size()) == D,
+                "run_device_steps: the pipeline's ends are for ", ends->inputs.size(), " micro-batches and ",
+                ends->held.size(), " devices, the plan has ", M, " and ", D);
+  }
 
-  struct Held {
-    at::Tensor input, output;  // output undefined when checkpointed
-    bool checkpointed = false;
-  };
-  std::map<std::pair<int, int>, Held> held;  // (micro-batch, stage) -> what its backward needs
+  HeldForwards own;
+  using Held = HeldForwards::Held;
+  std::map<std::pair<int, int>, Held>& held = (ends != nullptr ? *ends->held[d] : own).by_task;
   // Tensors for this device's later stages (V > 1 on one device), and those waiting for the next
   // exchange's sends.
   std::map<std::tuple<int, int, int>, at::Tensor> local, outbox;
@@ -253,62 +274,78 @@ DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& devi
       const Action& action = step.action;
       const int i = action.micro_batch, s = action.stage;
       label = (action.kind == Action::Kind::kForward ? "forward" : "backward") + std::string(" of micro-batch ") +
-              std::to_string(i) + ", stage " + std::to_string(s);
+              std::to_string(i) + ", " + options.stage_word + " " + std::to_string(s);
+      const Tracer::Args task = {{"micro_batch", static_cast<int64_t>(i)},
+                                 {options.stage_word, static_cast<int64_t>(s)}};
       const size_t position = k++;
       if (action.kind == Action::Kind::kForward) {
         at::Tensor input;
-        if (s > 0) {
-          input = receive({P2PMessage::Kind::kActivation, i, s - 1}).detach();
+        if (s > 0 || ends != nullptr) {
+          input = s > 0 ? receive({P2PMessage::Kind::kActivation, i, s - 1}) : to_stage_device(ends->inputs[i], device);
+        }
+        if (input.defined() && !keep_graph) {
+          // Cut the graph here: this stage's backward is an action of its own.
+          const bool wants_grad = s > 0 || input.requires_grad();
+          input = input.detach();
           if (metered && device.is_cpu()) {  // charge the held input to this device (see StepResult)
             ActivationScope charged(d);
             input = input.clone();
           }
-          if (input.is_floating_point()) input.requires_grad_(true);
+          if (wants_grad && input.is_floating_point()) input.requires_grad_(true);
         }
         Held h;
         h.checkpointed = checkpointed[d][position];
         at::Tensor output;
         {
-          TraceScope scope(tracer, "forward", track,
-                           {{"micro_batch", static_cast<int64_t>(i)}, {"stage", static_cast<int64_t>(s)}});
-          torch::AutoGradMode graph(!h.checkpointed);
+          TraceScope scope(tracer, "forward", track, task);
+          // Kept whole, the graph is the caller's, under the caller's grad mode.
+          std::optional<torch::AutoGradMode> graph;
+          if (!keep_graph) graph.emplace(!h.checkpointed);
           output = stage_forward(i, s, input);
         }
         TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
-        if (s == S - 1) {
+        if (s == S - 1 && ends != nullptr) {
+          ends->outputs[i] = keep_graph ? output : output.detach();
+        } else if (s == S - 1) {
           TORCH_CHECK(output.numel() == 1, "the last stage must return a scalar loss, got shape ", output.sizes());
           TORCH_CHECK(h.checkpointed || output.requires_grad(),
                       "the last stage's loss does not require grad: nothing to train");
           result.losses[i] = output.detach();
         } else {
-          hand_over({P2PMessage::Kind::kActivation, i, s}, s + 1, output.detach());
+          hand_over({P2PMessage::Kind::kActivation, i, s}, s + 1, keep_graph ? output : output.detach());
         }
-        h.input = input;
-        if (!h.checkpointed) h.output = output;
-        held[{i, s}] = std::move(h);
+        if (!keep_graph) {
+          h.input = input;
+          if (!h.checkpointed) h.output = output;
+          held[{i, s}] = std::move(h);
+        }
         result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(held.size()));
         sample_held();
       } else {
+        TORCH_CHECK(!keep_graph, "a backward action with the graph kept whole (the autograd engine runs it)");
         auto it = held.find({i, s});
         TORCH_CHECK(it != held.end(), "its forward has not run on this device");
         Held h = std::move(it->second);
         held.erase(it);
         at::Tensor grad_output;
-        if (s < S - 1) grad_output = receive({P2PMessage::Kind::kGradient, i, s + 1});
+        if (s < S - 1) {
+          grad_output = receive({P2PMessage::Kind::kGradient, i, s + 1});
+        } else if (ends != nullptr && ends->grad_outputs[i].defined()) {
+          grad_output = to_stage_device(ends->grad_outputs[i], device);
+        }
         {
-          TraceScope scope(tracer, "backward", track,
-                           {{"micro_batch", static_cast<int64_t>(i)},
-                            {"stage", static_cast<int64_t>(s)},
-                            {"recomputed", static_cast<int64_t>(h.checkpointed ? 1 : 0)}});
+          Tracer::Args args = task;
+          args.emplace_back("recomputed", static_cast<int64_t>(h.checkpointed ? 1 : 0));
+          TraceScope scope(tracer, "backward", track, args);
           if (h.checkpointed) {
             torch::AutoGradMode graph(true);
             h.output = stage_forward(i, s, h.input);
             sample_held();  // the rebuilt graph is held until this backward is done
           }
           if (h.output.requires_grad()) {
-            if (s == S - 1) {
+            if (s == S - 1 && ends == nullptr) {
               torch::autograd::backward({h.output});
-            } else {
+            } else if (grad_output.defined()) {
               torch::autograd::backward({h.output}, {grad_output});
             }
           }
@@ -317,6 +354,8 @@ DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& devi
         if (s > 0) {
           grad_input = h.input.grad();
           if (!grad_input.defined()) grad_input = at::zeros_like(h.input);
+        } else if (ends != nullptr && h.input.defined() && h.input.requires_grad()) {
+          ends->grad_inputs[i] = h.input.grad();
         }
         h = Held{};  // the graph and the input go before the previous stage moves on
         if (s > 0) hand_over({P2PMessage::Kind::kGradient, i, s}, s - 1, std::move(grad_input));
@@ -325,10 +364,10 @@ DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& devi
       throw;
     } catch (const c10::Error& e) {
       transport.fail(d);
-      throw std::runtime_error(label + ": " + e.what_without_backtrace());
+      throw StageActionError(label, e.what_without_backtrace());
     } catch (const std::exception& e) {
       transport.fail(d);
-      throw std::runtime_error(label + ": " + e.what());
+      throw StageActionError(label, e.what());
     } catch (...) {
       transport.fail(d);
       throw;
@@ -337,27 +376,61 @@ DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& devi
   return result;
 }
 
+}  // namespace
+
+DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& device, const StageForward& forward,
+                                  uint64_t step_seed, StageTransport& transport, const ExecutorOptions& options,
+                                  const std::string& track) {
+  return run_steps(plan, d, device, forward, step_seed, transport, options, track, nullptr);
+}
+
+DeviceStepResult run_device_steps(const P2PPlan& plan, int d, const Device& device, const StageForward& forward,
+                                  uint64_t step_seed, StageTransport& transport, const ExecutorOptions& options,
+                                  const std::string& track, StageEnds& ends) {
+  return run_steps(plan, d, device, forward, step_seed, transport, options, track, &ends);
+}
+
 StepResult ScheduleExecutor::run(const TrainingSchedule& schedule, const StageForward& forward,
                                  uint64_t step_seed) {
   validate_schedule(schedule);
-  const int D = schedule.devices, M = schedule.micro_batches, S = schedule.stages();
-  if (D != static_cast<int>(devices_.size())) {
+  if (schedule.devices != static_cast<int>(devices_.size())) {
     throw std::invalid_argument("ScheduleExecutor: schedule '" + schedule.name + "' is for " +
-                                std::to_string(D) + " devices, the executor has " +
+                                std::to_string(schedule.devices) + " devices, the executor has " +
+                                std::to_string(devices_.size()));
+  }
+  return run_plan(cached_p2p_plan(schedule), forward, step_seed);
+}
+
+StepResult ScheduleExecutor::run_plan(const P2PPlan& plan, const StageForward& forward, uint64_t step_seed,
+                                      StageEnds* ends) {
+  const TrainingSchedule& schedule = plan.schedule;
+  const int D = schedule.devices, M = schedule.micro_batches, S = schedule.stages();
+  if (D != static_cast<int>(devices_.size()) || plan.per_device.size() != devices_.size()) {
+    throw std::invalid_argument("ScheduleExecutor: the plan of schedule '" + schedule.name + "' is for " +
+                                std::to_string(plan.per_device.size()) + " devices, the executor has " +
                                 std::to_string(devices_.size()));
   }
   TORCH_CHECK(static_cast<bool>(forward), "ScheduleExecutor::run: empty stage forward");
-  const P2PPlan& plan = cached_p2p_plan(schedule);
 
   InProcessTransport transport(M, S);
   std::vector<DeviceStepResult> parts(D);
+  std::vector<std::exception_ptr> errors(D);
   for (int d = 0; d < D; ++d) {
     workers_[d]->submit(
-        [&, d] { parts[d] = run_device_steps(plan, d, devices_[d], forward, step_seed, transport, options_, tracks_[d]); },
+        [&, d] {
+          try {
+            parts[d] = run_steps(plan, d, devices_[d], forward, step_seed, transport, options_, tracks_[d], ends);
+          } catch (const StageActionError& e) {  // named with its device; other failures the worker names
+            errors[d] = std::make_exception_ptr(
+                std::runtime_error(e.action + " on " + tracks_[d] + " failed: " + e.reason));
+          }
+        },
         "pipeline step (schedule " + schedule.name + ", device " + std::to_string(d) + ")");
   }
-  std::vector<std::exception_ptr> errors(D);
-  for (int d = 0; d < D; ++d) errors[d] = workers_[d]->take();
+  for (int d = 0; d < D; ++d) {
+    std::exception_ptr error = workers_[d]->take();
+    if (error) errors[d] = error;
+  }
   const int failed = transport.failed_device();
   if (failed >= 0 && errors[failed]) std::rethrow_exception(errors[failed]);
   for (const auto& error : errors) {

@@ -19,6 +19,7 @@
 
 #include "harness/model/dropout.h"
 #include "harness/pipeline/executor.h"
+#include "harness/pipeline/gpipe_plan.h"
 #include "harness/pipeline/training_schedule.h"
 
 namespace harness::pipeline {
@@ -293,6 +294,104 @@ TEST(ScheduleExecutor, CheckpointPlansAreLiteral) {
                   {true, false, true, false, true, false, true, false}}));
   EXPECT_EQ(checkpoint_plan(gpipe_schedule(2, 1), ActivationCheckpointing::kNever),
             (Plan{{false, false, false, false}}));
+}
+
+// A pipeline that is one part of a model: the ends are the caller's tensors, its outputs the
+// plain chain's, and the forward half with the graph kept leaves the backward to autograd.
+TEST(ScheduleExecutor, ThePipelinesEndsMayBeTheCallersWithTheGraphKeptWhole) {
+  ToyModel model(3);
+  const at::Tensor x = torch::randn({6, 8}).requires_grad_(true);
+  at::Tensor expected = x;
+  for (int s = 0; s < 3; ++s) expected = model.stage(s, expected);
+  const at::Tensor target = torch::randn({6, 8});
+  torch::mse_loss(expected, target).backward();
+  const std::vector<at::Tensor> expected_grads = model.grads();
+  const at::Tensor expected_x_grad = x.grad().clone();
+  model.zero_grad();
+  x.mutable_grad() = at::Tensor();
+
+  ScheduleExecutor executor(lanes(3), {1});
+  StageEnds ends(/*micro_batches=*/3, /*devices=*/3);
+  ends.inputs = x.split(2, 0);
+  ends.keep_graph = true;
+  const StageForward forward = [&](int, int s, const at::Tensor& input) { return model.stage(s, input); };
+  const StepResult result = executor.run_plan(gpipe_plan_halves(3, 3).forward, forward, 1, &ends);
+  EXPECT_EQ(result.peak_in_flight, (std::vector<int>{0, 0, 0}));  // the graph is autograd's to hold
+  const at::Tensor y = torch::cat(ends.outputs, 0);
+  EXPECT_TRUE(torch::allclose(y, expected, 1e-6, 1e-6));
+  ASSERT_TRUE(y.requires_grad());
+  torch::mse_loss(y, target).backward();
+  for (size_t s = 0; s < expected_grads.size(); ++s) {
+    EXPECT_TRUE(torch::allclose(model.grads()[s], expected_grads[s], 1e-6, 1e-7)) << "stage " << s;
+  }
+  EXPECT_TRUE(torch::allclose(x.grad(), expected_x_grad, 1e-6, 1e-7));
+
+  // A backward cannot run on a graph handed on whole.
+  StageEnds whole(3, 3);
+  whole.inputs = x.split(2, 0);
+  whole.keep_graph = true;
+  try {
+    executor.run_plan(make_p2p_plan(gpipe_schedule(3, 3)), forward, 1, &whole);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    // Whichever device reaches its first backward (micro-batch 2's) first says so.
+    const std::string message = e.what();
+    EXPECT_EQ(message.rfind("backward of micro-batch 2, stage ", 0), 0u) << message;
+    EXPECT_NE(message.find(" failed: a backward action with the graph kept whole"), std::string::npos) << message;
+  }
+  EXPECT_THROW(executor.run_plan(gpipe_plan_halves(3, 2).forward, forward, 1, &ends), std::invalid_argument);
+}
+
+// The two halves run apart: the forwards now, the backwards later from the caller's output
+// gradients, the held forwards kept in the ends in between; gradients are plain autograd's.
+TEST(ScheduleExecutor, AStepRunsAsTwoHalvesFromTheCallersOutputGradients) {
+  ToyModel model(2, /*noisy=*/true);
+  const at::Tensor x = torch::randn({8, 8}).requires_grad_(true);
+  const at::Tensor grad_y = torch::randn({8, 8});
+  ExecutorOptions options;
+  options.threads_per_device = 1;
+  options.stage_word = "partition";
+  Tracer tracer;
+  options.tracer = &tracer;
+  ScheduleExecutor executor(lanes(2), options);
+  StageEnds ends(4, 2);
+  ends.inputs = x.split(2, 0);
+  const StageForward forward = [&](int, int s, const at::Tensor& input) { return model.stage(s, input); };
+  const PlanHalves& halves = gpipe_plan_halves(4, 2);
+  EXPECT_EQ(executor.run_plan(halves.forward, forward, 5, &ends).peak_in_flight, (std::vector<int>{4, 4}));
+  for (const at::Tensor& out : ends.outputs) EXPECT_FALSE(out.requires_grad());
+  const std::vector<at::Tensor> grad_chunks = grad_y.split(2, 0);
+  for (int i = 0; i < 4; ++i) ends.grad_outputs[i] = grad_chunks[i];
+  executor.run_plan(halves.backward, forward, 5, &ends);
+  const std::vector<at::Tensor> grads = model.grads();
+  const at::Tensor y = torch::cat(ends.outputs, 0);
+
+  // The same masks again: the (step, micro-batch, stage) streams of step seed 5, one per task.
+  model.zero_grad();
+  std::vector<at::Tensor> outputs;
+  for (int i = 0; i < 4; ++i) {
+    at::Tensor h = x.split(2, 0)[i];
+    for (int s = 0; s < 2; ++s) {
+      model::DropoutGeneratorScope stream(model::make_generator(c10::kCPU, stage_stream_seed(5, i, s)));
+      h = model.stage(s, h);
+    }
+    outputs.push_back(h);
+  }
+  const at::Tensor reference = torch::cat(outputs, 0);
+  EXPECT_TRUE(torch::allclose(y, reference, 1e-6, 1e-6));
+  const at::Tensor x_grad = torch::autograd::grad({reference}, {x}, {grad_y}, /*retain_graph=*/true)[0];
+  reference.backward(grad_y);
+  for (size_t s = 0; s < grads.size(); ++s) EXPECT_TRUE(torch::allclose(grads[s], model.grads()[s], 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(torch::cat(ends.grad_inputs, 0), x_grad, 1e-6, 1e-7));
+
+  // Traced with the stage word given, every backward after every forward.
+  int forwards = 0, backwards = 0;
+  for (const auto& slice : tracer.slices()) {
+    EXPECT_EQ(slice.args.at(1).first, "partition");
+    (slice.name == "forward" ? forwards : backwards) += 1;
+  }
+  EXPECT_EQ(forwards, 8);
+  EXPECT_EQ(backwards, 8);
 }
 
 TEST(ScheduleExecutor, StreamSeedsDifferAcrossStepsMicroBatchesAndStages) {

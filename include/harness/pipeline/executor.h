@@ -2,7 +2,8 @@
 // One loop runs a device's part: it walks the device's steps of the schedule's P2PPlan
 // (p2p_plan.h), its compute actions and its exchanges, and leaves the carrying of tensors between
 // devices to a StageTransport, so the same schedule data and the same loop drive run_pipeline's
-// worker threads (ScheduleExecutor: one thread per device, tensors handed over in memory) and
+// worker threads (ScheduleExecutor: one thread per device, tensors handed over in memory), the
+// a5_2_2 Pipe (GPipe's step in two halves, gpipe_plan.h, its ends the Pipe's tensors) and
 // pipeline stages that are processes (run_device_steps with c10d send/recv,
 // process_transport.h), as Megatron keeps p2p_communication apart from its schedules. Every
 // backward is an explicit torch::autograd::backward called by the worker that owns the stage, so
@@ -17,7 +18,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "harness/device.h"
@@ -45,10 +48,12 @@ std::string to_string(ActivationCheckpointing mode);
 std::vector<std::vector<bool>> checkpoint_plan(const TrainingSchedule& schedule, ActivationCheckpointing mode);
 
 // The forward of `stage` on `micro_batch`, run by the stage's worker. `input` is undefined for
-// stage 0; otherwise it is the previous stage's output moved to this stage's device, a leaf that
-// requires grad. Returns the stage's output, which the next stage receives; the last stage returns
-// its micro-batch's share of the loss, a scalar the executor runs backward from. It runs with grad
-// mode on. While it runs, the (step, micro-batch, stage) random stream is the thread's dropout
+// stage 0 (with StageEnds: the micro-batch's input); otherwise it is the previous stage's output
+// moved to this stage's device, a leaf that requires grad (with StageEnds that keep the graph: the
+// moved output itself). Returns the stage's output, which the next stage receives; the last stage
+// returns its micro-batch's share of the loss, a scalar the executor runs backward from (with
+// StageEnds: any output). It runs with grad mode on (with StageEnds that keep the graph: the
+// caller's grad mode). While it runs, the (step, micro-batch, stage) random stream is the thread's dropout
 // stream on a CPU lane and the default generator of a GPU (dropout.h), so a recomputation draws
 // the same masks and concurrent stages never share a generator.
 using StageForward = std::function<at::Tensor(int micro_batch, int stage, const at::Tensor& input)>;
@@ -60,6 +65,36 @@ struct ExecutorOptions {
   // One slice per action ("forward", "backward"; a recomputation is part of its backward, with
   // arg recomputed = 1), track = the device's name, args micro_batch and stage. Not owned.
   Tracer* tracer = nullptr;
+  // What traces and error messages call a stage: "forward of micro-batch 2, stage 1". The Pipe
+  // says "partition", GPipe's word.
+  std::string stage_word = "stage";
+};
+
+// What run_device_steps throws when one of its actions fails: what() is "<action>: <reason>",
+// e.g. "forward of micro-batch 2, stage 1: boom", so that an executor can name the device too.
+struct StageActionError : std::runtime_error {
+  StageActionError(std::string action_, std::string reason_)
+      : std::runtime_error(action_ + ": " + reason_), action(std::move(action_)), reason(std::move(reason_)) {}
+  std::string action;  // "forward of micro-batch 2, stage 1"
+  std::string reason;
+};
+
+struct HeldForwards;  // executor.cpp: one device's forwards kept for their backwards
+
+// The two ends of a pipeline that is one part of a model (the Pipe) instead of a whole step from
+// the data to a loss. Stage 0's forward takes inputs[i] (moved to its device); the last stage's
+// forward leaves its output in outputs[i]; a backward of the last stage starts from
+// grad_outputs[i] (undefined: no gradient reaches it) and stage 0's leaves the gradient of its
+// input in grad_inputs[i] (undefined when inputs[i] does not require grad). A step may then run
+// as two plans (split_at_first_backward, gpipe_plan.h): the forwards now, the backwards later, the
+// held forwards kept here in between.
+struct StageEnds {
+  StageEnds(int micro_batches, int devices);
+  std::vector<at::Tensor> inputs, outputs, grad_outputs, grad_inputs;  // [micro-batch]
+  // Hand every stage's output on with its autograd graph (not detached), so that the autograd
+  // engine runs the whole backward from the caller's loss; a plan with backwards is refused then.
+  bool keep_graph = false;
+  std::vector<std::shared_ptr<HeldForwards>> held;  // [device]
 };
 
 struct StepResult {
@@ -115,6 +150,11 @@ struct DeviceStepResult {
 DeviceStepResult run_device_steps(const P2PPlan& plan, int device_index, const Device& device,
                                   const StageForward& forward, uint64_t step_seed, StageTransport& transport,
                                   const ExecutorOptions& options, const std::string& track);
+// The same with the pipeline's ends given (StageEnds): `ends` is read and written by every device's
+// call of one run, each for its own stages.
+DeviceStepResult run_device_steps(const P2PPlan& plan, int device_index, const Device& device,
+                                  const StageForward& forward, uint64_t step_seed, StageTransport& transport,
+                                  const ExecutorOptions& options, const std::string& track, StageEnds& ends);
 
 // The plan the executor runs for `schedule`, made once per schedule shape and kept (the plan of a
 // schedule depends on its name, M, D and V only).
@@ -135,6 +175,13 @@ class ScheduleExecutor {
   // stop waiting at once and this rethrows the failure, naming the action and device; the
   // executor stays usable.
   StepResult run(const TrainingSchedule& schedule, const StageForward& forward, uint64_t step_seed);
+
+  // Runs `plan` as run does its schedule's plan, on the in-process transport: a plan of
+  // cached_p2p_plan, or one half of a step (gpipe_plan.h) with the pipeline's ends in `ends`
+  // (nullptr: the plan ends in a loss). Throws std::invalid_argument when the plan is for another
+  // number of devices. A failure reads "<action> on <device> failed: <reason>".
+  StepResult run_plan(const P2PPlan& plan, const StageForward& forward, uint64_t step_seed,
+                      StageEnds* ends = nullptr);
 
   const std::vector<Device>& devices() const { return devices_; }
   int threads_per_device() const { return threads_per_device_; }
