@@ -1,47 +1,53 @@
-// The Pipe executor: applies clock_cycles (forward) and backward_clock_cycles (pipelined
-// backward) to per-device workers.
+// The Pipe, a view onto the schedule engine: its forward runs GPipe's forward half
+// (gpipe_plan_halves, the clock of clock_cycles) on a ScheduleExecutor's workers, and its pipelined
+// backward the backward half, from an autograd node on the output.
 #include "harness/pipeline/pipe.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/torch.h>
 
+#include <mutex>
 #include <set>
 #include <stdexcept>
 #include <string>
 
+#include "harness/pipeline/executor.h"
+#include "harness/pipeline/gpipe_plan.h"
 #include "harness/pipeline/partition.h"
-#include "harness/pipeline/schedule.h"
-#include "harness/pipeline/worker.h"
 
 namespace harness::pipeline {
 namespace {
 
 using torch::autograd::variable_list;
 
-std::string task_name(const char* phase, int i, int j) {
-  return std::string(phase) + " of micro-batch " + std::to_string(i) + ", partition " +
-         std::to_string(j);
+// The seed of a Pipe's random streams, from torch's default CPU generator, so that
+// torch::manual_seed before the Pipe is made fixes every dropout mask it draws.
+uint64_t seed_from_default_generator() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get<at::CPUGeneratorImpl>()->random64();
 }
 
-Tracer::Args task_args(int i, int j) {
-  return {{"micro_batch", static_cast<int64_t>(i)}, {"partition", static_cast<int64_t>(j)}};
-}
-
-// What one forward leaves for its pipelined backward: each task's (detached) input and output.
+// What one forward with the pipelined backward leaves for it: the pipeline's ends, holding each
+// (micro-batch, partition)'s detached input and its output.
 struct PipeRun {
-  int m = 0, n = 0;
+  PipeRun(int m_, int n_) : m(m_), n(n_), ends(m_, n_) {}
+  int m, n;
   int64_t split_size = 0;
-  std::vector<Device> devices;
-  std::weak_ptr<Workers> workers;
-  Tracer* tracer = nullptr;
+  StageEnds ends;
+  std::weak_ptr<ScheduleExecutor> executor;
+  StageForward forward;
+  uint64_t step_seed = 0;
   c10::Device input_device = c10::kCPU;
   bool input_requires_grad = false;
   std::vector<std::vector<int64_t>> input_chunk_sizes;  // shape of each micro-batch of x
-  std::vector<std::vector<at::Tensor>> inputs, outputs;  // [i][j]
   bool consumed = false;
 };
 
-// Autograd node on the Pipe's output whose backward drives the backward clock on the workers.
+// Autograd node on the Pipe's output whose backward runs GPipe's backward half on the workers. It
+// waits for them on the thread that runs it, which is why the Pipe allows it on CPU lanes only:
+// there the engine runs it on the thread that called backward, never on a device's engine thread.
 class PipeBackward : public torch::autograd::Node {
  public:
   explicit PipeBackward(std::shared_ptr<PipeRun> run) : run_(std::move(run)) {}
@@ -52,53 +58,29 @@ class PipeBackward : public torch::autograd::Node {
     TORCH_CHECK(run_ && !run_->consumed,
                 "Pipe: backward through this output ran already (or its graph was freed); the "
                 "pipelined backward supports one backward per forward");
-    std::shared_ptr<Workers> workers = run_->workers.lock();
-    TORCH_CHECK(workers, "Pipe: the Pipe was destroyed before backward reached its output");
+    std::shared_ptr<ScheduleExecutor> executor = run_->executor.lock();
+    TORCH_CHECK(executor, "Pipe: the Pipe was destroyed before backward reached its output");
     PipeRun& run = *run_;
     run.consumed = true;
     const int m = run.m, n = run.n;
 
-    std::vector<std::vector<at::Tensor>> grad_outputs(m, std::vector<at::Tensor>(n));
-    std::vector<at::Tensor> grad_inputs(m);
     if (grads[0].defined()) {
       const auto chunks = grads[0].split(run.split_size, 0);
-      for (int i = 0; i < m; ++i) grad_outputs[i][n - 1] = chunks[i];
+      for (int i = 0; i < m; ++i) run.ends.grad_outputs[i] = chunks[i];
     }
-    for (const Cycle& cycle : backward_clock_cycles(m, n)) {
-      std::vector<WorkerTask> tasks;
-      for (const auto& [i, j] : cycle) {
-        tasks.push_back({&workers->at(run.devices[j]),
-                         [&run, &grad_outputs, &grad_inputs, i = i, j = j] {
-                           TraceScope scope(run.tracer, "backward", run.devices[j].str(), task_args(i, j));
-                           at::Tensor output = std::move(run.outputs[i][j]);
-                           at::Tensor input = std::move(run.inputs[i][j]);
-                           at::Tensor grad = std::move(grad_outputs[i][j]);
-                           if (grad.defined() && output.requires_grad()) {
-                             torch::autograd::backward({output}, {grad.to(output.device(), /*non_blocking=*/output.is_cuda())});
-                           }
-                           at::Tensor grad_input = input.requires_grad() ? input.grad() : at::Tensor();
-                           if (j > 0) {
-                             grad_outputs[i][j - 1] = grad_input;
-                           } else {
-                             grad_inputs[i] = grad_input;
-                           }
-                         },
-                         task_name("backward", i, j)});
-      }
-      run_concurrently(std::move(tasks));
-    }
+    executor->run_plan(gpipe_plan_halves(m, n).backward, run.forward, run.step_seed, &run.ends);
 
     at::Tensor grad_x;
     if (run.input_requires_grad) {
       bool any = false;
-      for (const auto& g : grad_inputs) any = any || g.defined();
+      for (const auto& g : run.ends.grad_inputs) any = any || g.defined();
       if (any) {
         std::vector<at::Tensor> parts;
         for (int i = 0; i < m; ++i) {
-          parts.push_back(grad_inputs[i].defined()
-                              ? grad_inputs[i].to(run.input_device)
-                              : at::zeros(run.input_chunk_sizes[i],
-                                          grads[0].options().device(run.input_device)));
+          const at::Tensor& g = run.ends.grad_inputs[i];
+          parts.push_back(g.defined() ? g.to(run.input_device)
+                                      : at::zeros(run.input_chunk_sizes[i],
+                                                  grads[0].options().device(run.input_device)));
         }
         grad_x = at::cat(parts, 0);
       }
@@ -121,9 +103,8 @@ Pipe::Pipe(torch::nn::Sequential module, int64_t split_size, PipeOptions options
   devices_ = std::move(split.devices);
   register_module("module", module_);
 
-  std::set<Device> distinct(devices_.begin(), devices_.end());
   if (options_.pipelined_backward) {
-    for (const Device& d : distinct) {
+    for (const Device& d : std::set<Device>(devices_.begin(), devices_.end())) {
       if (d.is_cuda()) {
         throw std::invalid_argument(
             "Pipe: pipelined_backward is for CPU lanes only; on " + d.str() +
@@ -132,16 +113,16 @@ Pipe::Pipe(torch::nn::Sequential module, int64_t split_size, PipeOptions options
       }
     }
   }
-  int cpu_lanes = 0;
-  for (const Device& d : distinct) cpu_lanes += d.is_cpu() ? 1 : 0;
   if (options_.threads_per_device < 0) {
     throw std::invalid_argument("Pipe: threads_per_device must be >= 0 (0 = default), got " +
                                 std::to_string(options_.threads_per_device));
   }
-  const int threads = options_.threads_per_device > 0
-                          ? options_.threads_per_device
-                          : default_threads_per_device(std::max(1, cpu_lanes));
-  workers_ = std::make_shared<Workers>(devices_, threads);
+  ExecutorOptions executor_options;
+  executor_options.threads_per_device = options_.threads_per_device;
+  executor_options.tracer = options_.tracer;
+  executor_options.stage_word = "partition";
+  executor_ = std::make_shared<ScheduleExecutor>(devices_, executor_options);
+  seed_ = seed_from_default_generator();
 }
 
 Pipe::~Pipe() = default;
@@ -163,50 +144,29 @@ at::Tensor Pipe::forward(const at::Tensor& x) {
                                   (x.requires_grad() || parameters_need_grad);
 
   const std::vector<at::Tensor> chunks = x.split(split_size_, 0);
-  auto run = std::make_shared<PipeRun>();
-  run->m = static_cast<int>(chunks.size());
-  run->n = static_cast<int>(partitions_.size());
+  auto run = std::make_shared<PipeRun>(static_cast<int>(chunks.size()), static_cast<int>(partitions_.size()));
   run->split_size = split_size_;
-  run->devices = devices_;
-  run->workers = workers_;
-  run->tracer = options_.tracer;
+  run->executor = executor_;
+  run->forward = [partitions = partitions_](int, int j, const at::Tensor& input) {
+    return partitions[j].ptr()->forward(input);
+  };
+  run->step_seed = step_stream_seed(seed_, forwards_++);
   run->input_device = x.device();
   run->input_requires_grad = x.requires_grad();
-  run->inputs.assign(run->m, std::vector<at::Tensor>(run->n));
-  run->outputs.assign(run->m, std::vector<at::Tensor>(run->n));
   for (const auto& chunk : chunks) run->input_chunk_sizes.push_back(chunk.sizes().vec());
-
-  PipeRun& r = *run;
-  for (const Cycle& cycle : clock_cycles(r.m, r.n)) {
-    std::vector<WorkerTask> tasks;
-    for (const auto& [i, j] : cycle) {
-      tasks.push_back({&workers_->at(devices_[j]),
-                       [this, &r, &chunks, pipelined_backward, i = i, j = j] {
-                         TraceScope scope(r.tracer, "forward", devices_[j].str(), task_args(i, j));
-                         const at::Tensor& previous = j == 0 ? chunks[i] : r.outputs[i][j - 1];
-                         // Asynchronous only toward a GPU: a CPU consumer must see the finished copy.
-                         at::Tensor input = previous.to(devices_[j].torch_device(), /*non_blocking=*/devices_[j].is_cuda());
-                         if (pipelined_backward) {
-                           // Cut the graph here: this task's backward runs on this worker.
-                           input = input.detach().requires_grad_(previous.requires_grad());
-                           r.inputs[i][j] = input;
-                         }
-                         r.outputs[i][j] = partitions_[j]->forward(input);
-                       },
-                       task_name("forward", i, j)});
-    }
-    run_concurrently(std::move(tasks));
-  }
-
-  std::vector<at::Tensor> last;
-  for (int i = 0; i < r.m; ++i) last.push_back(r.outputs[i][r.n - 1]);
-  if (!pipelined_backward) return at::cat(last, 0);
+  run->ends.inputs = chunks;
+  // Without the pipelined backward the graph stays whole, for the autograd engine to run back.
+  run->ends.keep_graph = !pipelined_backward;
+  executor_->run_plan(gpipe_plan_halves(run->m, run->n).forward, run->forward, run->step_seed, &run->ends);
+  for (at::Tensor& input : run->ends.inputs) input = at::Tensor();  // stage 0 holds its own
+  if (!pipelined_backward) return at::cat(run->ends.outputs, 0);
 
   at::Tensor output;
   {
     at::NoGradGuard no_grad;
-    output = at::cat(last, 0);
+    output = at::cat(run->ends.outputs, 0);
   }
+  for (at::Tensor& out : run->ends.outputs) out = at::Tensor();
   auto node = std::shared_ptr<PipeBackward>(new PipeBackward(run), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(x));
   torch::autograd::create_gradient_edge(output, node);

@@ -1,5 +1,6 @@
 // Pipe: output and gradients equal the plain module's (a5_2_2), failures surface on the caller,
-// threads are joined, the trace shows the GPipe order.
+// threads are joined, the trace shows the GPipe order, the engine's workers run the clock cycles,
+// and each task draws from a random stream of its own.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -10,7 +11,10 @@
 #include <map>
 #include <thread>
 
+#include "harness/model/dropout.h"
+#include "harness/pipeline/gpipe_plan.h"
 #include "harness/pipeline/pipe.h"
+#include "harness/pipeline/schedule.h"
 #include "test_support.h"
 #include "harness/pipeline/with_device.h"
 
@@ -211,6 +215,84 @@ TEST(Pipe, TraceShowsEveryTaskInGPipeOrder) {
   for (int64_t i = 0; i + 1 < 4; ++i) {
     EXPECT_LE((by_task[{"backward", i + 1, 1}].end_us), (by_task[{"backward", i, 1}].start_us));
   }
+}
+
+// The clock cycles are the engine's: each lane ran its partition's forwards in the order of the
+// engine's GPipe plan, which is that partition's row of the clock table, each micro-batch after the
+// previous partition had finished it; and that plan, run in unit time, is clock_cycles itself.
+TEST(Pipe, ItsClockCyclesRunOnTheEnginesWorkers) {
+  Tracer tracer;
+  PipeOptions options;
+  options.threads_per_device = 1;
+  options.tracer = &tracer;
+  torch::manual_seed(0);
+  torch::nn::Sequential model(WithDevice(torch::nn::Linear(8, 8), Device::cpu(0)),
+                              WithDevice(torch::nn::Linear(8, 8), Device::cpu(1)),
+                              WithDevice(torch::nn::Linear(8, 4), Device::cpu(2)));
+  Pipe pipe(model, 2, options);
+  const auto x = torch::randn({8, 8});
+  EXPECT_TRUE(torch::allclose(pipe.forward(x), model->forward(x), 1e-6, 1e-6));
+
+  const int m = 4, n = 3;
+  const P2PPlan& plan = gpipe_plan_halves(m, n).forward;
+  EXPECT_EQ(unit_time_cycles(plan), clock_cycles(m, n));
+  const ClockTable table = clock_table(clock_cycles(m, n), n);
+  std::map<std::string, std::vector<Tracer::Slice>> by_track;
+  std::map<std::pair<int64_t, int64_t>, Tracer::Slice> by_task;
+  for (const auto& slice : tracer.slices()) {
+    ASSERT_EQ(slice.name, "forward");  // the autograd engine runs this Pipe's backward
+    by_track[slice.track].push_back(slice);
+    by_task[{std::get<int64_t>(slice.args.at(0).second), std::get<int64_t>(slice.args.at(1).second)}] = slice;
+  }
+  ASSERT_EQ(by_track.size(), 3u);
+  for (int j = 0; j < n; ++j) {
+    std::vector<Tracer::Slice>& slices = by_track["cpu:" + std::to_string(j)];
+    std::sort(slices.begin(), slices.end(), [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
+    std::vector<Action> ran, row;
+    for (const auto& slice : slices) {
+      EXPECT_EQ(slice.args.at(1).first, "partition");
+      ran.push_back(Action::forward(static_cast<int>(std::get<int64_t>(slice.args.at(0).second)),
+                                    static_cast<int>(std::get<int64_t>(slice.args.at(1).second))));
+    }
+    for (int i : table[j]) {
+      if (i != kIdle) row.push_back(Action::forward(i, j));
+    }
+    EXPECT_EQ(ran, plan.schedule.per_device[j]) << "partition " << j;
+    EXPECT_EQ(ran, row) << "partition " << j;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 1; j < n; ++j) EXPECT_LE((by_task[{i, j - 1}].end_us), (by_task[{i, j}].start_us));
+  }
+}
+
+// Harness dropout draws from the running task's stream: the (forward, micro-batch, partition)
+// streams of the Pipe's seed, which torch::manual_seed fixes, whatever the threads' timing.
+struct StreamDropoutImpl : torch::nn::Module {
+  StreamDropoutImpl() { drop = register_module("drop", torch::nn::Dropout(0.5)); }
+  torch::Tensor forward(const torch::Tensor& x) { return model::dropout(x, drop); }
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(StreamDropout);
+
+TEST(Pipe, EachTaskDrawsFromARandomStreamOfItsOwn) {
+  auto make = [] {
+    return torch::nn::Sequential(WithDevice(StreamDropout(), Device::cpu(0)),
+                                 WithDevice(StreamDropout(), Device::cpu(1)));
+  };
+  const auto x = torch::ones({16, 64});
+  torch::manual_seed(21);
+  Pipe a(make(), 2, {1});
+  const auto first = a.forward(x);
+  const auto second = a.forward(x);
+  torch::manual_seed(21);
+  Pipe b(make(), 2, {1});
+  EXPECT_TRUE(torch::equal(b.forward(x), first));
+  EXPECT_TRUE(torch::equal(b.forward(x), second));
+  EXPECT_FALSE(torch::equal(first, second));  // each forward has streams of its own
+  // Micro-batches (rows 0-1 against 2-3) and partitions draw different masks.
+  EXPECT_FALSE(torch::equal(first.slice(0, 0, 2), first.slice(0, 2, 4)));
+  const auto kept = (first != 0).to(torch::kFloat32).mean().item<double>();
+  EXPECT_NEAR(kept, 0.25, 0.05);  // two independent halvings
 }
 
 // Identity whose forward and backward each take `millis` of wall time, so that overlap between

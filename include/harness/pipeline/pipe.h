@@ -1,7 +1,9 @@
 // GPipe over a Sequential (the original's a5_2_2 Pipe): the batch is cut into micro-batches that
 // flow through per-device partitions in clock cycles, each partition on its device's own worker
 // thread; the backward runs through autograd from the caller's loss.backward(), as the original's.
-// Training through a schedule, with the backward on the workers, is executor.h's job.
+// The Pipe is a view onto the schedule engine (executor.h): its clock cycles are GPipe's forward
+// half as the engine's plan (gpipe_plan.h), run by a ScheduleExecutor's workers. Training through
+// a schedule, with the backward on the workers, is executor.h's job.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,7 +19,7 @@
 
 namespace harness::pipeline {
 
-class Workers;
+class ScheduleExecutor;
 
 struct PipeOptions {
   // Intra-op threads of each device's worker; 0: default_threads_per_device(distinct devices).
@@ -26,15 +28,18 @@ struct PipeOptions {
   // partition) when set. Not owned; must outlive the Pipe.
   Tracer* tracer = nullptr;
   // Run the backward of each (micro-batch, partition) on the partition's worker, in the reverse
-  // clock, from an autograd node on the output. Off (the default, the original's behaviour): the
-  // autograd engine runs the whole backward. CPU lanes only: on a GPU the node would wait on the
-  // engine thread that the workers' own backward calls need, so the Pipe refuses it there.
+  // clock (the engine's backward half of GPipe), from an autograd node on the output. Off (the
+  // default, the original's behaviour): the autograd engine runs the whole backward. CPU lanes
+  // only: on a GPU the node would wait on the engine thread that the workers' own backward calls
+  // need, so the Pipe refuses it there.
   bool pipelined_backward = false;
 };
 
 class Pipe : public torch::nn::Module {
  public:
-  // Splits `module` with split_module and starts one worker per distinct device.
+  // Splits `module` with split_module and starts one worker per distinct device. (The engine's
+  // workers are lanes, one per partition: split_module puts consecutive partitions on different
+  // devices, so only a device the Sequential returns to later would hold two lanes.)
   // Throws std::invalid_argument when split_size < 1 or the module is empty.
   Pipe(torch::nn::Sequential module, int64_t split_size, PipeOptions options = {});
   ~Pipe() override;
@@ -57,7 +62,9 @@ class Pipe : public torch::nn::Module {
   std::vector<Device> devices_;
   int64_t split_size_;
   PipeOptions options_;
-  std::shared_ptr<Workers> workers_;  // backward nodes hold a weak_ptr
+  std::shared_ptr<ScheduleExecutor> executor_;  // backward nodes hold a weak_ptr
+  uint64_t seed_ = 0;     // of the random streams, drawn from torch's default CPU generator
+  int64_t forwards_ = 0;  // forwards run: each has streams of its own (step_stream_seed)
 };
 
 }  // namespace harness::pipeline

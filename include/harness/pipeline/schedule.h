@@ -1,5 +1,6 @@
 // GPipe's clock schedule as plain data: which (micro-batch i, partition j) tasks may run together.
-// The executor (Pipe) applies it; nothing here knows about tensors or devices.
+// The engine runs it as GPipe's forward and backward halves (gpipe_plan.h), the Pipe's plans,
+// which keep exactly these cycles in unit time; nothing here knows about tensors or devices.
 #pragma once
 
 #include <cstdint>
@@ -32,7 +33,7 @@ std::vector<Cycle> clock_cycles(int m, int n);
 std::vector<Cycle> backward_clock_cycles(int m, int n);
 
 // The same schedules as tables: cell [j][k] is the micro-batch partition j runs at clock tick k,
-// or kIdle. Built from clock_cycles / backward_clock_cycles, so they show what Pipe executes.
+// or kIdle. Built from clock_cycles / backward_clock_cycles, so they show what the Pipe runs.
 constexpr int kIdle = -1;
 using ClockTable = std::vector<std::vector<int>>;  // [partition][tick]
 
