@@ -58,6 +58,25 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& par
   return plan;
 }
 
+std::vector<std::vector<size_t>> keep_apart_in_plan(const std::vector<std::vector<size_t>>& plan,
+                                                    const std::vector<size_t>& apart) {
+  std::vector<std::vector<size_t>> out;
+  for (const std::vector<size_t>& bucket : plan) {
+    std::vector<size_t> run;
+    for (size_t index : bucket) {
+      if (std::find(apart.begin(), apart.end(), index) == apart.end()) {
+        run.push_back(index);
+        continue;
+      }
+      if (!run.empty()) out.push_back(std::move(run));
+      run.clear();
+      out.push_back({index});
+    }
+    if (!run.empty()) out.push_back(std::move(run));
+  }
+  return out;
+}
+
 BucketedAllReduce::BucketedAllReduce(DistContext ctx, double bucket_cap_mb,
                                      AllReduceAlgorithm allreduce, GradientReduction reduction)
     : ctx_(std::move(ctx)), allreduce_(allreduce), reduction_(reduction) {
@@ -89,7 +108,13 @@ void BucketedAllReduce::attach(std::vector<at::Tensor> parameters) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!parameters_.empty()) throw std::logic_error("BucketedAllReduce::attach called twice");
   parameters_ = std::move(parameters);
-  plan_ = plan_buckets(parameters_, cap_bytes_);
+  std::vector<size_t> apart;
+  for (const at::Tensor& p : apart_) {
+    auto it = std::find_if(parameters_.begin(), parameters_.end(), [&](const at::Tensor& q) { return q.is_same(p); });
+    if (it == parameters_.end()) throw std::invalid_argument("BucketedAllReduce::keep_apart: a parameter not attached");
+    apart.push_back(static_cast<size_t>(it - parameters_.begin()));
+  }
+  plan_ = keep_apart_in_plan(plan_buckets(parameters_, cap_bytes_), apart);
   bucket_of_.assign(parameters_.size(), kNoBucket);
   ready_.assign(parameters_.size(), 0);
   fired_.assign(parameters_.size(), 0);
@@ -286,6 +311,19 @@ const at::Tensor& BucketedAllReduce::gradient_shard(size_t b) const {
     throw std::logic_error("BucketedAllReduce::gradient_shard: no reduce-scattered step has been finalized");
   }
   return shard;
+}
+
+void BucketedAllReduce::keep_apart(const at::Tensor& parameter) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!parameters_.empty()) throw std::logic_error("BucketedAllReduce::keep_apart called after attach");
+  apart_.push_back(parameter);
+}
+
+const at::Tensor& BucketedAllReduce::gradient_shard_of(const at::Tensor& parameter) const {
+  for (size_t b = 0; b < plan_.size(); ++b) {
+    if (plan_[b].size() == 1 && parameters_.at(plan_[b].front()).is_same(parameter)) return gradient_shard(b);
+  }
+  throw std::logic_error("BucketedAllReduce::gradient_shard_of: the parameter was not kept apart");
 }
 
 std::vector<at::Tensor> BucketedAllReduce::gather_bucket(size_t b, const at::Tensor& chunk) const {

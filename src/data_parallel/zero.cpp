@@ -64,6 +64,11 @@ void ShardedAdamW::step() {
   }
 }
 
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> ShardedAdamW::gather_bucket_moments(size_t b) const {
+  const Shard& shard = shards_.at(b);
+  return {gradients_.gather_bucket(shard.bucket, shard.exp_avg), gradients_.gather_bucket(shard.bucket, shard.exp_avg_sq)};
+}
+
 ShardedAdamW::FullState ShardedAdamW::gather_state() const {
   torch::NoGradGuard no_grad;
   FullState out;
@@ -72,8 +77,7 @@ ShardedAdamW::FullState ShardedAdamW::gather_state() const {
   out.moments.resize(parameters_.size());
   const auto& plan = gradients_.bucket_plan();
   for (const Shard& shard : shards_) {
-    const std::vector<at::Tensor> exp_avg = gradients_.gather_bucket(shard.bucket, shard.exp_avg);
-    const std::vector<at::Tensor> exp_avg_sq = gradients_.gather_bucket(shard.bucket, shard.exp_avg_sq);
+    const auto [exp_avg, exp_avg_sq] = gather_bucket_moments(shard.bucket);
     for (size_t k = 0; k < exp_avg.size(); ++k) {
       out.moments[plan[shard.bucket][k]] = {exp_avg[k].to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true),
                                             exp_avg_sq[k].to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true)};

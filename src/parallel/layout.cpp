@@ -35,14 +35,6 @@ Layout Layout::create(int world_size, int tensor_parallel_size, int pipeline_par
   if (zero_stage != 0 && zero_stage != 1) {
     throw std::invalid_argument("--zero_stage " + std::to_string(zero_stage) + ": expected 0 or 1");
   }
-  if (zero_stage == 1 && model_ranks > 1) {
-    throw std::invalid_argument(
-        "--zero_stage 1 shards the optimizer over data-parallel replicas of the whole model: it does not "
-        "combine with --tensor_parallel_size " + std::to_string(tensor_parallel_size) +
-        (pipeline_parallel_size > 1 ? " and --pipeline_parallel_size " + std::to_string(pipeline_parallel_size)
-                                    : std::string()) +
-        " (use --zero_stage 0)");
-  }
   return Layout(world_size / model_ranks, tensor_parallel_size, pipeline_parallel_size, zero_stage);
 }
 

@@ -286,8 +286,13 @@ void PipelineForwardBackward::finish_gradients() {
   if (!processes_->embedding) return;
   // The embedding's gradient (first stage) and the head's (last stage), each already averaged over
   // its data-parallel group, summed: both copies of wte then take the same step.
-  if (!wte.grad().defined()) wte.mutable_grad() = at::zeros_like(wte);
-  std::vector<at::Tensor> tensors{wte.mutable_grad()};
+  std::vector<at::Tensor> tensors;
+  if (processes_->tied_gradient) {
+    tensors.push_back(processes_->tied_gradient());
+  } else {
+    if (!wte.grad().defined()) wte.mutable_grad() = at::zeros_like(wte);
+    tensors.push_back(wte.mutable_grad());
+  }
   processes_->embedding->group->allreduce(tensors)->wait();
   head_weight_ = at::Tensor();
 }

@@ -229,6 +229,15 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   // rank's pipeline stages, the others' activations and gradients coming by send/recv.
   std::unique_ptr<ForwardBackward> forward_backward;
   PipelineForwardBackward* pipeline_stages = nullptr;
+  // --zero_stage 1: the gradient buckets are reduce-scattered over the data-parallel group (of the
+  // whole model, of each tensor-parallel shard, or of each pipeline stage), and each rank's AdamW
+  // steps its chunks. A stage holding the tied wte gives it a bucket of its own, so that the first
+  // and the last stage's chunks of it are the same elements, summed over the embedding group.
+  std::unique_ptr<dp::BucketedAllReduce> zero_buckets;
+  if (flags.zero_stage == 1) {
+    zero_buckets = std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
+                                                           dp::GradientReduction::kReduceScatter);
+  }
   if (P > 1) {
     PipelineStepOptions stage = stage_options(flags, layout, config);
     stage.devices = {device};
@@ -246,8 +255,13 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
       agreed = agreed.to(torch::kCPU);
       stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
     }
-    auto made = std::make_unique<PipelineForwardBackward>(model, stage,
-                                                          PipelineProcesses{stages->pipeline, stages->embedding, flags.debug_sync});
+    PipelineProcesses processes{stages->pipeline, stages->embedding, flags.debug_sync, {}};
+    if (zero_buckets && stages->embedding) {
+      const at::Tensor wte = model->transformer->wte->weight;
+      zero_buckets->keep_apart(wte);
+      processes.tied_gradient = [buckets = zero_buckets.get(), wte] { return buckets->gradient_shard_of(wte); };
+    }
+    auto made = std::make_unique<PipelineForwardBackward>(model, stage, std::move(processes));
     pipeline_stages = made.get();
     forward_backward = std::move(made);
   } else {
@@ -255,8 +269,8 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   }
   // How gradients are averaged and how the optimizer steps: ZeRO-1 shards AdamW over the buckets
   // its reduce-scattering synchronizer hands it; a pipeline stage's AdamW steps its stage's
-  // parameters, averaged over the stage's data-parallel group; otherwise every rank's AdamW steps
-  // what its synchronizer averaged.
+  // parameters, averaged over the stage's data-parallel group (sharded over it with ZeRO-1);
+  // otherwise every rank's AdamW steps what its synchronizer averaged.
   std::unique_ptr<dp::GradientSynchronizer> sync;
   std::unique_ptr<StepOptimizer> optimizer;
   if (pipeline_stages) {
@@ -268,16 +282,19 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     for (const auto& item : model->named_parameters()) {
       if (std::find(held.held.begin(), held.held.end(), item.key()) != held.held.end()) parameters.push_back(item.value());
     }
-    if (dp_size > 1) {  // a stage of the only replica has nothing to average with
-      sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
-      sync->attach(parameters);
+    if (zero_buckets) {
+      optimizer = stage_adamw(model, f.optimizer_settings(), std::move(held), zero_buckets.get());
+      sync = std::move(zero_buckets);
+    } else {
+      if (dp_size > 1) {  // a stage of the only replica has nothing to average with
+        sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
+        sync->attach(parameters);
+      }
+      optimizer = stage_adamw(model, f.optimizer_settings(), std::move(held));
     }
-    optimizer = stage_adamw(model, f.optimizer_settings(), std::move(held));
-  } else if (flags.zero_stage == 1) {
-    auto buckets = std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
-                                                           dp::GradientReduction::kReduceScatter);
-    optimizer = sharded_adamw(model, f.optimizer_settings(), *buckets);
-    sync = std::move(buckets);
+  } else if (zero_buckets) {
+    optimizer = sharded_adamw(model, f.optimizer_settings(), *zero_buckets);
+    sync = std::move(zero_buckets);
   } else {
     sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
     sync->attach(*model);

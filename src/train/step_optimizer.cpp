@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <stdexcept>
+#include <tuple>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/process_group.h"
@@ -37,42 +38,8 @@ double sum_of_squares(const std::vector<at::Tensor>& tensors) {
   return total;
 }
 
-void scale_in_place(const std::vector<at::Tensor>& tensors, double factor) {
-  torch::NoGradGuard no_grad;
-  for (const at::Tensor& t : tensors) t.mul_(factor);
-}
-
-// The gradients `model` holds now (parameters without one left out).
-std::vector<at::Tensor> gradients_of(model::GPT2LMHeadModelImpl& model) {
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& p : model.parameters()) {
-    if (p.grad().defined()) out.push_back(p.grad());
-  }
-  return out;
-}
-
 torch::optim::AdamWOptions adamw_options(const OptimizerSettings& settings) {
   return torch::optim::AdamWOptions(settings.learning_rate).weight_decay(settings.weight_decay);
-}
-
-// The squares of the gradients of `model`'s parameters that `counted` names, summed as one device
-// would: split over a tensor-parallel group, a split parameter's gradient is the group's slices
-// together, so their squares are summed over the group (a collective), and a replicated one is the
-// same on every rank, so it is counted once.
-double gradient_squares(model::GPT2LMHeadModelImpl& model, const std::function<bool(const std::string&)>& counted) {
-  model::TensorParallelGroup* group = model.tensor_parallel();
-  std::vector<at::Tensor> split, replicated;
-  for (const auto& item : model.named_parameters()) {
-    if (!item.value().grad().defined() || !counted(item.key())) continue;
-    const bool is_split =
-        group != nullptr && model.shards().at(item.key()).spec.kind != model::ShardSpec::Kind::kReplicated;
-    (is_split ? split : replicated).push_back(item.value().grad());
-  }
-  if (group == nullptr) return sum_of_squares(replicated);
-  const at::Tensor mine = torch::tensor({sum_of_squares(split)}, torch::kDouble).to(model.first_device().torch_device());
-  double split_squares = 0.0;
-  for (const at::Tensor& part : group->all_gather(mine)) split_squares += part.to(torch::kCPU).item<double>();
-  return split_squares + sum_of_squares(replicated);
 }
 
 // The rate of every parameter group of `optimizer` (a schedule's step), and the group's rate.
@@ -95,254 +62,239 @@ int64_t adamw_state_bytes(const torch::optim::AdamW& optimizer) {
   return bytes;
 }
 
-// AdamW on the parameters this rank holds: the whole model, or its slices of a split one (each
-// rank steps its shards; the state is gathered unsplit for checkpoints).
-class ReplicatedAdamW final : public StepOptimizer {
- public:
-  ReplicatedAdamW(model::GPT2LMHeadModel model, const OptimizerSettings& settings)
-      : model_(std::move(model)),
-        settings_(settings),
-        optimizer_(std::make_unique<optim::FusedAdamW>(model_->parameters(), adamw_options(settings))) {}
+// ----- The parts of a layout's AdamW -----
+//
+// Every layout's optimizer is one LayoutAdamW: where this rank's parameters are (all of them, or
+// the ones its pipeline stages hold, each owned by one stage) and how their AdamW state is kept
+// (whole on this rank, or ZeRO-1's chunks over the data-parallel group). The norm, the clipping,
+// checkpoints and the --pytest gradients are written once, over those two parts; tensor
+// parallelism (each rank's slices, unsplit over its group) composes with both.
 
+// AdamW's state of the parameters this rank steps ("held", in the model's order): each moment
+// whole (WholeMoments), or ZeRO-1's chunks of the data-parallel group's gradient buckets
+// (ShardedMoments). Calls marked collective are made by every rank of the data-parallel group in
+// the same order (they hold the same parameters).
+class HeldAdamW {
+ public:
+  virtual ~HeldAdamW() = default;
+  virtual void zero_grad() = 0;
+  // The gradients the step reads, each with the held parameter it belongs to: whole gradients,
+  // or this rank's pieces of the averaged buckets (the group's ranks' pieces together make the
+  // averaged gradient: shard_group() says which group).
+  virtual void for_each_gradient(const std::function<void(size_t, const at::Tensor&)>& visit) const = 0;
+  virtual const data_parallel::DistContext* shard_group() const { return nullptr; }
+  virtual void scale_gradients(double factor) = 0;
+  virtual void step() = 0;
+  virtual void set_learning_rate(double learning_rate) = 0;
+  virtual double learning_rate() const = 0;
+  virtual int64_t state_bytes() const = 0;
+  // The steps held parameter i has taken, if it has state (no collective).
+  virtual std::optional<int64_t> steps_of(size_t i) const = 0;
+  // Held parameter i's two moments, shaped like it here (collective when sharded).
+  virtual std::pair<at::Tensor, at::Tensor> moments(size_t i) = 0;
+  // Held parameter i's averaged gradient (undefined if it has none; collective when sharded).
+  virtual at::Tensor gradient(size_t i) = 0;
+  // What moments() and gradient() gathered is let go (after a walk over the parameters).
+  virtual void forget_gathered() {}
+  // The state of held parameters by name, shaped like them here; the others start without.
+  virtual void load(const OptimizerState& state) = 0;
+};
+
+class WholeMoments final : public HeldAdamW {
+ public:
+  WholeMoments(NamedParameters held, const OptimizerSettings& settings) : held_(std::move(held)) {
+    std::vector<at::Tensor> tensors;
+    for (const auto& [name, p] : held_) tensors.push_back(p);
+    optimizer_ = std::make_unique<optim::FusedAdamW>(tensors, adamw_options(settings));
+  }
   void zero_grad() override { optimizer_->zero_grad(); }
-  void step() override;
+  void for_each_gradient(const std::function<void(size_t, const at::Tensor&)>& visit) const override {
+    for (size_t i = 0; i < held_.size(); ++i) {
+      if (held_[i].second.grad().defined()) visit(i, held_[i].second.grad());
+    }
+  }
+  void scale_gradients(double factor) override {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, p] : held_) {
+      if (p.grad().defined()) p.grad().mul_(factor);
+    }
+  }
+  void step() override { optimizer_->step(); }
   void set_learning_rate(double learning_rate) override { set_adamw_learning_rate(*optimizer_, learning_rate); }
   double learning_rate() const override { return adamw_learning_rate(*optimizer_); }
-  bool collective_state() const override { return model_->tensor_parallel() != nullptr; }
-
-  OptimizerState state() override;
-  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
-  model::NamedTensors unsplit_gradients() override { return model_->full_gradients(); }
-
   int64_t state_bytes() const override { return adamw_state_bytes(*optimizer_); }
+  std::optional<int64_t> steps_of(size_t i) const override {
+    const torch::optim::AdamWParamState* s = state_of(i);
+    if (s == nullptr) return std::nullopt;
+    return s->step();
+  }
+  std::pair<at::Tensor, at::Tensor> moments(size_t i) override {
+    const torch::optim::AdamWParamState* s = state_of(i);
+    return {s->exp_avg(), s->exp_avg_sq()};
+  }
+  at::Tensor gradient(size_t i) override { return held_.at(i).second.grad(); }
+  void load(const OptimizerState& state) override { restore_adamw_state(*optimizer_, held_, state); }
 
  private:
-  model::GPT2LMHeadModel model_;
-  OptimizerSettings settings_;
+  const torch::optim::AdamWParamState* state_of(size_t i) const {
+    auto& states = optimizer_->state();
+    auto it = states.find(held_.at(i).second.unsafeGetTensorImpl());
+    return it == states.end() ? nullptr : static_cast<const torch::optim::AdamWParamState*>(it->second.get());
+  }
+  NamedParameters held_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
 };
 
-// ZeRO-1: AdamW's moments for this rank's chunks of every gradient bucket (data_parallel/zero.h).
-class ShardedAdamWOptimizer final : public StepOptimizer {
+// ZeRO-1 (data_parallel/zero.h): `buckets` (kReduceScatter, the step's synchronizer) is attached to
+// the held parameters here; a walk over the parameters gathers one bucket's moments (or averaged
+// gradients) at a time over the data-parallel group.
+class ShardedMoments final : public HeldAdamW {
  public:
-  ShardedAdamWOptimizer(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
-                        data_parallel::BucketedAllReduce& gradients)
-      : model_(std::move(model)), settings_(settings), gradients_(gradients) {
-    gradients_.attach(*model_);
+  ShardedMoments(NamedParameters held, const OptimizerSettings& settings, data_parallel::BucketedAllReduce& buckets)
+      : held_(std::move(held)), buckets_(buckets) {
+    std::vector<at::Tensor> tensors;
+    for (const auto& [name, p] : held_) tensors.push_back(p);
+    buckets_.attach(tensors);
     data_parallel::AdamWHyperparameters options;
     options.lr = settings.learning_rate;
     options.weight_decay = settings.weight_decay;
-    adam_ = std::make_unique<data_parallel::ShardedAdamW>(gradients_, model_->parameters(), options);
+    adam_ = std::make_unique<data_parallel::ShardedAdamW>(buckets_, tensors, options);
+    const auto& plan = buckets_.bucket_plan();
+    place_.assign(held_.size(), {kNone, 0});
+    const int rank = buckets_.context().rank;
+    for (size_t b = 0; b < plan.size(); ++b) {
+      const int64_t chunk = buckets_.chunk_elements(b), begin = rank * chunk, end = begin + chunk;
+      int64_t offset = 0;
+      for (size_t k = 0; k < plan[b].size(); ++k) {
+        const size_t index = plan[b][k];
+        place_[index] = {b, k};
+        const int64_t n = tensors[index].numel();
+        const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
+        if (from < to) pieces_.push_back({b, index, from - begin, to - from});
+        offset += n;
+      }
+    }
   }
 
   void zero_grad() override {
-    for (auto& p : model_->parameters()) p.mutable_grad() = at::Tensor();
+    forget_gathered();
+    for (auto& [name, p] : held_) p.mutable_grad() = at::Tensor();
   }
-  void step() override;
+  // Each parameter's part of a chunk on its own, as clip_grad_norm_ norms each gradient (one fp32
+  // norm over a whole bucket rounds several times more).
+  void for_each_gradient(const std::function<void(size_t, const at::Tensor&)>& visit) const override {
+    for (const Piece& piece : pieces_) {
+      visit(piece.parameter, buckets_.gradient_shard(piece.bucket).narrow(0, piece.chunk_offset, piece.length));
+    }
+  }
+  const data_parallel::DistContext* shard_group() const override { return &buckets_.context(); }
+  void scale_gradients(double factor) override {
+    torch::NoGradGuard no_grad;
+    for (size_t b = 0; b < buckets_.bucket_plan().size(); ++b) buckets_.gradient_shard(b).mul_(factor);
+  }
+  void step() override { adam_->step(); }
   void set_learning_rate(double learning_rate) override { adam_->set_learning_rate(learning_rate); }
   double learning_rate() const override { return adam_->learning_rate(); }
-  bool collective_state() const override { return true; }
-
-  OptimizerState state() override;
-
-  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
-    model::write_model_weights(*model_, weights_path, write);
-    const OptimizerState optimizer = state();  // collective: every rank gathers
-    if (write) write_optimizer_state(optimizer_path, optimizer);
-  }
-
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
-  model::NamedTensors unsplit_gradients() override;
   int64_t state_bytes() const override { return adam_->state_bytes(); }
+  std::optional<int64_t> steps_of(size_t i) const override {
+    if (place_.at(i).first == kNone || adam_->steps() == 0) return std::nullopt;
+    return adam_->steps();
+  }
+  std::pair<at::Tensor, at::Tensor> moments(size_t i) override {
+    const auto [b, k] = place_.at(i);
+    if (moments_bucket_ != b) {
+      moments_ = adam_->gather_bucket_moments(b);
+      moments_bucket_ = b;
+    }
+    return {moments_.first.at(k), moments_.second.at(k)};
+  }
+  at::Tensor gradient(size_t i) override {
+    const auto [b, k] = place_.at(i);
+    if (b == kNone) return at::Tensor();
+    if (gradients_bucket_ != b) {
+      gradients_ = buckets_.gather_bucket(b, buckets_.gradient_shard(b));
+      gradients_bucket_ = b;
+    }
+    return gradients_.at(k);
+  }
+  void forget_gathered() override {
+    moments_ = {};
+    gradients_.clear();
+    moments_bucket_ = gradients_bucket_ = kNone;
+  }
+  void load(const OptimizerState& state) override;
 
  private:
-  model::GPT2LMHeadModel model_;
-  OptimizerSettings settings_;
-  data_parallel::BucketedAllReduce& gradients_;
+  static constexpr size_t kNone = static_cast<size_t>(-1);
+  struct Piece {  // the part of a held parameter inside this rank's chunk of its bucket
+    size_t bucket, parameter;
+    int64_t chunk_offset, length;
+  };
+  NamedParameters held_;
+  data_parallel::BucketedAllReduce& buckets_;
   std::unique_ptr<data_parallel::ShardedAdamW> adam_;
+  std::vector<std::pair<size_t, size_t>> place_;  // held parameter -> (bucket, position in it)
+  std::vector<Piece> pieces_;
+  size_t moments_bucket_ = kNone, gradients_bucket_ = kNone;
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> moments_;
+  std::vector<at::Tensor> gradients_;
 };
 
-void ReplicatedAdamW::step() {
-  const std::vector<at::Tensor> gradients = gradients_of(*model_);
-  last_grad_norm_ = std::sqrt(gradient_squares(*model_, [](const std::string&) { return true; }));
-  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
-  if (coefficient < 1.0) scale_in_place(gradients, coefficient);
-  optimizer_->step();
-}
-
-OptimizerState ReplicatedAdamW::state() {
-  OptimizerState state = capture_adamw_state(*optimizer_, named_parameters_of(*model_));
-  if (model_->tensor_parallel() == nullptr) return state;
-  // Every rank of the group walks the parameters in the same order and has state for the same
-  // ones (all train every parameter), so the gathers match across the group.
-  OptimizerState full;
-  for (const auto& item : model_->named_parameters()) {
-    auto it = state.find(item.key());
-    if (it == state.end()) continue;
-    full[item.key()] = {it->second.step, model_->unshard(item.key(), it->second.exp_avg),
-                        model_->unshard(item.key(), it->second.exp_avg_sq)};
-  }
-  return full;
-}
-
-void ReplicatedAdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
-  model::write_model_weights(*model_, weights_path, write);  // a collective when the model is split
-  if (model_->tensor_parallel() == nullptr) {
-    if (write) write_optimizer_state(optimizer_path, state());
-    return;
-  }
-  // Split: each unsplit moment is gathered (a collective over the group), written by the writer
-  // and dropped before the next; every rank walks the same parameters in the same order.
-  std::vector<std::pair<std::string, const torch::optim::AdamWParamState*>> with_state;
-  std::vector<OptimizerStateWriter::Parameter> parameters;
-  auto& states = optimizer_->state();
-  for (const auto& item : model_->named_parameters()) {
-    auto it = states.find(item.value().unsafeGetTensorImpl());
-    if (it == states.end()) continue;
-    const auto* s = static_cast<const torch::optim::AdamWParamState*>(it->second.get());
-    with_state.emplace_back(item.key(), s);
-    parameters.push_back({item.key(), s->step(), model_->shards().at(item.key()).full_shape});
-  }
-  std::optional<OptimizerStateWriter> file;
-  if (write) file.emplace(optimizer_path, parameters);
-  for (const auto& [name, s] : with_state) {
-    const at::Tensor exp_avg = model_->unshard(name, s->exp_avg()), exp_avg_sq = model_->unshard(name, s->exp_avg_sq());
-    if (file) file->add(exp_avg, exp_avg_sq);
-  }
-  if (file) file->finish();
-}
-
-void ReplicatedAdamW::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
-  model_->load_full_state(weights);
-  OptimizerState local;
-  for (const auto& [name, s] : optimizer) {
-    if (!model_->shards().count(name)) {
-      throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
-    }
-    local[name] = {s.step, model_->shard(name, s.exp_avg), model_->shard(name, s.exp_avg_sq)};
-  }
-  restore_adamw_state(*optimizer_, named_parameters_of(*model_), local);
-}
-
-void ShardedAdamWOptimizer::step() {
-  // Every rank holds its chunk of each bucket's averaged gradient (the bucket's parameters
-  // flattened in plan order, zeros past its end): the squares of all chunks, summed over the
-  // data-parallel ranks, are the whole gradient's. Each parameter's part of a chunk is normed on
-  // its own, as clip_grad_norm_ norms each gradient (one fp32 norm over a whole bucket rounds
-  // several times more).
-  const data_parallel::DistContext& ctx = gradients_.context();
-  const std::vector<at::Tensor> parameters = model_->parameters();
-  const auto& plan = gradients_.bucket_plan();
-  std::vector<at::Tensor> chunks, pieces;
-  for (size_t b = 0; b < plan.size(); ++b) {
-    const at::Tensor& chunk = gradients_.gradient_shard(b);
-    chunks.push_back(chunk);
-    const int64_t begin = ctx.rank * gradients_.chunk_elements(b), end = begin + gradients_.chunk_elements(b);
-    int64_t offset = 0;
-    for (size_t index : plan[b]) {
-      const int64_t n = parameters.at(index).numel();
-      const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
-      if (from < to) pieces.push_back(chunk.narrow(0, from - begin, to - from));
-      offset += n;
-    }
-  }
-  std::vector<at::Tensor> squares{torch::tensor({sum_of_squares(pieces)}, torch::kDouble).to(ctx.device.torch_device())};
-  if (ctx.world_size > 1) ctx.group->allreduce(squares)->wait();
-  last_grad_norm_ = std::sqrt(squares[0].to(torch::kCPU).item<double>());
-  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
-  if (coefficient < 1.0) scale_in_place(chunks, coefficient);
-  adam_->step();
-}
-
-OptimizerState ShardedAdamWOptimizer::state() {
-  const data_parallel::ShardedAdamW::FullState full = adam_->gather_state();  // collective
-  OptimizerState out;
-  if (full.moments.empty()) return out;
-  const NamedParameters named = named_parameters_of(*model_);
-  for (size_t i = 0; i < named.size(); ++i) {
-    if (!full.moments[i].first.defined()) continue;
-    out[named[i].first] = {full.step, full.moments[i].first.to(torch::kFloat), full.moments[i].second.to(torch::kFloat)};
-  }
-  return out;
-}
-
-void ShardedAdamWOptimizer::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
-  model_->load_full_state(weights);
-  const NamedParameters named = named_parameters_of(*model_);
+void ShardedMoments::load(const OptimizerState& state) {
   data_parallel::ShardedAdamW::FullState full;
-  if (!optimizer.empty()) {
+  if (!state.empty()) {
+    full.moments.resize(held_.size());
+    full.step = state.begin()->second.step;
     std::map<std::string, size_t> index_of;
-    for (size_t i = 0; i < named.size(); ++i) index_of[named[i].first] = i;
-    full.moments.resize(named.size());
-    full.step = optimizer.begin()->second.step;
+    for (size_t i = 0; i < held_.size(); ++i) index_of[held_[i].first] = i;
     // Every entry is checked on every rank (not only the chunks this rank keeps), so that a bad
     // checkpoint fails on all ranks alike instead of leaving some to wait.
-    for (const auto& [name, state] : optimizer) {
-      auto it = index_of.find(name);
-      if (it == index_of.end()) throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
-      if (state.step != full.step) {
-        throw std::invalid_argument("optimizer state: " + name + " took " + std::to_string(state.step) +
+    for (const auto& [name, s] : state) {
+      const size_t i = index_of.at(name);
+      if (s.step != full.step) {
+        throw std::invalid_argument("optimizer state: " + name + " took " + std::to_string(s.step) +
                                     " steps, other parameters " + std::to_string(full.step) +
                                     "; --zero_stage 1 steps every parameter together");
       }
-      for (const at::Tensor* moment : {&state.exp_avg, &state.exp_avg_sq}) {
-        if (!moment->defined() || moment->sizes() != named[it->second].second.sizes()) {
+      for (const at::Tensor* moment : {&s.exp_avg, &s.exp_avg_sq}) {
+        if (!moment->defined() || moment->sizes() != held_[i].second.sizes()) {
           throw std::invalid_argument("optimizer state of " + name + " does not have the parameter's shape");
         }
       }
-      full.moments[it->second] = {state.exp_avg, state.exp_avg_sq};
+      full.moments[i] = {s.exp_avg, s.exp_avg_sq};
     }
-    for (size_t i = 0; i < named.size(); ++i) {
-      if (named[i].second.requires_grad() && !full.moments[i].first.defined()) {
-        throw std::invalid_argument("optimizer state: none for " + named[i].first + ", which --zero_stage 1 steps");
+    for (size_t i = 0; i < held_.size(); ++i) {
+      if (held_[i].second.requires_grad() && !full.moments[i].first.defined()) {
+        throw std::invalid_argument("optimizer state: none for " + held_[i].first + ", which --zero_stage 1 steps");
       }
     }
   }
   adam_->load_state(full);
 }
 
-model::NamedTensors ShardedAdamWOptimizer::unsplit_gradients() {
-  // The averaged gradient exists only as the ranks' chunks: all-gathered here (collective).
-  torch::NoGradGuard no_grad;
-  const NamedParameters named = named_parameters_of(*model_);
-  std::vector<at::Tensor> full(named.size());
-  const auto& plan = gradients_.bucket_plan();
-  for (size_t b = 0; b < plan.size(); ++b) {
-    const std::vector<at::Tensor> parts = gradients_.gather_bucket(b, gradients_.gradient_shard(b));
-    for (size_t k = 0; k < parts.size(); ++k) full[plan[b][k]] = parts[k].to(torch::kCPU).contiguous();
-  }
-  model::NamedTensors out;
-  for (size_t i = 0; i < named.size(); ++i) {
-    if (full[i].defined()) out.emplace_back(named[i].first, full[i]);
-  }
-  return out;
-}
+// Where this rank's parameters are in the layout: all of them here (no pipeline), or the ones its
+// pipeline stages hold, each parameter owned by one stage (wte by the first, its copy on the last
+// stage kept equal by the embedding group's gradient sum).
+struct Placement {
+  NamedParameters held;                       // in the model's order
+  std::map<std::string, int> owner;           // with a pipeline: each parameter's pipeline rank
+  std::optional<data_parallel::DistContext> pipeline;
+};
 
-
-// Pipeline stages that are processes: AdamW on the parameters this rank's stages hold (its slices
-// of them when the stage is split over a tensor-parallel group). The other weights of the model
-// are kept as loaded until gather_weights() brings them up to date from the stages that own them;
-// checkpoints, gradients and the norm are gathered over the pipeline group, then unsplit over the
-// tensor-parallel one.
-class StageAdamW final : public StepOptimizer {
+class LayoutAdamW final : public StepOptimizer {
  public:
-  StageAdamW(model::GPT2LMHeadModel model, const OptimizerSettings& settings, PipelineStageParameters stage)
-      : model_(std::move(model)), settings_(settings), stage_(std::move(stage)) {
-    if (!stage_.pipeline.group) throw std::invalid_argument("stage_adamw: no pipeline group given");
-    std::vector<at::Tensor> held;
-    for (const auto& item : model_->named_parameters()) {
-      if (!stage_.owner.count(item.key())) {
-        throw std::invalid_argument("stage_adamw: no stage owns " + item.key());
-      }
-      if (std::find(stage_.held.begin(), stage_.held.end(), item.key()) != stage_.held.end()) {
-        held.push_back(item.value());
-        held_named_.emplace_back(item.key(), item.value());
-      } else {
-        others_.push_back({item.key(), item.value(), item.value().sizes().vec()});
+  // `make_state` builds how the held parameters' AdamW state is kept, from the held parameters.
+  LayoutAdamW(model::GPT2LMHeadModel model, const OptimizerSettings& settings, Placement placement,
+              const std::function<std::unique_ptr<HeldAdamW>(const NamedParameters&)>& make_state)
+      : model_(std::move(model)), settings_(settings), placement_(std::move(placement)) {
+    for (size_t i = 0; i < placement_.held.size(); ++i) held_index_[placement_.held[i].first] = i;
+    if (placement_.pipeline) {
+      for (const auto& item : model_->named_parameters()) {
+        if (!placement_.owner.count(item.key())) throw std::invalid_argument("stage_adamw: no stage owns " + item.key());
+        if (!held_index_.count(item.key())) others_.push_back({item.key(), item.value(), item.value().sizes().vec()});
       }
     }
-    optimizer_ = std::make_unique<optim::FusedAdamW>(held, adamw_options(settings));
+    state_ = make_state(placement_.held);
     release_others();
   }
 
@@ -350,50 +302,53 @@ class StageAdamW final : public StepOptimizer {
   // a checkpoint, are let go again.
   void zero_grad() override {
     release_others();
-    optimizer_->zero_grad();
+    state_->zero_grad();
   }
   void step() override;
-  void set_learning_rate(double learning_rate) override { set_adamw_learning_rate(*optimizer_, learning_rate); }
-  double learning_rate() const override { return adamw_learning_rate(*optimizer_); }
-  bool collective_state() const override { return true; }
+  void set_learning_rate(double learning_rate) override { state_->set_learning_rate(learning_rate); }
+  double learning_rate() const override { return state_->learning_rate(); }
+  bool collective_state() const override {
+    return placement_.pipeline || model_->tensor_parallel() != nullptr || state_->shard_group() != nullptr;
+  }
   OptimizerState state() override;
   void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override {
-    materialize_others();
-    model_->load_full_state(weights);
-    OptimizerState mine;
-    for (const auto& [name, s] : optimizer) {
-      if (!stage_.owner.count(name)) throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
-      if (std::find(stage_.held.begin(), stage_.held.end(), name) == stage_.held.end()) continue;
-      mine[name] = {s.step, model_->shard(name, s.exp_avg), model_->shard(name, s.exp_avg_sq)};
-    }
-    restore_adamw_state(*optimizer_, held_named_, mine);
-  }
+  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
   model::NamedTensors unsplit_gradients() override;
-  int64_t state_bytes() const override { return adamw_state_bytes(*optimizer_); }
+  int64_t state_bytes() const override { return state_->state_bytes(); }
   void gather_weights() override;
 
  private:
+  int rank() const { return placement_.pipeline ? placement_.pipeline->rank : 0; }
+  int owner_of(const std::string& name) const { return placement_.pipeline ? placement_.owner.at(name) : 0; }
+  std::optional<size_t> held_index(const std::string& name) const {
+    auto it = held_index_.find(name);
+    if (it == held_index_.end()) return std::nullopt;
+    return it->second;
+  }
+  bool is_split(const std::string& name) const {
+    return model_->tensor_parallel() != nullptr &&
+           model_->shards().at(name).spec.kind != model::ShardSpec::Kind::kReplicated;
+  }
   // Broadcasts `tensor` (this rank's copy, overwritten) from pipeline rank `root`.
   void broadcast_from(int root, at::Tensor& tensor) {
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
     options.rootRank = root;
-    stage_.pipeline.group->broadcast(tensors, options)->wait();
+    placement_.pipeline->group->broadcast(tensors, options)->wait();
   }
-  int rank() const { return stage_.pipeline.rank; }
+  c10::Device device() const { return model_->first_device().torch_device(); }
 
-  // Whether each parameter has AdamW state, and its step, as its owner says (a collective over
-  // the pipeline group, in the model's order).
+  // Whether each parameter has AdamW state, and its step, as its owner says (with a pipeline, a
+  // collective over its group, in the model's order).
   struct Header {
     std::string name;
     bool has_state = false;
     int64_t step = 0;
   };
-  std::vector<Header> state_headers();
+  std::vector<Header> headers();
   // Each parameter's weight (or, with `headers`, each stepped parameter's two moments) from its
   // owner, unsplit over the tensor-parallel group, handed to `take` one at a time and then let go:
-  // no rank ever holds more than one unsplit tensor (or pair) of the others' stages.
+  // no rank ever holds more than one unsplit tensor (or pair) it does not keep.
   void for_each_weight(const std::function<void(const std::string&, const at::Tensor&)>& take);
   void for_each_moment(const std::vector<Header>& headers,
                        const std::function<void(const Header&, const at::Tensor&, const at::Tensor&)>& take);
@@ -427,156 +382,226 @@ class StageAdamW final : public StepOptimizer {
   };
   model::GPT2LMHeadModel model_;
   OptimizerSettings settings_;
-  PipelineStageParameters stage_;
-  NamedParameters held_named_;
+  Placement placement_;
+  std::map<std::string, size_t> held_index_;
   std::vector<Other> others_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<HeldAdamW> state_;
 };
 
-void StageAdamW::step() {
-  // The squares of the gradients each stage owns (wte once, on the first stage, whose gradient
-  // already holds the head's), summed over the stages; split over a tensor-parallel group, a split
-  // gradient's squares are summed over the group and a replicated one's counted once.
-  std::vector<at::Tensor> held;
-  for (const auto& [name, p] : held_named_) {
-    if (p.grad().defined()) held.push_back(p.grad());
+void LayoutAdamW::step() {
+  // The squares of the gradient as one device would sum them: each stage counts what it owns (wte
+  // once, on the first stage, whose gradient already holds the head's); ZeRO's chunks are summed
+  // over the data-parallel group; a gradient split over a tensor-parallel group is its slices
+  // together, so their squares are summed over the group, and a replicated one is counted once.
+  std::vector<at::Tensor> split, replicated;
+  state_->for_each_gradient([&](size_t i, const at::Tensor& gradient) {
+    const std::string& name = placement_.held[i].first;
+    if (owner_of(name) != rank()) return;
+    (is_split(name) ? split : replicated).push_back(gradient);
+  });
+  double split_squares = sum_of_squares(split), replicated_squares = sum_of_squares(replicated);
+  if (const data_parallel::DistContext* shards = state_->shard_group(); shards != nullptr && shards->world_size > 1) {
+    std::vector<at::Tensor> both{
+        torch::tensor({split_squares, replicated_squares}, torch::kDouble).to(shards->device.torch_device())};
+    shards->group->allreduce(both)->wait();
+    const at::Tensor summed = both[0].to(torch::kCPU);
+    split_squares = summed[0].item<double>();
+    replicated_squares = summed[1].item<double>();
   }
-  const double stage_squares =
-      gradient_squares(*model_, [this](const std::string& name) { return stage_.owner.at(name) == rank(); });
-  std::vector<at::Tensor> squares{
-      torch::tensor({stage_squares}, torch::kDouble).to(stage_.pipeline.device.torch_device())};
-  stage_.pipeline.group->allreduce(squares)->wait();
-  last_grad_norm_ = std::sqrt(squares[0].to(torch::kCPU).item<double>());
+  if (model::TensorParallelGroup* group = model_->tensor_parallel()) {
+    const at::Tensor mine = torch::tensor({split_squares}, torch::kDouble).to(device());
+    split_squares = 0.0;
+    for (const at::Tensor& part : group->all_gather(mine)) split_squares += part.to(torch::kCPU).item<double>();
+  }
+  double squares = split_squares + replicated_squares;
+  if (placement_.pipeline) {
+    std::vector<at::Tensor> total{torch::tensor({squares}, torch::kDouble).to(placement_.pipeline->device.torch_device())};
+    placement_.pipeline->group->allreduce(total)->wait();
+    squares = total[0].to(torch::kCPU).item<double>();
+  }
+  last_grad_norm_ = std::sqrt(squares);
   const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
-  if (coefficient < 1.0) scale_in_place(held, coefficient);
-  optimizer_->step();
+  if (coefficient < 1.0) state_->scale_gradients(coefficient);
+  state_->step();
 }
 
-void StageAdamW::gather_weights() {
+void LayoutAdamW::gather_weights() {
+  if (!placement_.pipeline) return;
   materialize_others();
   torch::NoGradGuard no_grad;
   for (const auto& item : model_->named_parameters()) {
     at::Tensor weight = item.value();
-    broadcast_from(stage_.owner.at(item.key()), weight);
+    broadcast_from(owner_of(item.key()), weight);
   }
 }
 
-std::vector<StageAdamW::Header> StageAdamW::state_headers() {
-  const c10::Device device = stage_.pipeline.device.torch_device();
-  auto& states = optimizer_->state();
-  std::vector<Header> headers;
+std::vector<LayoutAdamW::Header> LayoutAdamW::headers() {
+  std::vector<Header> out;
   for (const auto& item : model_->named_parameters()) {
-    const int owner = stage_.owner.at(item.key());
-    at::Tensor header = torch::zeros({2}, torch::kDouble);
-    auto it = owner == rank() ? states.find(item.value().unsafeGetTensorImpl()) : states.end();
-    if (it != states.end()) {
-      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-      header = torch::tensor({1.0, static_cast<double>(s.step())}, torch::kDouble);
+    const int owner = owner_of(item.key());
+    const std::optional<size_t> held = held_index(item.key());
+    const std::optional<int64_t> steps = owner == rank() && held ? state_->steps_of(*held) : std::nullopt;
+    if (!placement_.pipeline) {
+      out.push_back({item.key(), steps.has_value(), steps.value_or(0)});
+      continue;
     }
-    header = header.to(device);
+    at::Tensor header = steps ? torch::tensor({1.0, static_cast<double>(*steps)}, torch::kDouble)
+                              : torch::zeros({2}, torch::kDouble);
+    header = header.to(placement_.pipeline->device.torch_device());
     broadcast_from(owner, header);
     header = header.to(torch::kCPU);
-    headers.push_back({item.key(), header[0].item<double>() != 0.0, static_cast<int64_t>(header[1].item<double>())});
+    out.push_back({item.key(), header[0].item<double>() != 0.0, static_cast<int64_t>(header[1].item<double>())});
   }
-  return headers;
+  return out;
 }
 
-void StageAdamW::for_each_weight(const std::function<void(const std::string&, const at::Tensor&)>& take) {
+void LayoutAdamW::for_each_weight(const std::function<void(const std::string&, const at::Tensor&)>& take) {
   torch::NoGradGuard no_grad;
   for (const auto& item : model_->named_parameters()) {
-    const int owner = stage_.owner.at(item.key());
+    const int owner = owner_of(item.key());
     at::Tensor weight = owner == rank() ? item.value().detach().contiguous()
                                         : at::empty(shape_of(item.key(), item.value()), item.value().options());
-    broadcast_from(owner, weight);
+    if (placement_.pipeline) broadcast_from(owner, weight);
     if (model_->tensor_parallel() != nullptr) weight = model_->unshard(item.key(), weight);
     take(item.key(), weight);
   }
 }
 
-void StageAdamW::for_each_moment(const std::vector<Header>& headers,
-                                 const std::function<void(const Header&, const at::Tensor&, const at::Tensor&)>& take) {
-  const c10::Device device = stage_.pipeline.device.torch_device();
-  auto& states = optimizer_->state();
+void LayoutAdamW::for_each_moment(const std::vector<Header>& headers,
+                                  const std::function<void(const Header&, const at::Tensor&, const at::Tensor&)>& take) {
+  torch::NoGradGuard no_grad;
   size_t k = 0;
   for (const auto& item : model_->named_parameters()) {
     const Header& header = headers.at(k++);
     if (!header.has_state) continue;
-    const int owner = stage_.owner.at(item.key());
-    const std::vector<int64_t> shape = shape_of(item.key(), item.value());
+    const int owner = owner_of(item.key());
     at::Tensor exp_avg, exp_avg_sq;
     if (owner == rank()) {
-      const auto& s = static_cast<const torch::optim::AdamWParamState&>(
-          *states.at(item.value().unsafeGetTensorImpl()));
-      exp_avg = s.exp_avg().to(device, item.value().scalar_type()).contiguous();
-      exp_avg_sq = s.exp_avg_sq().to(device, item.value().scalar_type()).contiguous();
+      std::tie(exp_avg, exp_avg_sq) = state_->moments(*held_index(item.key()));
+      exp_avg = exp_avg.to(item.value().device(), item.value().scalar_type()).contiguous();
+      exp_avg_sq = exp_avg_sq.to(item.value().device(), item.value().scalar_type()).contiguous();
     } else {
+      const std::vector<int64_t> shape = shape_of(item.key(), item.value());
       exp_avg = at::empty(shape, item.value().options());
       exp_avg_sq = at::empty(shape, item.value().options());
     }
-    broadcast_from(owner, exp_avg);
-    broadcast_from(owner, exp_avg_sq);
+    if (placement_.pipeline) {
+      broadcast_from(owner, exp_avg);
+      broadcast_from(owner, exp_avg_sq);
+    }
     if (model_->tensor_parallel() != nullptr) {  // this rank's slices, unsplit over the group
       exp_avg = model_->unshard(item.key(), exp_avg);
       exp_avg_sq = model_->unshard(item.key(), exp_avg_sq);
     }
     take(header, exp_avg, exp_avg_sq);
   }
+  state_->forget_gathered();
 }
 
-OptimizerState StageAdamW::state() {
+OptimizerState LayoutAdamW::state() {
   OptimizerState full;
-  for_each_moment(state_headers(), [&](const Header& header, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
-    full[header.name] = {header.step, exp_avg.to(torch::kCPU), exp_avg_sq.to(torch::kCPU)};
+  for_each_moment(headers(), [&](const Header& header, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
+    full[header.name] = {header.step, exp_avg.to(torch::kCPU, torch::kFloat, false, /*copy=*/true),
+                         exp_avg_sq.to(torch::kCPU, torch::kFloat, false, /*copy=*/true)};
   });
   return full;
 }
 
-void StageAdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
+void LayoutAdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
   // Streamed: each unsplit tensor goes into its file as it arrives and is let go.
-  std::optional<model::SafetensorsWriter> weights;
-  if (write) {
-    std::vector<model::SafetensorsEntry> entries;
-    for (const auto& item : model_->named_parameters()) {
-      entries.push_back({item.key(), item.value().scalar_type(), model_->shards().at(item.key()).full_shape});
+  if (!placement_.pipeline) {
+    model::write_model_weights(*model_, weights_path, write);  // a collective when the model is split
+  } else {
+    std::optional<model::SafetensorsWriter> weights;
+    if (write) {
+      std::vector<model::SafetensorsEntry> entries;
+      for (const auto& item : model_->named_parameters()) {
+        entries.push_back({item.key(), item.value().scalar_type(), model_->shards().at(item.key()).full_shape});
+      }
+      weights.emplace(weights_path, std::move(entries));
     }
-    weights.emplace(weights_path, std::move(entries));
+    for_each_weight([&](const std::string&, const at::Tensor& weight) {
+      if (weights) weights->append(weight);
+    });
+    if (weights) weights->finish();
   }
-  for_each_weight([&](const std::string&, const at::Tensor& weight) {
-    if (weights) weights->append(weight);
-  });
-  if (weights) weights->finish();
-
-  const std::vector<Header> headers = state_headers();
+  if (!write && !collective_state()) return;  // nothing to gather, nothing to write
+  const std::vector<Header> stepped = headers();
   std::optional<OptimizerStateWriter> moments;
   if (write) {
     std::vector<OptimizerStateWriter::Parameter> parameters;
-    for (const Header& h : headers) {
+    for (const Header& h : stepped) {
       if (h.has_state) parameters.push_back({h.name, h.step, model_->shards().at(h.name).full_shape});
     }
     moments.emplace(optimizer_path, parameters);
   }
-  for_each_moment(headers, [&](const Header&, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
+  for_each_moment(stepped, [&](const Header&, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
     if (moments) moments->add(exp_avg, exp_avg_sq);
   });
   if (moments) moments->finish();
 }
 
-model::NamedTensors StageAdamW::unsplit_gradients() {
-  const c10::Device device = stage_.pipeline.device.torch_device();
+void LayoutAdamW::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
+  materialize_others();
+  model_->load_full_state(weights);
+  OptimizerState mine;
+  for (const auto& [name, s] : optimizer) {
+    if (!model_->shards().count(name)) {
+      throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
+    }
+    if (!held_index(name)) continue;
+    mine[name] = {s.step, model_->shard(name, s.exp_avg), model_->shard(name, s.exp_avg_sq)};
+  }
+  state_->load(mine);
+}
+
+model::NamedTensors LayoutAdamW::unsplit_gradients() {
+  if (!placement_.pipeline && state_->shard_group() == nullptr) return model_->full_gradients();
+  torch::NoGradGuard no_grad;
   model::NamedTensors out;
   for (const auto& item : model_->named_parameters()) {
-    const int owner = stage_.owner.at(item.key());
-    const at::Tensor& grad = item.value().grad();
-    at::Tensor has = torch::tensor({owner == rank() && grad.defined() ? 1.0 : 0.0}, torch::kDouble).to(device);
-    broadcast_from(owner, has);
-    if (has.to(torch::kCPU).item<double>() == 0.0) continue;
-    at::Tensor value = owner == rank() ? grad.detach().clone().contiguous()
-                                       : at::empty(shape_of(item.key(), item.value()), item.value().options());
-    broadcast_from(owner, value);
+    const int owner = owner_of(item.key());
+    at::Tensor value = owner == rank() ? state_->gradient(*held_index(item.key())) : at::Tensor();
+    if (placement_.pipeline) {
+      at::Tensor has = torch::tensor({value.defined() ? 1.0 : 0.0}, torch::kDouble)
+                           .to(placement_.pipeline->device.torch_device());
+      broadcast_from(owner, has);
+      if (has.to(torch::kCPU).item<double>() == 0.0) continue;
+      value = value.defined() ? value.detach().clone().contiguous()
+                              : at::empty(shape_of(item.key(), item.value()), item.value().options());
+      broadcast_from(owner, value);
+    } else if (!value.defined()) {
+      continue;
+    }
     if (model_->tensor_parallel() != nullptr) value = model_->unshard(item.key(), value);
-    out.emplace_back(item.key(), value.to(torch::kCPU));
+    out.emplace_back(item.key(), value.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous());
   }
+  state_->forget_gathered();
   return out;
+}
+
+// Every parameter here, in the model's order.
+Placement whole_model_placement(model::GPT2LMHeadModelImpl& model) { return {named_parameters_of(model), {}, {}}; }
+
+Placement stage_placement(model::GPT2LMHeadModelImpl& model, PipelineStageParameters stage) {
+  if (!stage.pipeline.group) throw std::invalid_argument("stage_adamw: no pipeline group given");
+  Placement placement;
+  for (const auto& item : model.named_parameters()) {
+    if (std::find(stage.held.begin(), stage.held.end(), item.key()) != stage.held.end()) {
+      placement.held.emplace_back(item.key(), item.value());
+    }
+  }
+  placement.owner = std::move(stage.owner);
+  placement.pipeline = std::move(stage.pipeline);
+  return placement;
+}
+
+std::function<std::unique_ptr<HeldAdamW>(const NamedParameters&)> held_adamw(
+    const OptimizerSettings& settings, data_parallel::BucketedAllReduce* zero) {
+  return [settings, zero](const NamedParameters& held) -> std::unique_ptr<HeldAdamW> {
+    if (zero != nullptr) return std::make_unique<ShardedMoments>(held, settings, *zero);
+    return std::make_unique<WholeMoments>(held, settings);
+  };
 }
 
 }  // namespace
@@ -587,17 +612,21 @@ double clip_coefficient(double norm, double max_norm) {
 }
 
 std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings) {
-  return std::make_unique<ReplicatedAdamW>(std::move(model), settings);
+  Placement placement = whole_model_placement(*model);
+  return std::make_unique<LayoutAdamW>(std::move(model), settings, std::move(placement), held_adamw(settings, nullptr));
 }
 
 std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients) {
-  return std::make_unique<ShardedAdamWOptimizer>(std::move(model), settings, gradients);
+  Placement placement = whole_model_placement(*model);
+  return std::make_unique<LayoutAdamW>(std::move(model), settings, std::move(placement),
+                                       held_adamw(settings, &gradients));
 }
 
 std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
-                                           PipelineStageParameters stage) {
-  return std::make_unique<StageAdamW>(std::move(model), settings, std::move(stage));
+                                           PipelineStageParameters stage, data_parallel::BucketedAllReduce* zero) {
+  Placement placement = stage_placement(*model, std::move(stage));
+  return std::make_unique<LayoutAdamW>(std::move(model), settings, std::move(placement), held_adamw(settings, zero));
 }
 
 }  // namespace harness::train

@@ -36,6 +36,16 @@ TEST(BucketPlan, ReverseOrderCappedAndSplitByDtype) {
             (std::vector<std::vector<size_t>>{{5, 4, 2}, {1}, {0}}));
 }
 
+// A tied weight's copy on another pipeline stage must be laid out alike in ZeRO's chunks: kept
+// apart, it gets a bucket of its own wherever it falls, the order of the rest unchanged.
+TEST(BucketPlan, KeptApartParametersGetBucketsOfTheirOwn) {
+  const std::vector<std::vector<size_t>> plan{{5, 4, 3}, {2}, {1, 0}};
+  EXPECT_EQ(keep_apart_in_plan(plan, {0}), (std::vector<std::vector<size_t>>{{5, 4, 3}, {2}, {1}, {0}}));
+  EXPECT_EQ(keep_apart_in_plan(plan, {4}), (std::vector<std::vector<size_t>>{{5}, {4}, {3}, {2}, {1, 0}}));
+  EXPECT_EQ(keep_apart_in_plan(plan, {2, 5}), (std::vector<std::vector<size_t>>{{5}, {4, 3}, {2}, {1, 0}}));
+  EXPECT_EQ(keep_apart_in_plan(plan, {}), plan);
+}
+
 TEST(BucketedAllReduce, HooksLaunchBucketsDuringBackwardOnOneRank) {
   const DistContext ctx = one_rank();
   torch::manual_seed(3);

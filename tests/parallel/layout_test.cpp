@@ -105,7 +105,11 @@ TEST(Layout, RefusalsNameTheFlagsAndValues) {
   expect_refused(4, 0, 1, 0, "--tensor_parallel_size 0 must be at least 1");
   expect_refused(4, 1, -1, 0, "--pipeline_parallel_size -1 must be at least 1");
   expect_refused(4, 1, 1, 2, "--zero_stage 2: expected 0 or 1");
-  expect_refused(4, 2, 1, 1, "--zero_stage 1 shards the optimizer over data-parallel replicas of the whole model");
+  // ZeRO-1 shards each tensor-parallel shard's and each pipeline stage's state over its
+  // data-parallel group.
+  const Layout sharded = Layout::create(8, 2, 2, 1);
+  EXPECT_EQ(sharded.data_parallel_size(), 2);
+  EXPECT_EQ(sharded.zero_stage(), 1);
   const Layout l = Layout::create(4, 2);
   EXPECT_THROW(l.coordinates_of(4), std::invalid_argument);
   EXPECT_THROW(l.rank_of({0, 2, 0}), std::invalid_argument);

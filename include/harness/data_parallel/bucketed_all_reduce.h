@@ -31,6 +31,10 @@ namespace harness::data_parallel {
 // wherever dtype or device changes.
 std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& parameters,
                                               int64_t cap_bytes);
+// `plan` with each index of `apart` in a bucket of its own: a bucket holding one is cut before
+// and after it (the order of the indices is kept).
+std::vector<std::vector<size_t>> keep_apart_in_plan(const std::vector<std::vector<size_t>>& plan,
+                                                    const std::vector<size_t>& apart);
 
 // What a bucket's collective leaves on each rank: the whole average (DDP), or the rank's chunk of
 // it (ZeRO: reduce-scatter; each rank steps only that chunk, zero.h).
@@ -83,6 +87,13 @@ class BucketedAllReduce : public GradientSynchronizer {
   // returns the parts of the result that belong to the bucket's parameters, in bucket_plan() order,
   // each a view shaped like its parameter.
   std::vector<at::Tensor> gather_bucket(size_t b, const at::Tensor& chunk) const;
+  // Before attach(): `parameter` gets a bucket of its own, so that its chunks are the same
+  // elements on every group of this size, whatever else each group synchronises (a tied weight's
+  // copy on another pipeline stage: its chunk can then be summed with this one's).
+  void keep_apart(const at::Tensor& parameter);
+  // kReduceScatter, after finalize(): this rank's chunk of the averaged gradient of a parameter
+  // kept apart (its elements [rank * chunk, (rank + 1) * chunk), zeros past its end).
+  const at::Tensor& gradient_shard_of(const at::Tensor& parameter) const;
   // The same in two halves, so that several gathers are in flight at once: start_gather launches
   // the all-gather (collective), finish_gather waits for it and returns the views.
   struct BucketGather {
@@ -115,6 +126,7 @@ class BucketedAllReduce : public GradientSynchronizer {
   GradientReduction reduction_;
   std::unique_ptr<RingAllReduceThread> ring_;  // with kRing: where the buckets are reduced
   int64_t cap_bytes_;
+  std::vector<at::Tensor> apart_;   // parameters given buckets of their own (keep_apart)
   std::vector<at::Tensor> parameters_;
   std::vector<std::vector<size_t>> plan_;
   std::vector<Bucket> buckets_;

@@ -37,6 +37,9 @@ class ShardedAdamW {
     std::vector<std::pair<at::Tensor, at::Tensor>> moments;  // empty before the first step
   };
   FullState gather_state() const;
+  // Bucket b's part of it: each of its parameters' two moments (in bucket_plan() order), shaped
+  // like the parameter, on its device. Collective; one bucket at a time, for streamed checkpoints.
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> gather_bucket_moments(size_t b) const;
   // Takes this rank's chunks of a full state (shapes checked, naming the parameter index).
   void load_state(const FullState& state);
 

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -74,6 +75,10 @@ struct PipelineProcesses {
   // --debug_sync: each exchange recorded in the pipeline group's store, so that a stage that
   // waits in vain says what its peers were waiting for (process_transport.h).
   bool debug_sync = false;
+  // Where the first and last stages keep the tied wte's gradient, once averaged over their
+  // data-parallel group, for the embedding group's sum: wte's .grad() when unset; ZeRO-1's chunk
+  // of it (the same elements on both stages: data_parallel::BucketedAllReduce::keep_apart) when set.
+  std::function<at::Tensor()> tied_gradient;
 };
 
 // The training schedule `name` for M micro-batches on D devices with V stages each. Interleaving

@@ -78,9 +78,11 @@ double clip_coefficient(double norm, double max_norm);
 // ones once; spread over devices (model parallel, the in-process pipeline), it sums over them.
 std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings);
 
-// ZeRO-1: `gradients` (a BucketedAllReduce in kReduceScatter mode, the step's synchronizer) is
-// attached to `model` here; each rank keeps AdamW's moments for its chunks (data_parallel/zero.h).
-// The norm sums the squares of every rank's chunks of the averaged gradient.
+// ZeRO-1: `gradients` (a BucketedAllReduce in kReduceScatter mode over the data-parallel group,
+// the step's synchronizer) is attached to `model` here; each rank keeps AdamW's moments for its
+// chunks (data_parallel/zero.h). The norm sums the squares of every rank's chunks of the averaged
+// gradient. Split over a tensor-parallel group, each rank shards its slices over its data-parallel
+// group, and checkpoints gather the chunks, then unsplit them.
 std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients);
 
@@ -96,8 +98,11 @@ struct PipelineStageParameters {
 // stages' parameters keep no storage here while training (an empty tensor each); gather_weights()
 // brings them from their stages for an evaluation or a checkpoint, and the next step lets them go
 // again. The norm sums each owned gradient's squares over the stages (wte's once); checkpoints and
-// --pytest's gradients gather every stage's part.
+// --pytest's gradients gather every stage's part. With `zero` (kReduceScatter over the stage's
+// data-parallel group, the step's synchronizer), the stage's AdamW is ZeRO-1's, sharded over that
+// group: `zero` is attached to the held parameters here.
 std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
-                                           PipelineStageParameters stage);
+                                           PipelineStageParameters stage,
+                                           data_parallel::BucketedAllReduce* zero = nullptr);
 
 }  // namespace harness::train
