@@ -2,6 +2,8 @@
 // min-max partition of measured block costs.
 #include "harness/pipeline/balance.h"
 
+#include "harness/pipeline/training_schedule.h"
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -170,6 +172,29 @@ std::vector<int> even_balance(int blocks, int stages) {
     balance.push_back(blocks / stages + (j < blocks % stages ? 1 : 0));
   }
   return balance;
+}
+
+std::vector<int> stage_halves(const StageSplitFlags& flags, int n_layer, int devices, const std::string& stages_from) {
+  check_schedule_flags(flags.schedule, flags.micro_batches, devices, flags.virtual_stages);
+  const int S = devices * flags.virtual_stages;
+  if (!flags.balance_halves.empty()) {
+    check_balance(flags.balance_halves, 2 * n_layer, S, stages_from + ", in half blocks");
+    return flags.balance_halves;
+  }
+  std::vector<int> blocks = flags.balance;
+  if (blocks.empty()) {
+    try {
+      blocks = default_balance(n_layer, S);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(stages_from + " = " + std::to_string(S) + " stages, but the model has " +
+                                  std::to_string(n_layer) + " blocks (n_layer " + std::to_string(n_layer) +
+                                  "): " + e.what());
+    }
+  }
+  check_balance(blocks, n_layer, S, stages_from);
+  std::vector<int> halves;
+  for (int b : blocks) halves.push_back(2 * b);
+  return halves;
 }
 
 void check_balance(const std::vector<int>& balance, int blocks, int stages,

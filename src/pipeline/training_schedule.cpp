@@ -364,4 +364,29 @@ std::string format_timeline(const Timeline& timeline) {
   return format_rows("clock", header, rows, "device ");
 }
 
+void check_schedule_name(const std::string& name, int virtual_stages) {
+  if (virtual_stages < 1) {
+    throw std::invalid_argument("--virtual_stages must be >= 1, got " + std::to_string(virtual_stages));
+  }
+  if (name == "interleaved") return;
+  if (name != "gpipe" && name != "1f1b") {
+    throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b or interleaved, got '" + name + "'");
+  }
+  if (virtual_stages != 1) {
+    throw std::invalid_argument("--virtual_stages " + std::to_string(virtual_stages) +
+                                " needs --pipeline_schedule interleaved (got " + name +
+                                "); gpipe and 1f1b run one stage per device");
+  }
+}
+
+void check_schedule_flags(const std::string& name, int micro_batches, int devices, int virtual_stages) {
+  if (micro_batches < 1) throw std::invalid_argument("--n_chunk must be >= 1, got " + std::to_string(micro_batches));
+  check_schedule_name(name, virtual_stages);
+  if (name == "interleaved" && micro_batches % devices != 0) {
+    throw std::invalid_argument("--pipeline_schedule interleaved needs --n_chunk to be a multiple of the " +
+                                std::to_string(devices) + " devices (Megatron's rule), got " +
+                                std::to_string(micro_batches));
+  }
+}
+
 }  // namespace harness::pipeline

@@ -19,21 +19,11 @@ namespace harness::train {
 
 pipeline::TrainingSchedule make_training_schedule(const std::string& name, int micro_batches,
                                                   int devices, int virtual_stages) {
-  if (virtual_stages < 1) {
-    throw std::invalid_argument("--virtual_stages must be >= 1, got " + std::to_string(virtual_stages));
-  }
+  pipeline::check_schedule_name(name, virtual_stages);
   if (name == "interleaved") {
     return micro_batches % devices == 0
                ? pipeline::interleaved_schedule(micro_batches, devices, virtual_stages)
                : pipeline::gpipe_schedule(micro_batches, devices, virtual_stages);
-  }
-  if (name != "gpipe" && name != "1f1b") {
-    throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b or interleaved, got '" + name + "'");
-  }
-  if (virtual_stages != 1) {
-    throw std::invalid_argument("--virtual_stages " + std::to_string(virtual_stages) +
-                                " needs --pipeline_schedule interleaved (got " + name +
-                                "); gpipe and 1f1b run one stage per device");
   }
   return name == "gpipe" ? pipeline::gpipe_schedule(micro_batches, devices)
                          : pipeline::one_f_one_b_schedule(micro_batches, devices);
@@ -45,15 +35,19 @@ PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, i
   options.virtual_stages = flags.virtual_stages;
   options.micro_batches = static_cast<int>(flags.n_chunk);
   options.checkpointing = pipeline::parse_activation_checkpointing(flags.activation_checkpointing);
-  if (flags.n_chunk < 1) throw std::invalid_argument("--n_chunk must be >= 1, got " + std::to_string(flags.n_chunk));
-  (void)make_training_schedule(flags.schedule, devices, devices, flags.virtual_stages);
-  if (flags.schedule == "interleaved" && flags.n_chunk % devices != 0) {
-    throw std::invalid_argument("--pipeline_schedule interleaved needs --n_chunk to be a multiple of the " +
-                                std::to_string(devices) + " devices (Megatron's rule), got " +
-                                std::to_string(flags.n_chunk));
-  }
+  pipeline::check_schedule_flags(flags.schedule, options.micro_batches, devices, flags.virtual_stages);
   options.balance_halves = pipeline::parse_balance(flags.balance).halves_per_stage;
   return options;
+}
+
+pipeline::StageSplitFlags stage_split_flags(const PipelineStepOptions& options) {
+  return {options.schedule, options.virtual_stages, options.micro_batches, options.balance, options.balance_halves};
+}
+
+std::string stages_from(int devices, int virtual_stages, bool processes) {
+  return processes ? "--pipeline_parallel_size " + std::to_string(devices) + " x --virtual_stages " +
+                         std::to_string(virtual_stages)
+                   : std::to_string(devices) + " devices x " + std::to_string(virtual_stages) + " virtual stages";
 }
 
 PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, PipelineStepOptions options)
@@ -113,38 +107,8 @@ PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, P
 PipelineForwardBackward::~PipelineForwardBackward() = default;
 
 void PipelineForwardBackward::cut_into_stages(int D) {
-  if (options_.micro_batches < 1) {
-    throw std::invalid_argument("--n_chunk must be >= 1, got " + std::to_string(options_.micro_batches));
-  }
-  // Checks the names and V now; interleaving's rule on M, for full batches, too.
-  (void)make_training_schedule(options_.schedule, D, D, options_.virtual_stages);
-  if (options_.schedule == "interleaved" && options_.micro_batches % D != 0) {
-    throw std::invalid_argument("--pipeline_schedule interleaved needs --n_chunk to be a multiple of the " +
-                                std::to_string(D) + " devices (Megatron's rule), got " +
-                                std::to_string(options_.micro_batches));
-  }
-  const int S = D * options_.virtual_stages;
-  const int n_layer = static_cast<int>(model_->config().n_layer);
-  const std::string stages_from = std::to_string(D) + " devices x " +
-                                  std::to_string(options_.virtual_stages) + " virtual stages";
-  if (!options_.balance_halves.empty()) {
-    halves_ = options_.balance_halves;
-    pipeline::check_balance(halves_, 2 * n_layer, S, stages_from + ", in half blocks");
-  } else {
-    std::vector<int> blocks;
-    if (options_.balance.empty()) {
-      try {
-        blocks = pipeline::default_balance(n_layer, S);
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument("the model's n_layer " + std::to_string(n_layer) + " blocks cannot fill " +
-                                    std::to_string(S) + " stages (" + stages_from + "): " + e.what());
-      }
-    } else {
-      blocks = options_.balance;
-    }
-    pipeline::check_balance(blocks, n_layer, S, stages_from);
-    for (int b : blocks) halves_.push_back(2 * b);
-  }
+  halves_ = pipeline::stage_halves(stage_split_flags(options_), static_cast<int>(model_->config().n_layer), D,
+                                   stages_from(D, options_.virtual_stages, processes_.has_value()));
   first_unit_of_stage_.assign(1, 0);
   for (int h : halves_) first_unit_of_stage_.push_back(first_unit_of_stage_.back() + h);
 }

@@ -91,20 +91,10 @@ PipelineStepOptions stage_options(const DataParallelConfig& flags, const paralle
                                 std::to_string(replica_batch) + " rows each data-parallel replica trains on");
   }
   PipelineStepOptions options = pipeline_step_options(pipe, P);
-  const int S = P * options.virtual_stages;
-  if (!options.balance_halves.empty()) {
-    pipeline::check_balance(options.balance_halves, 2 * static_cast<int>(config.n_layer), S,
-                            std::to_string(P) + " stage processes x " + std::to_string(options.virtual_stages) +
-                                " virtual stages, in half blocks");
-  } else if (!pipeline::parse_balance(pipe.balance).automatic) {
-    try {
-      (void)pipeline::default_balance(static_cast<int>(config.n_layer), S);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("--pipeline_parallel_size " + std::to_string(P) + " x --virtual_stages " +
-                                  std::to_string(options.virtual_stages) + " = " + std::to_string(S) +
-                                  " stages, but the model has " + std::to_string(config.n_layer) + " blocks: " +
-                                  e.what());
-    }
+  // "auto" is timed on the model later; the timed balance goes through the same check there.
+  if (!pipeline::parse_balance(pipe.balance).automatic) {
+    (void)pipeline::stage_halves(stage_split_flags(options), static_cast<int>(config.n_layer), P,
+                                 stages_from(P, options.virtual_stages, /*processes=*/true));
   }
   return options;
 }

@@ -79,6 +79,27 @@ std::vector<int> balance_by_cost(const std::vector<double>& block_costs, int sta
 // an entry is below 1.
 std::vector<int> stage_of_each_block(const std::vector<int>& balance);
 
+// What a pipeline's flags say about its stages: the schedule flags and the balance, as
+// PipelineStepOptions holds them.
+struct StageSplitFlags {
+  std::string schedule;
+  int virtual_stages = 1;
+  int micro_batches = 1;              // M per full batch (--n_chunk)
+  std::vector<int> balance;           // blocks per stage; empty: default_balance
+  std::vector<int> balance_halves;    // half blocks per stage; wins over `balance` when given
+};
+
+// The one check of a pipeline's stage split, for D = `devices` schedule devices and a model of
+// `n_layer` blocks: the schedule flags (check_schedule_flags), then S = D x V stages' balance, in
+// half blocks or blocks (check_balance) or by default_balance. Returns the half blocks of each
+// stage (block b's attention half is unit 2b, its MLP half 2b + 1). `stages_from` says where S
+// comes from, for the errors ("2 devices x 1 virtual stages", "--pipeline_parallel_size 4 x
+// --virtual_stages 1"):
+//   "--balance 2,1 sums to 3 but the model has 4 blocks"
+//   "--pipeline_parallel_size 4 x --virtual_stages 1 = 4 stages, but the model has 2 blocks
+//    (n_layer 2): ..."
+std::vector<int> stage_halves(const StageSplitFlags& flags, int n_layer, int devices, const std::string& stages_from);
+
 // "3,3,2": the form --balance takes, for printing the resolved balance at start.
 std::string format_balance(const std::vector<int>& balance);
 

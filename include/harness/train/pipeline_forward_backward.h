@@ -26,6 +26,7 @@
 
 #include "harness/data_parallel/process_group.h"
 #include "harness/device.h"
+#include "harness/pipeline/balance.h"
 #include "harness/pipeline/executor.h"
 #include "harness/pipeline/process_transport.h"
 #include "harness/pipeline/training_schedule.h"
@@ -60,11 +61,18 @@ struct PipelineScheduleConfig {
 };
 
 // The step options the flags give for `devices` schedule devices: schedule, V, M and activation
-// checkpointing checked (make_training_schedule's errors, interleaving's rule on M), a balance
+// checkpointing checked (pipeline::check_schedule_flags), a balance
 // given as numbers read into balance_halves (its sum is checked against the model later); "auto"
 // leaves it empty for the caller to time (pipeline::parse_balance says so). Devices, threads,
 // seed and tracer are the caller's to fill.
 PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, int devices);
+
+// The options' schedule and balance, as pipeline::stage_halves checks them against a model (the
+// one check of the stage split: the programs' flag checks and the step's own cut call it).
+pipeline::StageSplitFlags stage_split_flags(const PipelineStepOptions& options);
+// Where the stage count comes from, for stage_halves' errors: "2 devices x 1 virtual stages"
+// in-process, "--pipeline_parallel_size 2 x --virtual_stages 1" with stages as processes.
+std::string stages_from(int devices, int virtual_stages, bool processes);
 
 // Pipeline stages that are processes: this process is rank p of `pipeline` (the schedule's
 // device p, P = its size > 1). `embedding`: the group of the first and last stage's ranks, on
