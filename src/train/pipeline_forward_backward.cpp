@@ -305,24 +305,18 @@ at::Tensor PipelineForwardBackward::forward_through_stages(const at::Tensor& ids
 std::optional<double> PipelineForwardBackward::validation_loss(data::BatchLoader& loader) {
   if (!processes_) return std::nullopt;
   model_->eval();
-  torch::NoGradGuard no_grad;
   const c10::Device device = options_.devices.front().torch_device();
   at::Tensor& wte = model_->transformer->wte->weight;
-  loader.start_epoch(0);
-  double sum = 0.0;
-  int64_t count = 0;
   // Every stage reads the same batches (the whole validation set); the last computes the loss.
-  while (std::optional<data::Batch> batch = loader.next()) {
-    const at::Tensor hidden = forward_through_stages(batch->input_ids, nullptr);
-    if (hidden.defined()) {
-      const at::Tensor logits = model_->head_logits(hidden, wte);
-      sum += model::weighted_cross_entropy(logits, batch->labels.to(device), batch->label_token_weights.to(device))
-                 .item<double>();
-    }
-    ++count;
-  }
-  if (count == 0) throw std::runtime_error("evaluate_loss: the validation loader gave no batch");
-  return from_last_stage(torch::tensor({sum / static_cast<double>(count)}, torch::kFloat64)).item<double>();
+  const BatchLoss loss = [&](const data::Batch& batch) {
+    const at::Tensor hidden = forward_through_stages(batch.input_ids, nullptr);
+    if (!hidden.defined()) return 0.0;
+    const at::Tensor logits = model_->head_logits(hidden, wte);
+    return model::weighted_cross_entropy(logits, batch.labels.to(device), batch.label_token_weights.to(device))
+        .item<double>();
+  };
+  const double mean = evaluate_loss_with(loss, loader);
+  return from_last_stage(torch::tensor({mean}, torch::kFloat64)).item<double>();
 }
 
 std::optional<std::vector<std::string>> PipelineForwardBackward::generate(

@@ -116,9 +116,7 @@ EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoc
   return timing;
 }
 
-double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
-                     const c10::Device& device, int64_t max_batches) {
-  model->eval();
+double evaluate_loss_with(const BatchLoss& loss, data::BatchLoader& loader, int64_t max_batches) {
   torch::NoGradGuard no_grad;
   loader.start_epoch(0);
   double sum = 0.0;
@@ -126,15 +124,24 @@ double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
   while (max_batches == 0 || count < max_batches) {
     std::optional<data::Batch> batch = loader.next();
     if (!batch) break;
-    data::Batch on_device = batch->to(device);
-    torch::Tensor logits = model->forward(on_device.input_ids);
-    sum += harness::model::weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
-                                                  on_device.label_token_weights.to(logits.device()))
-               .item<double>();
+    sum += loss(*batch);
     ++count;
   }
   if (count == 0) throw std::runtime_error("evaluate_loss: the validation loader gave no batch");
   return sum / static_cast<double>(count);
+}
+
+double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
+                     const c10::Device& device, int64_t max_batches) {
+  model->eval();
+  const BatchLoss loss = [&](const data::Batch& batch) {
+    data::Batch on_device = batch.to(device);
+    torch::Tensor logits = model->forward(on_device.input_ids);
+    return harness::model::weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
+                                                  on_device.label_token_weights.to(logits.device()))
+        .item<double>();
+  };
+  return evaluate_loss_with(loss, loader, max_batches);
 }
 
 int64_t greedy_choice(const torch::Tensor& logits, int64_t vocabulary) {

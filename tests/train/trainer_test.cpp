@@ -10,6 +10,7 @@
 #include "harness/data/loader.h"
 #include "harness/data/synthetic_corpus.h"
 #include "harness/data/tokenizer.h"
+#include "harness/model/loss.h"
 #include "harness/train/loss.h"
 #include "harness/train/report.h"
 #include "harness/train/setup.h"
@@ -192,6 +193,39 @@ TEST(TrainEpochTest, LossFallsAndHookRunsOncePerBatch) {
   options.after_step = nullptr;
   timing = train_epoch(step, train, 3, options);
   EXPECT_EQ(timing.batches, 2);
+}
+
+// The one evaluation loop over a per-batch loss (a pipeline's stages use it too): the model's
+// evaluate_loss is it over the model's forward; each pass starts from the loader's first batch,
+// max_batches caps it, and a loader without batches is refused.
+TEST(TrainEpochTest, EvaluateLossIsTheMeanOfAPerBatchLossOverTheLoader) {
+  const Fixture& f = fixture();
+  model::GPT2LMHeadModel model = tiny_model(f.tokenizer->vocab_size());
+  const data::Tokenizer& tokenizer = *f.tokenizer;
+  data::CollateFn collate = [&tokenizer](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, 40);
+  };
+  data::BatchLoader validation(f.corpus.validation, collate, {16, false, 0, false, 2});
+  ASSERT_GE(validation.num_batches(), 2);
+  std::vector<double> losses;
+  const BatchLoss loss = [&](const data::Batch& batch) {
+    EXPECT_FALSE(torch::GradMode::is_enabled());
+    const at::Tensor logits = model->forward(batch.input_ids);
+    losses.push_back(model::weighted_cross_entropy(logits, batch.labels, batch.label_token_weights).item<double>());
+    return losses.back();
+  };
+  model->eval();
+  const double mean = evaluate_loss_with(loss, validation);
+  ASSERT_EQ(static_cast<int64_t>(losses.size()), validation.num_batches());
+  double sum = 0.0;
+  for (double l : losses) sum += l;
+  EXPECT_EQ(mean, sum / static_cast<double>(losses.size()));
+  EXPECT_EQ(evaluate_loss(model, validation, torch::kCPU), mean);
+  losses.clear();
+  EXPECT_EQ(evaluate_loss_with(loss, validation, 1), evaluate_loss(model, validation, torch::kCPU, 1));
+  EXPECT_EQ(losses.size(), 1u);
+  data::BatchLoader empty(std::vector<data::TranslationExample>{}, collate, {16, false, 0, false, 2});
+  EXPECT_THROW(evaluate_loss_with(loss, empty), std::runtime_error);
 }
 
 // An epoch resumed after k batches trains exactly the batches an uninterrupted epoch trains after

@@ -58,7 +58,14 @@ EpochTiming train_epoch(TrainStep& step, data::BatchLoader& loader, int64_t epoc
 // Batches of the epoch train_epoch will run: min(max_batches, loader's) (all when 0).
 int64_t batches_in_epoch(const data::BatchLoader& loader, int64_t max_batches);
 
-// Mean over batches of SPEC §3's weighted loss, without gradients, in eval mode.
+// One batch's SPEC §3 weighted loss, however the model runs (one model's forward, or a pipeline's
+// stages, where only the last stage's rank computes it and the others return anything).
+using BatchLoss = std::function<double(const data::Batch& batch)>;
+// The one evaluation loop (as generate_translations_with is generation's): the mean of `loss` over
+// `loader`'s batches from the start (the first max_batches of them; 0: all), without gradients.
+// Throws std::runtime_error when the loader gives no batch.
+double evaluate_loss_with(const BatchLoss& loss, data::BatchLoader& loader, int64_t max_batches = 0);
+// Mean over batches of SPEC §3's weighted loss of `model` on `device`, in eval mode.
 double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
                      const c10::Device& device, int64_t max_batches = 0);
 
