@@ -2,8 +2,9 @@
 parallelism. After three AdamW steps with dropout 0 the weights equal one device's (or, with D > 1,
 the same run's data parallelism alone) for GPipe, 1F1B and interleaved schedules, whose sends and
 receives cross; the tied embedding stays one tensor; --pytest's gradients are the whole model's;
-the printed lines are SPEC's, from the last stage only; bad layouts are refused before launch; a
-killed stage ends the run promptly, naming it, and --max_restarts resumes it bit for bit. gpt2-tiny
+the printed lines are SPEC's, from the last stage only, also when torchrun starts the stages; bad
+layouts are refused before launch; a killed stage ends the run promptly, naming it, and
+--max_restarts resumes it bit for bit. gpt2-tiny
 (2 blocks) and gpt2-mini (4 blocks), a few batches, at most 4 processes."""
 import os
 import re
@@ -15,8 +16,8 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from after_adamw import gradient_problems, weight_problems  # noqa: E402
-from test_checkpoints import (DP, TINY as CHECKPOINTED, Watched, environ_of, free_port, run,  # noqa: E402
-                              saved_step_at_least, weights)
+from test_checkpoints import (DP, TINY as CHECKPOINTED, TORCHRUN, Watched, environ_of, free_port,  # noqa: E402
+                              run, saved_step_at_least, weights)
 from fault_injection import descendants  # noqa: E402  (scripts/, on the path test_checkpoints sets)
 
 NUMBER = r"(-?\d+(?:\.\d+)?)"
@@ -275,6 +276,38 @@ class KilledStage(unittest.TestCase):
                 CHECKPOINTED, 1, signal.SIGKILL, 3)
             self.assertEqual(code, 0, "\n".join(err[-30:]))
             a, b = weights(plain), weights(work)
+            for key in a:
+                self.assertTrue(torch.equal(a[key], b[key]), key)
+
+
+class UnderTorchrun(unittest.TestCase):
+    """torchrun starts the ranks (RANK, WORLD_SIZE and the store from its agent) instead of the
+    program's own launcher: the stages find their pipeline, data-parallel and embedding groups the
+    same way, so the run is the program's own, line for line and weight for weight."""
+
+    def test_torchrun_trains_two_replicas_of_two_stages_like_the_programs_own_launch(self):
+        torch = __import__("torch")
+        layout = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
+        with tempfile.TemporaryDirectory() as tmp:
+            own, own_proc = train(tmp, "own", "gpt2-tiny", 4, layout, benchmark_only=False)
+            work = os.path.join(tmp, "torchrun")
+            proc = run([TORCHRUN, "--nnodes", "1", "--nproc_per_node", "4", "--master_port", str(free_port()),
+                        "--no-python", DP, "--workdir", work, "--model", "gpt2-tiny"] + COMMON + layout, timeout=600)
+            self.assertIn("world_size=4", proc.stderr)
+            self.assertIn("pipeline_parallel_size=2 data_parallel_size=2", proc.stderr)
+
+            def spec_lines(stdout):
+                lines = stdout.splitlines()
+                trained = sorted(m[2] for m in (DP_TRAIN.match(l) for l in lines) if m)
+                losses = sorted((m[2], m[3]) for m in (DP_LOSS.match(l) for l in lines) if m)
+                return trained, losses
+            trained, losses = spec_lines(proc.stdout)
+            # Each replica's last stage reports, as its data-parallel rank: one epoch line and one loss.
+            self.assertEqual(trained, ["0", "1"], proc.stdout)
+            self.assertEqual([rank for rank, _ in losses], ["0", "1"], proc.stdout)
+            self.assertEqual(losses, spec_lines(own_proc.stdout)[1])
+            a, b = weights(own), weights(work)
+            self.assertEqual(sorted(a), sorted(b))
             for key in a:
                 self.assertTrue(torch.equal(a[key], b[key]), key)
 
