@@ -80,7 +80,7 @@ std::vector<std::vector<size_t>> keep_apart_in_plan(const std::vector<std::vecto
 BucketedAllReduce::BucketedAllReduce(DistContext ctx, double bucket_cap_mb,
                                      AllReduceAlgorithm allreduce, GradientReduction reduction)
     : ctx_(std::move(ctx)), allreduce_(allreduce), reduction_(reduction) {
-  if (reduction_ == GradientReduction::kReduceScatter && allreduce_ == AllReduceAlgorithm::kRing) {
+  if (reduction_ != GradientReduction::kAllReduce && allreduce_ == AllReduceAlgorithm::kRing) {
     throw std::invalid_argument("--zero_stage 1 reduce-scatters with the process group's collectives: "
                                 "it cannot take --allreduce ring");
   }
@@ -118,6 +118,7 @@ void BucketedAllReduce::attach(std::vector<at::Tensor> parameters) {
   bucket_of_.assign(parameters_.size(), kNoBucket);
   ready_.assign(parameters_.size(), 0);
   fired_.assign(parameters_.size(), 0);
+  had_gradient_.assign(parameters_.size(), 0);
   accumulated_.assign(parameters_.size(), 0);
   buckets_.resize(plan_.size());
   for (size_t b = 0; b < plan_.size(); ++b) {
@@ -181,9 +182,19 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
     pieces.push_back(g.defined() ? g.reshape({-1}) : torch::zeros({p.numel()}, p.options()));
   }
   bucket.buffer = torch::cat(pieces);
+  pieces.clear();
   if (reduce_dtype_ && *reduce_dtype_ != bucket.buffer.scalar_type()) bucket.buffer = bucket.buffer.to(*reduce_dtype_);
   communicated_bytes_ += bucket.buffer.numel() * static_cast<int64_t>(bucket.buffer.element_size());
-  if (reduction_ == GradientReduction::kReduceScatter) {
+  if (reduction_ == GradientReduction::kShardedGradients) {
+    // ZeRO-2: the bucket holds the gradients now; a later accumulation starts a new .grad() (its
+    // bucket, stale, is reduced again and added to the chunk).
+    for (size_t index : bucket.params) {
+      at::Tensor& g = parameters_[index].mutable_grad();
+      if (g.defined()) had_gradient_[index] = 1;
+      g = at::Tensor();
+    }
+  }
+  if (scatters()) {
     const int64_t n = bucket.buffer.numel(), chunk = (n + ctx_.world_size - 1) / ctx_.world_size;
     if (chunk * ctx_.world_size > n) {
       bucket.buffer = torch::cat({bucket.buffer, torch::zeros({chunk * ctx_.world_size - n}, bucket.buffer.options())});
@@ -196,10 +207,10 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
       bucket.received = torch::empty_like(bucket.buffer);
       bucket.work = all_to_all_even(*ctx_.group, bucket.received, bucket.buffer);
     } else {
-      bucket.shard = torch::empty({chunk}, bucket.buffer.options());
+      bucket.scattered = torch::empty({chunk}, bucket.buffer.options());
       c10d::ReduceScatterOptions options;
       options.reduceOp = c10d::ReduceOp::SUM;
-      bucket.work = ctx_.group->_reduce_scatter_base(bucket.shard, bucket.buffer, options);
+      bucket.work = ctx_.group->_reduce_scatter_base(bucket.scattered, bucket.buffer, options);
     }
   } else if (ring_) {
     bucket.work = ring_->all_reduce_async(bucket.buffer, ReduceKind::kSum);
@@ -211,6 +222,41 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
   }
   bucket.launched = true;
   bucket.stale = false;
+  bucket.settled = false;
+  if (reduction_ == GradientReduction::kShardedGradients) {
+    // The earlier buckets whose reduce-scatter is done let their buffers go now, so that what a
+    // rank holds of the full gradients is the buckets still in flight.
+    for (Bucket& other : buckets_) {
+      if (&other != &bucket && other.work && !other.settled && other.work->isCompleted()) settle_locked(other);
+    }
+  }
+}
+
+void BucketedAllReduce::settle_locked(Bucket& bucket) {
+  if (bucket.settled || !bucket.work) return;
+  bucket.work->wait();
+  torch::NoGradGuard no_grad;
+  const at::ScalarType dtype = parameters_[bucket.params.front()].scalar_type();
+  at::Tensor average;
+  if (bucket.received.defined()) {  // the all-to-all: this rank's chunk from every rank, summed
+    // in rank order into rank 0's copy (converted first if the reduction ran in another dtype):
+    // one pass per rank, faster than a sum over dim 0.
+    const at::Tensor copies = bucket.received.view({ctx_.world_size, -1});
+    average = copies[0].to(dtype, /*non_blocking=*/false, /*copy=*/true);
+    for (int64_t r = 1; r < ctx_.world_size; ++r) average.add_(copies[r]);
+  } else {
+    average = bucket.scattered.to(dtype);
+  }
+  average.div_(static_cast<double>(ctx_.world_size));
+  if (reduction_ == GradientReduction::kShardedGradients && bucket.shard.defined()) {
+    bucket.shard.add_(average);
+  } else {
+    bucket.shard = average;
+  }
+  bucket.buffer = at::Tensor();
+  bucket.scattered = at::Tensor();
+  bucket.received = at::Tensor();
+  bucket.settled = true;
 }
 
 void BucketedAllReduce::finalize() {
@@ -220,7 +266,9 @@ void BucketedAllReduce::finalize() {
   // Every rank issues the same sequence: the buckets not yet launched, in bucket order; then,
   // once they are all done, one agreement (below); then the buckets some rank saw change again.
   for (; next_to_launch_ < buckets_.size(); ++next_to_launch_) launch_locked(buckets_[next_to_launch_]);
-  for (auto& bucket : buckets_) bucket.work->wait();
+  for (auto& bucket : buckets_) {
+    if (!bucket.settled) bucket.work->wait();
+  }
 
   // What each rank decided alone, agreed by a MAX all-reduce of one flag per bucket ("a gradient
   // changed after its launch here") and one per parameter ("it has a gradient here"), as DDP does
@@ -234,7 +282,7 @@ void BucketedAllReduce::finalize() {
     auto f = flags.accessor<int, 1>();
     for (size_t b = 0; b < n_buckets; ++b) f[static_cast<int64_t>(b)] = buckets_[b].stale ? 1 : 0;
     for (size_t i = 0; i < parameters_.size(); ++i) {
-      f[static_cast<int64_t>(n_buckets + i)] = parameters_[i].grad().defined() ? 1 : 0;
+      f[static_cast<int64_t>(n_buckets + i)] = parameters_[i].grad().defined() || had_gradient_[i] ? 1 : 0;
     }
   }
   communicated_bytes_ += flags.numel() * static_cast<int64_t>(flags.element_size());
@@ -246,32 +294,22 @@ void BucketedAllReduce::finalize() {
   const auto agreed = flags.accessor<int, 1>();
   for (size_t b = 0; b < n_buckets; ++b) {
     if (agreed[static_cast<int64_t>(b)] == 0) continue;
+    if (scatters()) settle_locked(buckets_[b]);  // ZeRO-2 adds the late gradients' reduction to it
     launch_locked(buckets_[b]);
     buckets_[b].work->wait();
   }
   torch::NoGradGuard no_grad;
-  if (reduction_ == GradientReduction::kReduceScatter) {
+  if (scatters()) {
+    const std::string stage = reduction_ == GradientReduction::kShardedGradients ? "2" : "1";
     for (size_t i = 0; i < parameters_.size(); ++i) {
       if (bucket_of_[i] != kNoBucket && agreed[static_cast<int64_t>(n_buckets + i)] == 0) {
         reset_step_locked();
-        throw std::runtime_error("--zero_stage 1: parameter " + std::to_string(i) +
+        throw std::runtime_error("--zero_stage " + stage + ": parameter " + std::to_string(i) +
                                  " got no gradient on any rank this step; a sharded AdamW step needs every "
                                  "parameter's (use --zero_stage 0 for a model with unused parameters)");
       }
     }
-    for (auto& bucket : buckets_) {
-      const at::ScalarType dtype = parameters_[bucket.params.front()].scalar_type();
-      if (bucket.received.defined()) {  // the all-to-all: this rank's chunk from every rank, summed
-        // in rank order into rank 0's copy (converted first if the reduction ran in another dtype):
-        // one pass per rank, faster than a sum over dim 0.
-        const at::Tensor copies = bucket.received.view({ctx_.world_size, -1});
-        bucket.shard = copies[0].to(dtype);
-        for (int64_t r = 1; r < ctx_.world_size; ++r) bucket.shard.add_(copies[r]);
-      } else {
-        bucket.shard = bucket.shard.to(dtype);
-      }
-      bucket.shard.div_(static_cast<double>(ctx_.world_size));
-    }
+    for (auto& bucket : buckets_) settle_locked(bucket);
     reset_step_locked();
     ++finalized_steps_;
     return;
@@ -307,10 +345,15 @@ int64_t BucketedAllReduce::chunk_elements(size_t b) const {
 
 const at::Tensor& BucketedAllReduce::gradient_shard(size_t b) const {
   const at::Tensor& shard = buckets_.at(b).shard;
-  if (reduction_ != GradientReduction::kReduceScatter || !shard.defined()) {
+  if (!scatters() || !shard.defined()) {
     throw std::logic_error("BucketedAllReduce::gradient_shard: no reduce-scattered step has been finalized");
   }
   return shard;
+}
+
+void BucketedAllReduce::discard_shards() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (Bucket& bucket : buckets_) bucket.shard = at::Tensor();
 }
 
 void BucketedAllReduce::keep_apart(const at::Tensor& parameter) {
@@ -369,7 +412,9 @@ void BucketedAllReduce::reset_step_locked() {
     bucket.pending = bucket.params.size();
     bucket.launched = false;
     bucket.stale = false;
+    bucket.settled = false;
     bucket.buffer = at::Tensor();
+    bucket.scattered = at::Tensor();
     bucket.received = at::Tensor();
     bucket.work.reset();
   }
@@ -380,6 +425,7 @@ void BucketedAllReduce::reset_step_locked() {
     if (unused) --buckets_[bucket_of_[index]].pending;
   }
   std::fill(fired_.begin(), fired_.end(), 0);
+  std::fill(had_gradient_.begin(), had_gradient_.end(), 0);
   std::fill(accumulated_.begin(), accumulated_.end(), 0);
   next_to_launch_ = 0;
   launched_in_step_ = 0;

@@ -32,8 +32,8 @@ Layout Layout::create(int world_size, int tensor_parallel_size, int pipeline_par
                                 std::to_string(model_ranks) +
                                 " (world size = data-parallel x tensor-parallel x pipeline-parallel size)");
   }
-  if (zero_stage != 0 && zero_stage != 1) {
-    throw std::invalid_argument("--zero_stage " + std::to_string(zero_stage) + ": expected 0 or 1");
+  if (zero_stage < 0 || zero_stage > 2) {
+    throw std::invalid_argument("--zero_stage " + std::to_string(zero_stage) + ": expected 0, 1 or 2");
   }
   return Layout(world_size / model_ranks, tensor_parallel_size, pipeline_parallel_size, zero_stage);
 }

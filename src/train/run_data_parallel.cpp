@@ -104,12 +104,12 @@ PipelineStepOptions stage_options(const DataParallelConfig& flags, const paralle
 void check_zero_stage(const DataParallelConfig& flags) {
   if (flags.zero_stage == 0) return;
   if (flags.grad_sync != "bucketed") {
-    throw std::invalid_argument("--zero_stage 1 reduce-scatters gradient buckets: it needs --grad_sync bucketed, not " +
-                                flags.grad_sync);
+    throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) +
+                                " reduce-scatters gradient buckets: it needs --grad_sync bucketed, not " + flags.grad_sync);
   }
   if (flags.allreduce != dp::AllReduceAlgorithm::kBuiltin) {
-    throw std::invalid_argument("--zero_stage 1 reduce-scatters with the process group's collectives: "
-                                "it cannot take --allreduce ring");
+    throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) +
+                                " reduce-scatters with the process group's collectives: it cannot take --allreduce ring");
   }
 }
 
@@ -219,14 +219,17 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   // rank's pipeline stages, the others' activations and gradients coming by send/recv.
   std::unique_ptr<ForwardBackward> forward_backward;
   PipelineForwardBackward* pipeline_stages = nullptr;
-  // --zero_stage 1: the gradient buckets are reduce-scattered over the data-parallel group (of the
+  // --zero_stage 1 and 2: the gradient buckets are reduce-scattered over the data-parallel group (of the
   // whole model, of each tensor-parallel shard, or of each pipeline stage), and each rank's AdamW
   // steps its chunks. A stage holding the tied wte gives it a bucket of its own, so that the first
   // and the last stage's chunks of it are the same elements, summed over the embedding group.
+  // --zero_stage 2: each rank keeps only its chunks of the gradients too (the full ones let go as
+  // they are reduce-scattered, a step's batches accumulated into the chunks).
   std::unique_ptr<dp::BucketedAllReduce> zero_buckets;
-  if (flags.zero_stage == 1) {
-    zero_buckets = std::make_unique<dp::BucketedAllReduce>(ctx, flags.bucket_cap_mb, flags.allreduce,
-                                                           dp::GradientReduction::kReduceScatter);
+  if (flags.zero_stage >= 1) {
+    zero_buckets = std::make_unique<dp::BucketedAllReduce>(
+        ctx, flags.bucket_cap_mb, flags.allreduce,
+        flags.zero_stage == 2 ? dp::GradientReduction::kShardedGradients : dp::GradientReduction::kReduceScatter);
   }
   if (P > 1) {
     PipelineStepOptions stage = stage_options(flags, layout, config);
@@ -291,11 +294,13 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     optimizer = replicated_adamw(model, f.optimizer_settings());
   }
   if (sync && flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
-  if (flags.zero_stage == 1 && rank == 0) {
+  if (flags.zero_stage >= 1 && rank == 0) {
     int64_t replicated = 0;
     for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
-    std::cerr << "run_data_parallel: --zero_stage 1 keeps " << optimizer->state_bytes()
-              << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)" << std::endl;
+    std::cerr << "run_data_parallel: --zero_stage " << flags.zero_stage << " keeps " << optimizer->state_bytes()
+              << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)"
+              << (flags.zero_stage == 2 ? ", and 1/" + std::to_string(dp_size) + " of the gradients" : std::string())
+              << std::endl;
   }
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const std::string track = "rank " + std::to_string(rank);

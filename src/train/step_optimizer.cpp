@@ -145,8 +145,8 @@ class WholeMoments final : public HeldAdamW {
   std::unique_ptr<torch::optim::AdamW> optimizer_;
 };
 
-// ZeRO-1 (data_parallel/zero.h): `buckets` (kReduceScatter, the step's synchronizer) is attached to
-// the held parameters here; a walk over the parameters gathers one bucket's moments (or averaged
+// ZeRO-1 and ZeRO-2 (data_parallel/zero.h): `buckets` (kReduceScatter or kShardedGradients, the
+// step's synchronizer) is attached to the held parameters here; a walk over the parameters gathers one bucket's moments (or averaged
 // gradients) at a time over the data-parallel group.
 class ShardedMoments final : public HeldAdamW {
  public:
@@ -178,6 +178,7 @@ class ShardedMoments final : public HeldAdamW {
 
   void zero_grad() override {
     forget_gathered();
+    buckets_.discard_shards();  // ZeRO-2 accumulates a step's batches into them
     for (auto& [name, p] : held_) p.mutable_grad() = at::Tensor();
   }
   // Each parameter's part of a chunk on its own, as clip_grad_norm_ norms each gradient (one fp32

@@ -49,13 +49,18 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
   const at::Tensor weight_sum =
       batches.size() > 1 ? combined_label_weight(batches, run.loss_device()) : at::Tensor();
   at::Tensor total;
+  const bool every_batch = synchronizer_ && synchronizer_->reduces_every_batch();
   for (size_t k = 0; k < batches.size(); ++k) {
     if (synchronizer_) {
-      synchronizer_->set_no_sync(k + 1 < batches.size());
+      synchronizer_->set_no_sync(!every_batch && k + 1 < batches.size());
       synchronizer_->set_expected_accumulations(run.gradient_accumulations(batches[k]));
     }
     const at::Tensor loss = run.run(batches[k], weight_sum, static_cast<int64_t>(k), settings_.precision);
     if (loss.defined()) total = total.defined() ? total + loss : loss;
+    if (every_batch && k + 1 < batches.size()) {  // ZeRO-2: into the shards, the gradients let go
+      TraceScope scope(settings_.tracer, "gradient reduce-scatter", settings_.trace_track);
+      synchronizer_->finalize();
+    }
   }
   if (synchronizer_) {
     TraceScope scope(settings_.tracer, "gradient all-reduce", settings_.trace_track);

@@ -203,6 +203,17 @@ TEST(Zero, ShardedAdamWTakesAdamWsStepsOverTwoAndThreeRanks) {
   }
 }
 
+TEST(Zero, ShardedGradientsAccumulateIntoTheChunksAndTakeAdamWsStepsOverTwoAndThreeRanks) {
+  for (int world : {2, 3}) {
+    const auto run = testing::launch_scenario("zero2", world);
+    EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_NE(run.joined().find("scenario zero2 passed on rank " + std::to_string(rank)), std::string::npos)
+          << run.joined();
+    }
+  }
+}
+
 TEST(DebugSync, FingerprintNamesSequenceOperationDtypesAndShapes) {
   EXPECT_EQ(collective_fingerprint(3, "allreduce", "SUM", {torch::zeros({2, 5}), torch::zeros({7}, torch::kInt)}),
             "#3 allreduce(SUM) float32[2,5] int32[7]");

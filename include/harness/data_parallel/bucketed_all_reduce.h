@@ -37,8 +37,12 @@ std::vector<std::vector<size_t>> keep_apart_in_plan(const std::vector<std::vecto
                                                     const std::vector<size_t>& apart);
 
 // What a bucket's collective leaves on each rank: the whole average (DDP), or the rank's chunk of
-// it (ZeRO: reduce-scatter; each rank steps only that chunk, zero.h).
-enum class GradientReduction { kAllReduce, kReduceScatter };
+// it (ZeRO: reduce-scatter; each rank steps only that chunk, zero.h). kShardedGradients is ZeRO-2:
+// as kReduceScatter, but each parameter's .grad() is let go as soon as it is copied into its
+// bucket, each bucket's buffers as soon as its reduce-scatter is done, and every finalize() adds
+// its average into the chunk, so a rank keeps 1/N of the gradients plus the buckets in flight, and
+// gradient accumulation accumulates into the chunk (finalize() after each batch).
+enum class GradientReduction { kAllReduce, kReduceScatter, kShardedGradients };
 
 class BucketedAllReduce : public GradientSynchronizer {
  public:
@@ -79,7 +83,8 @@ class BucketedAllReduce : public GradientSynchronizer {
 
   // kReduceScatter: the elements of bucket b (its parameters flattened in bucket_plan() order), the
   // chunk each rank owns (ceil(elements / world size)), and after finalize() this rank's chunk of
-  // the averaged gradient (fp32; past the bucket's end, zeros).
+  // the averaged gradient (fp32; past the bucket's end, zeros). kShardedGradients: the sum of the
+  // averages of every finalize() since discard_shards().
   int64_t bucket_elements(size_t b) const;
   int64_t chunk_elements(size_t b) const;
   const at::Tensor& gradient_shard(size_t b) const;
@@ -94,6 +99,9 @@ class BucketedAllReduce : public GradientSynchronizer {
   // kReduceScatter, after finalize(): this rank's chunk of the averaged gradient of a parameter
   // kept apart (its elements [rank * chunk, (rank + 1) * chunk), zeros past its end).
   const at::Tensor& gradient_shard_of(const at::Tensor& parameter) const;
+  // kShardedGradients: the chunks start again from nothing (an optimizer step's zero_grad).
+  void discard_shards();
+  bool reduces_every_batch() const override { return reduction_ == GradientReduction::kShardedGradients; }
   // The same in two halves, so that several gathers are in flight at once: start_gather launches
   // the all-gather (collective), finish_gather waits for it and returns the views.
   struct BucketGather {
@@ -112,13 +120,19 @@ class BucketedAllReduce : public GradientSynchronizer {
     bool launched = false;
     bool stale = false;      // a gradient changed after the launch
     at::Tensor buffer;       // the flattened gradients being reduced
-    at::Tensor shard;        // kReduceScatter: this rank's chunk of the sum, then of the average
-    at::Tensor received;     // kReduceScatter over Gloo: every rank's copy of this rank's chunk
+    bool settled = false;    // reduce-scatter: its result folded into `shard`, its buffers let go
+    at::Tensor scattered;    // reduce-scatter over NCCL: this rank's chunk of the sum
+    at::Tensor received;     // reduce-scatter over Gloo: every rank's copy of this rank's chunk
+    at::Tensor shard;        // reduce-scatter: this rank's chunk of the average (gradient_shard)
     c10::intrusive_ptr<c10d::Work> work;
   };
 
   void launch_ready_buckets_locked();
   void launch_locked(Bucket& bucket);
+  // Reduce-scatter: waits for the bucket's collective, folds this rank's averaged chunk into its
+  // shard (replacing it; adding to it with kShardedGradients) and lets the buffers go.
+  void settle_locked(Bucket& bucket);
+  bool scatters() const { return reduction_ != GradientReduction::kAllReduce; }
   void reset_step_locked();
 
   DistContext ctx_;
@@ -133,6 +147,7 @@ class BucketedAllReduce : public GradientSynchronizer {
   std::vector<size_t> bucket_of_;   // parameter index -> bucket (SIZE_MAX: not synchronised)
   std::vector<char> ready_;          // counted towards its bucket this step (fired or presumed unused)
   std::vector<char> fired_;          // its accumulator hook ran this step
+  std::vector<char> had_gradient_;   // kShardedGradients: its .grad() was taken into a bucket this step
   std::vector<int64_t> accumulated_;  // its hook's runs this step outside no_sync, up to ready
   size_t next_to_launch_ = 0;       // buckets launch strictly in order, the same on every rank
   int64_t launched_in_step_ = 0;

@@ -39,6 +39,10 @@ class GradientSynchronizer {
   virtual void finalize() = 0;
 
   virtual std::string name() const = 0;
+  // Whether each batch's gradients are reduced as they come, finalize() following every batch
+  // of a step (ZeRO-2 accumulates into each rank's shard and lets the full gradients go), instead
+  // of accumulating locally under no_sync until the last.
+  virtual bool reduces_every_batch() const { return false; }
 
   // DDP's no_sync: while set, backward only accumulates gradients locally (no hook starts a
   // reduction); the next finalize() reduces what was accumulated. Gradient accumulation sets it
