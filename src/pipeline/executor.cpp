@@ -373,6 +373,13 @@ DeviceStepResult run_steps(const P2PPlan& plan, int d, const Device& device, con
       throw;
     }
   }
+  try {
+    transport.finish(d);
+  } catch (const c10::Error& e) {
+    throw StageActionError("the step's last sends", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw StageActionError("the step's last sends", e.what());
+  }
   return result;
 }
 

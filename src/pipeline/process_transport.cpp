@@ -50,19 +50,30 @@ std::string ProcessTransport::last_posted_by(int peer) const {
 void ProcessTransport::exchange(int device, const std::vector<P2POp>& ops,
                                 const std::function<at::Tensor(const P2PMessage&)>& outgoing) {
   const int64_t number = exchanges_++;
+  const std::string label = p2p_exchange_label(ops);
   if (debug_) {
-    const std::string text = "exchange #" + std::to_string(number) + " " + p2p_exchange_label(ops);
+    const std::string text = "exchange #" + std::to_string(number) + " " + label;
     debug_->store->set(debug_->prefix + std::to_string(device), std::vector<uint8_t>(text.begin(), text.end()));
   }
-  // Each op's tensor list outlives its work: c10d holds references, not copies.
-  std::vector<std::vector<at::Tensor>> buffers;
-  buffers.reserve(ops.size());
-  std::vector<std::pair<const P2POp*, size_t>> receives;
+  // Sends that completed while this stage computed need no wait at the end.
+  sending_.erase(std::remove_if(sending_.begin(), sending_.end(),
+                                [](const Posted& p) { return !p.work || p.work->isCompleted(); }),
+                 sending_.end());
+  std::vector<int> peers;
+  for (const P2POp& op : ops) {
+    if (std::find(peers.begin(), peers.end(), op.peer) == peers.end()) peers.push_back(op.peer);
+  }
   const bool nccl = group_->getBackendName() == "nccl";
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  // Each op's tensor outlives its work: c10d holds references, not copies.
+  std::vector<Posted> posted;
+  posted.reserve(ops.size());
   if (nccl) group_->startCoalescing();
   for (const P2POp& op : ops) {
     const std::vector<int64_t> sizes = shape_of_(op.message);
+    Posted p;
+    p.exchange = number;
+    p.exchange_label = label;
+    p.peers = peers;
     if (op.kind == P2POp::Kind::kSend) {
       at::Tensor t = outgoing(op.message);
       if (t.sizes() != at::IntArrayRef(sizes) || t.scalar_type() != dtype_) {
@@ -70,41 +81,52 @@ void ProcessTransport::exchange(int device, const std::vector<P2POp>& ops,
                                  " " + std::string(c10::toString(t.scalar_type())) + ", the receiver expects " +
                                  sizes_text(sizes) + " " + c10::toString(dtype_));
       }
-      buffers.push_back({t.to(device_.torch_device()).contiguous()});
+      std::vector<at::Tensor> tensors{t.to(device_.torch_device()).contiguous()};
       sent_bytes_ += static_cast<int64_t>(t.nbytes());
-      works.push_back(group_->send(buffers.back(), op.peer, p2p_tag(op.message)));
+      p.work = group_->send(tensors, op.peer, p2p_tag(op.message));
+      p.tensor = tensors.front();
     } else {
-      buffers.push_back({at::empty(sizes, at::TensorOptions().dtype(dtype_).device(device_.torch_device()))});
-      receives.emplace_back(&op, buffers.size() - 1);
-      works.push_back(group_->recv(buffers.back(), op.peer, p2p_tag(op.message)));
+      std::vector<at::Tensor> tensors{at::empty(sizes, at::TensorOptions().dtype(dtype_).device(device_.torch_device()))};
+      p.work = group_->recv(tensors, op.peer, p2p_tag(op.message));
+      p.tensor = tensors.front();
     }
+    posted.push_back(std::move(p));
   }
   if (nccl) {
-    // The coalesced group's one work stands for all of its ops.
+    // The coalesced group's one work stands for all of its ops; waiting for it only orders the
+    // device's stream after the group, so it is waited for here.
     c10::intrusive_ptr<c10d::Work> group_work = group_->endCoalescing();
-    if (group_work) works = {group_work};
+    if (group_work) {
+      for (Posted& p : posted) p.work.reset();
+      posted.front().work = group_work;
+    }
+    for (Posted& p : posted) wait_for(p, device);
   }
-  for (size_t k = 0; k < works.size(); ++k) {
-    if (!works[k]) continue;
-    try {
-      works[k]->wait();
-    } catch (const std::exception& e) {
-      std::vector<int> peers;
-      for (const P2POp& op : ops) {
-        if (std::find(peers.begin(), peers.end(), op.peer) == peers.end()) peers.push_back(op.peer);
-      }
-      std::string names, records;
-      for (int peer : peers) {
-        names += (names.empty() ? "" : ", ") + std::to_string(peer);
-        if (debug_) records += "; " + last_posted_by(peer);
-      }
-      const std::string what = e.what();
-      throw std::runtime_error("pipeline rank " + std::to_string(device) + " got no answer from pipeline rank " +
-                               names + " in its exchange #" + std::to_string(number) + ": " +
-                               what.substr(0, what.find('\n')) + records);
+  for (size_t k = 0; k < ops.size(); ++k) {
+    if (ops[k].kind == P2POp::Kind::kSend) {
+      if (posted[k].work) sending_.push_back(std::move(posted[k]));
+    } else {
+      received_[key_of(ops[k].message)] = std::move(posted[k]);
     }
   }
-  for (const auto& [op, index] : receives) received_[key_of(op->message)] = buffers[index].front();
+}
+
+void ProcessTransport::wait_for(Posted& posted, int device) {
+  if (!posted.work) return;
+  c10::intrusive_ptr<c10d::Work> work = std::move(posted.work);
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    std::string names, records;
+    for (int peer : posted.peers) {
+      names += (names.empty() ? "" : ", ") + std::to_string(peer);
+      if (debug_) records += "; " + last_posted_by(peer);
+    }
+    const std::string what = e.what();
+    throw std::runtime_error("pipeline rank " + std::to_string(device) + " got no answer from pipeline rank " +
+                             names + " in its exchange #" + std::to_string(posted.exchange) + " " +
+                             posted.exchange_label + ": " + what.substr(0, what.find('\n')) + records);
+  }
 }
 
 at::Tensor ProcessTransport::take(int device, const P2PMessage& message) {
@@ -113,9 +135,16 @@ at::Tensor ProcessTransport::take(int device, const P2PMessage& message) {
     throw std::logic_error("pipeline rank " + std::to_string(device) + " needs " + p2p_message_label(message) +
                            " before its plan received it");
   }
-  at::Tensor t = std::move(it->second);
+  Posted posted = std::move(it->second);
   received_.erase(it);
-  return t;
+  wait_for(posted, device);
+  return posted.tensor;
+}
+
+void ProcessTransport::finish(int device) {
+  std::vector<Posted> sending = std::move(sending_);
+  sending_.clear();
+  for (Posted& p : sending) wait_for(p, device);
 }
 
 }  // namespace harness::pipeline

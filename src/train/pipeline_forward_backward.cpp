@@ -299,6 +299,7 @@ at::Tensor PipelineForwardBackward::forward_through_stages(const at::Tensor& ids
                            [&](const Message&) { return hidden; });
     }
   }
+  transport_->finish(p);
   return p == (S - 1) % P ? hidden : at::Tensor();
 }
 

@@ -129,6 +129,9 @@ class StageTransport {
   // The tensor of `message`, received by `device` (waiting for it where the transport receives
   // lazily). Each message is taken once.
   virtual at::Tensor take(int device, const P2PMessage& message) = 0;
+  // `device` has run the last step of its plan: sends still in flight complete before this
+  // returns, so that a transport may let a send go on while the device computes.
+  virtual void finish(int device) {}
   // `device` failed: whoever waits for it stops waiting (in-process; processes learn it from the
   // broken connection).
   virtual void fail(int device) {}

@@ -1,9 +1,13 @@
 // Pipeline stages that are processes: the StageTransport (executor.h) that carries a plan's
 // exchanges as c10d point-to-point sends and receives over the pipeline group, NCCL on GPUs and
-// Gloo on CPUs. Each exchange group is posted together and waited for together, as
-// torch.distributed.batch_isend_irecv does (NCCL: one coalesced group, so that a send and a
-// receive to the same peer cannot block each other on one stream; Gloo: every op posted before
-// any is waited for, each message under a tag of its own).
+// Gloo on CPUs. Each exchange group is posted together, as torch.distributed.batch_isend_irecv
+// does (NCCL: one coalesced group, so that a send and a receive to the same peer cannot block each
+// other on one stream, waited for at once; Gloo: every op posted before any is waited for, each
+// message under a tag of its own). Under Gloo a receive is waited for only when its tensor is
+// taken and a send at the plan's end (finish): a send completes only once the peer has posted its receive, so waiting for it at once
+// would hold this stage until the peer reached that point of its plan, and a receive posted early
+// would hold it until the peer had computed the tensor. Waiting later than the plan's exchanges
+// cannot deadlock a plan that validate_p2p_plan passed (every wait moves later, no post does).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -45,6 +49,7 @@ class ProcessTransport final : public StageTransport {
   void exchange(int device, const std::vector<P2POp>& ops,
                 const std::function<at::Tensor(const P2PMessage&)>& outgoing) override;
   at::Tensor take(int device, const P2PMessage& message) override;
+  void finish(int device) override;
 
   // Bytes sent so far (what the point-to-point traffic of the run is).
   int64_t sent_bytes() const { return sent_bytes_; }
@@ -57,7 +62,19 @@ class ProcessTransport final : public StageTransport {
   // What `peer` last recorded under --debug_sync ("posted nothing yet" when it has not).
   std::string last_posted_by(int peer) const;
 
-  std::map<std::tuple<int, int, int>, at::Tensor> received_;
+  // A posted op not yet waited for: its work, the tensor c10d holds a reference to, and which
+  // exchange posted it (for the error a failed wait raises).
+  struct Posted {
+    c10::intrusive_ptr<c10d::Work> work;  // null once waited for (or covered by NCCL's group)
+    at::Tensor tensor;
+    int64_t exchange = 0;
+    std::string exchange_label;
+    std::vector<int> peers;
+  };
+  void wait_for(Posted& posted, int device);
+
+  std::map<std::tuple<int, int, int>, Posted> received_;
+  std::vector<Posted> sending_;
   int64_t sent_bytes_ = 0;
   std::optional<P2PDebugRecord> debug_;
   int64_t exchanges_ = 0;
