@@ -47,7 +47,8 @@ DataParallelFlags parse(int argc, char** argv) {
       ("max_restarts", "as torchrun's --max-restarts: when a worker dies, restart the whole group up to N times, resuming from the newest complete checkpoint", cxxopts::value<int>()->default_value("0"))
       ("dist_timeout_s", "seconds the rendezvous and each collective may take before the run fails", cxxopts::value<int>()->default_value("300"))
       ("grad_reduce_dtype", "fp32 | bf16: the dtype gradients are all-reduced in (bf16 halves the bytes; the summed gradient is rounded to bf16 before the fp32 average is written back)", cxxopts::value<std::string>()->default_value("fp32"))
-      ("zero_stage", "0 | 1 | 2: 1 shards AdamW's state over the data-parallel ranks (ZeRO-1): gradients are reduce-scattered during backward, each rank steps its shard, parameters are all-gathered; 2 shards the gradients too (ZeRO-2: each rank keeps only its chunks, the full gradients let go as they are reduced); with tensor or pipeline parallelism, over each shard's or stage's data-parallel group; checkpoints keep the unsharded format", cxxopts::value<int>()->default_value("0"))
+      ("zero_prefetch", "--zero_stage 3: how many units (GPT-2 blocks, the embeddings with the tied head) are all-gathered ahead of the one computing, in forward and backward", cxxopts::value<int>()->default_value("1"))
+      ("zero_stage", "0 | 1 | 2 | 3: 1 shards AdamW's state over the data-parallel ranks (ZeRO-1): gradients are reduce-scattered during backward, each rank steps its shard, parameters are all-gathered; 2 shards the gradients too (ZeRO-2: each rank keeps only its chunks, the full gradients let go as they are reduced); with tensor or pipeline parallelism, over each shard's or stage's data-parallel group; 3 shards the parameters too (ZeRO-3, FSDP-style: each rank stores 1/N of every unit, gathered right before the unit's forward and again before its backward, let go after; data parallelism only); checkpoints keep the unsharded format", cxxopts::value<int>()->default_value("0"))
       ("debug_sync", "before each collective, the ranks compare its fingerprint (sequence number, operation, dtypes and shapes) through the store: a mismatch or a rank that never arrives fails with every rank's view instead of hanging (as TORCH_DISTRIBUTED_DEBUG=DETAIL; costs one store round trip per collective)")
       ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"))
       ("pipeline_parallel_size", "pipeline stages, each a process (or --tensor_parallel_size of them); --world_size = data-parallel size x tensor x this, ranks ordered (p * D + d) * T + t", cxxopts::value<int>()->default_value("1"))
@@ -78,6 +79,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.debug_sync = result.count("debug_sync") > 0;
     c.grad_reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
     c.zero_stage = result["zero_stage"].as<int>();
+    c.zero_prefetch = result["zero_prefetch"].as<int>();
     c.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
     c.pipe = read_pipeline_flags(result);
     c.run.memory_plan = result.count("memory_plan") > 0;

@@ -27,14 +27,20 @@ struct GradientReadyHook : torch::autograd::FunctionPostHook {
   size_t index;
 };
 
-// Over Gloo: rank r receives part r of every rank's `input` into `output`, in rank order (equal
-// parts). Gloo's reduce-scatter and all-gather are slower than this, see their callers.
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> all_to_all_even(c10d::Backend& group, at::Tensor& output, at::Tensor& input) {
   std::vector<int64_t> even_splits;
   return group.alltoall_base(output, input, even_splits, even_splits, c10d::AllToAllOptions());
 }
 
-}  // namespace
+std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t> hook_gradient_accumulator(const at::Tensor& parameter,
+                                                                                      GradientSynchronizer* owner,
+                                                                                      size_t index) {
+  auto node = torch::autograd::impl::grad_accumulator(parameter);
+  const uintptr_t key = node->add_post_hook(std::make_unique<GradientReadyHook>(owner, index));
+  return {std::move(node), key};
+}
 
 std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& parameters,
                                               int64_t cap_bytes) {
@@ -133,9 +139,7 @@ void BucketedAllReduce::attach(std::vector<at::Tensor> parameters) {
       throw std::invalid_argument("BucketedAllReduce: parameter " + std::to_string(index) +
                                   " is not a leaf tensor");
     }
-    auto node = torch::autograd::impl::grad_accumulator(p);
-    const uintptr_t key = node->add_post_hook(std::make_unique<GradientReadyHook>(this, index));
-    hooks_.emplace_back(std::move(node), key);
+    hooks_.push_back(hook_gradient_accumulator(p, this, index));
   }
 }
 

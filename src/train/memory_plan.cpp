@@ -353,6 +353,7 @@ MemoryPlanInput memory_plan_input(const DataParallelConfig& flags, const model::
   in.tokens = f.model_max_length;
   in.bf16 = f.precision == "bf16";
   in.zero_stage = flags.zero_stage;
+  in.zero_prefetch = flags.zero_prefetch;
   in.bucket_cap_mb = flags.bucket_cap_mb;
   if (P > 1) {
     const PipelineStepOptions options = pipeline_step_options(flags.pipe, P);

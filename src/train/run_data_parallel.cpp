@@ -16,6 +16,7 @@
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/sharded_loader.h"
 #include "harness/data_parallel/zero.h"
+#include "harness/data_parallel/zero3.h"
 #include "harness/model/safetensors.h"
 #include "harness/parallel/layout.h"
 #include "harness/pipeline/balance.h"
@@ -27,6 +28,7 @@
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/programs.h"
 #include "harness/train/rank_agreement.h"
+#include "harness/train/zero3_step.h"
 
 namespace harness::train {
 namespace {
@@ -102,6 +104,9 @@ PipelineStepOptions stage_options(const DataParallelConfig& flags, const paralle
 }  // namespace
 
 void check_zero_stage(const DataParallelConfig& flags) {
+  if (flags.zero_prefetch < 0) {
+    throw std::invalid_argument("--zero_prefetch " + std::to_string(flags.zero_prefetch) + " must be >= 0");
+  }
   if (flags.zero_stage == 0) return;
   if (flags.grad_sync != "bucketed") {
     throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) +
@@ -226,7 +231,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   // --zero_stage 2: each rank keeps only its chunks of the gradients too (the full ones let go as
   // they are reduce-scattered, a step's batches accumulated into the chunks).
   std::unique_ptr<dp::BucketedAllReduce> zero_buckets;
-  if (flags.zero_stage >= 1) {
+  if (flags.zero_stage == 1 || flags.zero_stage == 2) {
     zero_buckets = std::make_unique<dp::BucketedAllReduce>(
         ctx, flags.bucket_cap_mb, flags.allreduce,
         flags.zero_stage == 2 ? dp::GradientReduction::kShardedGradients : dp::GradientReduction::kReduceScatter);
@@ -257,7 +262,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     auto made = std::make_unique<PipelineForwardBackward>(model, stage, std::move(processes));
     pipeline_stages = made.get();
     forward_backward = std::move(made);
-  } else {
+  } else if (flags.zero_stage != 3) {
     forward_backward = whole_model(model);
   }
   // How gradients are averaged and how the optimizer steps: ZeRO-1 shards AdamW over the buckets
@@ -288,6 +293,13 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   } else if (zero_buckets) {
     optimizer = sharded_adamw(model, f.optimizer_settings(), *zero_buckets);
     sync = std::move(zero_buckets);
+  } else if (flags.zero_stage == 3) {
+    // ZeRO-3: the parameters too are sharded, in units gathered around their forward and backward
+    // (zero3_step.h); the units are the step's synchronizer.
+    Zero3Parts parts = make_zero3(model, ctx, f.optimizer_settings(), flags.zero_prefetch);
+    forward_backward = std::move(parts.forward_backward);
+    optimizer = std::move(parts.optimizer);
+    sync = std::move(parts.units);
   } else {
     sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
     sync->attach(*model);
@@ -299,7 +311,9 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
     std::cerr << "run_data_parallel: --zero_stage " << flags.zero_stage << " keeps " << optimizer->state_bytes()
               << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)"
-              << (flags.zero_stage == 2 ? ", and 1/" + std::to_string(dp_size) + " of the gradients" : std::string())
+              << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(dp_size) + " of the gradients"
+                  : flags.zero_stage == 3 ? ", and 1/" + std::to_string(dp_size) + " of the gradients and of the parameters"
+                                          : std::string())
               << std::endl;
   }
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
@@ -401,6 +415,13 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   data.test = &corpus.test;
   data.tokenizer = &tokenizer;
   run_training(*step, data, training, &world);
+  if (const auto* units = dynamic_cast<const dp::ShardedUnits*>(sync.get()); units != nullptr && rank == 0) {
+    int64_t largest = 0;
+    for (size_t u = 0; u < units->size(); ++u) largest = std::max(largest, units->full_bytes(u));
+    std::cerr << "run_data_parallel: --zero_stage 3 held at most " << units->peak_bytes()
+              << " bytes of gathered parameters at once while training on rank 0 (largest unit " << largest
+              << " bytes, --zero_prefetch " << flags.zero_prefetch << ")" << std::endl;
+  }
   if (rank == 0 && sync && sync->finalized_steps() > 0) {
     std::cerr << "run_data_parallel: gradient sync put " << sync->communicated_bytes() << " bytes into all-reduces in "
               << sync->finalized_steps() << " optimizer steps ("

@@ -104,7 +104,10 @@ TEST(Layout, RefusalsNameTheFlagsAndValues) {
   expect_refused(0, 1, 1, 0, "--world_size 0 must be at least 1");
   expect_refused(4, 0, 1, 0, "--tensor_parallel_size 0 must be at least 1");
   expect_refused(4, 1, -1, 0, "--pipeline_parallel_size -1 must be at least 1");
-  expect_refused(4, 1, 1, 3, "--zero_stage 3: expected 0, 1 or 2");
+  expect_refused(4, 1, 1, 4, "--zero_stage 4: expected 0, 1, 2 or 3");
+  expect_refused(4, 2, 1, 3, "--zero_stage 3 shards whole-model units (GPT-2's blocks) over data-parallel replicas: "
+                             "it does not combine with --tensor_parallel_size 2 or --pipeline_parallel_size 1");
+  EXPECT_EQ(Layout::create(4, 1, 1, 3).data_parallel_size(), 4);
   // ZeRO-1 shards each tensor-parallel shard's and each pipeline stage's state over its
   // data-parallel group.
   const Layout sharded = Layout::create(8, 2, 2, 1);

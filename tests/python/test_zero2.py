@@ -86,7 +86,7 @@ class ZeroStageTwo(unittest.TestCase):
         for extra, needle in ((["--grad_sync", "naive"], "--zero_stage 2 reduce-scatters gradient buckets: it needs "
                                                          "--grad_sync bucketed"),
                               (["--allreduce", "ring"], "--zero_stage 2 reduce-scatters with the process group's"),
-                              (["--zero_stage", "3"], "--zero_stage 3: expected 0, 1 or 2")):
+                              (["--zero_stage", "4"], "--zero_stage 4: expected 0, 1, 2 or 3")):
             proc = run([DP, "--world_size", "2", "--zero_stage", "2"] + extra + TINY, check=False)
             self.assertNotEqual(proc.returncode, 0)
             self.assertIn(needle, proc.stderr)

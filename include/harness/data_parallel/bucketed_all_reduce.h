@@ -36,6 +36,17 @@ std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& par
 std::vector<std::vector<size_t>> keep_apart_in_plan(const std::vector<std::vector<size_t>>& plan,
                                                     const std::vector<size_t>& apart);
 
+// Over Gloo: rank r receives part r of every rank's `input` into `output`, in rank order (equal
+// parts). Gloo's reduce-scatter and all-gather are slower than this (see their callers).
+c10::intrusive_ptr<c10d::Work> all_to_all_even(c10d::Backend& group, at::Tensor& output, at::Tensor& input);
+
+// A hook on `parameter`'s gradient accumulator that calls owner->add(index) after each
+// accumulation into its .grad(); the node (kept alive, or autograd would make a new one without
+// the hook) and the key that removes it.
+std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t> hook_gradient_accumulator(const at::Tensor& parameter,
+                                                                                      GradientSynchronizer* owner,
+                                                                                      size_t index);
+
 // What a bucket's collective leaves on each rank: the whole average (DDP), or the rank's chunk of
 // it (ZeRO: reduce-scatter; each rank steps only that chunk, zero.h). kShardedGradients is ZeRO-2:
 // as kReduceScatter, but each parameter's .grad() is let go as soon as it is copied into its

@@ -41,7 +41,7 @@ class Layout {
  public:
   // World size = D * T * P with D inferred. Throws std::invalid_argument naming the flags and
   // their values: a size below 1, a world size that T * P does not divide, or a ZeRO stage other
-  // than 0, 1 or 2. ZeRO shards over the data-parallel group of each tensor-parallel shard and each
+  // than 0 to 3 (3 with data parallelism only). ZeRO shards over the data-parallel group of each tensor-parallel shard and each
   // pipeline stage.
   static Layout create(int world_size, int tensor_parallel_size = 1, int pipeline_parallel_size = 1,
                        int zero_stage = 0);

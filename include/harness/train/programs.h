@@ -84,6 +84,7 @@ struct DataParallelConfig {
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
   std::string grad_reduce_dtype = "fp32";  // dtype of the gradient all-reduce: fp32 | bf16
   int zero_stage = 0;                      // 1: AdamW state sharded over the data-parallel ranks
+  int zero_prefetch = 1;                   // --zero_stage 3: units all-gathered ahead
   int pipeline_parallel_size = 1;          // P: pipeline stages as processes (SPEC §7.2)
   PipelineScheduleConfig pipe;             // how the stages run when P > 1
 };

@@ -1,0 +1,44 @@
+// --zero_stage 3's parts of a training step (train_step.h), over one data_parallel::ShardedUnits:
+// GPT-2 cut into units (each transformer block, and the embeddings with ln_f and the tied head),
+// each data-parallel rank holding 1/N of every unit.
+//   - the forward-backward gathers each unit right before its forward and lets it go after, and
+//     gathers it again right before its backward (a hook on the unit's output), `prefetch` units
+//     of the step's order (embeddings, blocks, the head; then the blocks backwards) ahead;
+//   - the synchronizer is the ShardedUnits itself: a unit's gradients are reduce-scattered into
+//     the chunks as soon as they are complete (unit 0's at the end, when the embedding's backward
+//     has added to the head's gradient of the tied wte);
+//   - the optimizer is AdamW on the chunks (FusedAdamW's kernel, element for element), the norm
+//     summed over every rank's chunks, checkpoints in the unsplit format gathered one unit at a
+//     time; gather_weights() gathers every unit for an evaluation or the saved model.
+#pragma once
+
+#include <memory>
+
+#include "harness/data_parallel/process_group.h"
+#include "harness/data_parallel/zero3.h"
+#include "harness/model/gpt2.h"
+#include "harness/train/forward_backward.h"
+#include "harness/train/step_optimizer.h"
+
+namespace harness::train {
+
+// GPT-2's units: 0 the embeddings with ln_f and the tied head (wte's two uses summed by autograd
+// into one accumulation, at the end of the backward), then block i as unit i + 1.
+std::vector<data_parallel::ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model);
+
+// The order a training step uses the units in: 0, the blocks, 0 (the head), then the blocks
+// from the last to the first (their backward).
+std::vector<size_t> zero3_use_order(int64_t n_layer);
+
+struct Zero3Parts {
+  std::unique_ptr<data_parallel::ShardedUnits> units;  // the step's synchronizer
+  std::unique_ptr<ForwardBackward> forward_backward;
+  std::unique_ptr<StepOptimizer> optimizer;
+};
+
+// The three parts for `model` (whole, on this rank's device, the same weights on every rank)
+// sharded over `data`; `prefetch` >= 0 units gathered ahead (--zero_prefetch).
+Zero3Parts make_zero3(model::GPT2LMHeadModel model, const data_parallel::DistContext& data,
+                      const OptimizerSettings& settings, int prefetch);
+
+}  // namespace harness::train

@@ -1,0 +1,108 @@
+"""run_data_parallel --zero_stage 3: each data-parallel rank stores 1/N of every unit (GPT-2's
+blocks, and the embeddings with ln_f and the tied head) with its gradient and AdamW moments; a
+unit is all-gathered right before its forward and again before its backward, and let go after.
+After 4 AdamW steps with dropout 0 the weights equal the replicated run's (only the order of sums
+differs: 1e-5 of the update), on 2 and 4 ranks, with and without accumulation, the tied wte
+included; --pytest's gradients are the replicated run's; at most the prefetch window plus the
+unit computing is gathered at once; checkpoints keep the unsharded format and resume across
+stages; tensor and pipeline parallelism are refused with the reason. gpt2-tiny, a few batches, at
+most 4 processes."""
+import os
+import re
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from after_adamw import gradient_problems, weight_problems  # noqa: E402
+from test_programs import DP, TINY, free_port, run  # noqa: E402
+from test_zero2 import weights  # noqa: E402
+
+HELD = re.compile(r"--zero_stage 3 held at most (\d+) bytes of gathered parameters at once while training on rank 0 "
+                  r"\(largest unit (\d+) bytes, --zero_prefetch (\d+)\)")
+STATE = re.compile(r"--zero_stage 3 keeps (\d+) bytes of AdamW state on rank 0 \(replicated: (\d+) on every rank\), "
+                   r"and 1/(\d+) of the gradients and of the parameters")
+
+
+class ZeroStageThree(unittest.TestCase):
+    def train(self, tmp, name, world, zero, epochs=2, resume=False, extra=()):
+        work = os.path.join(tmp, name)
+        proc = run([DP, "--world_size", str(world), "--zero_stage", str(zero), "--batch_size", "16",
+                    "--max_batches", "2", "--n_epochs", str(epochs), "--benchmark_only", "--dropout", "0",
+                    "--learning_rate", "1e-3", "--workdir", work, "--master_port", str(free_port())]
+                   + (["--resume", "auto"] if resume else []) + TINY + list(extra), timeout=600)
+        return work, proc
+
+    def same(self, actual, expected, label):
+        problems = weight_problems(weights(actual), weights(expected), n_embd=64, lr=1e-3, steps=4, update_fraction=1e-5)
+        self.assertEqual(problems, [], label)
+
+    def test_sharded_parameters_take_the_replicated_steps_with_and_without_accumulation(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for world in (2, 4):
+                for accumulation in ([], ["--gradient_accumulation_steps", "2"]):
+                    label = f"world {world}{' accumulating' if accumulation else ''}"
+                    replicated, _ = self.train(tmp, f"r{world}{len(accumulation)}", world, 0, extra=accumulation)
+                    sharded, proc = self.train(tmp, f"z{world}{len(accumulation)}", world, 3, extra=accumulation)
+                    self.same(sharded, replicated, label)
+                    self.assertIn("transformer.wte.weight", weights(sharded))
+                    self.assertFalse([k for k in weights(sharded) if "lm_head" in k], "the tied head is saved once")
+                    mine, full, shards = map(int, STATE.search(proc.stderr).groups())
+                    self.assertEqual(shards, world)
+                    self.assertLessEqual(mine, full / world + 2 * 4 * world * 3)  # 1/N, plus each unit's padding
+
+    def test_at_most_the_prefetch_window_and_the_unit_computing_are_gathered(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for prefetch in (0, 1, 2):
+                _, proc = self.train(tmp, f"p{prefetch}", 2, 3, epochs=1, extra=["--zero_prefetch", str(prefetch)])
+                held, largest, said = map(int, HELD.search(proc.stderr).groups())
+                self.assertEqual(said, prefetch)
+                self.assertGreater(held, 0)
+                self.assertLessEqual(held, (prefetch + 1) * largest, f"--zero_prefetch {prefetch}")
+            # gpt2-tiny's model state is ~0.7 MB a copy: a run gathering everything at once would hold
+            # the whole model (3 units), above one unit plus nothing ahead.
+            self.assertLess(held, 3 * largest + 1)
+
+    def test_gradients_and_checkpoints_across_stages(self):
+        torch = __import__("torch")
+        with tempfile.TemporaryDirectory() as tmp:
+            def gradients(name, extra):
+                grads = os.path.join(tmp, name)
+                run([DP, "--pytest", "--grad_dir", grads, "--batch_size", "16", "--dropout", "0", "--world_size", "2",
+                     "--workdir", os.path.join(tmp, name + "_work"), "--master_port", str(free_port())] + TINY + extra)
+                return [torch.load(os.path.join(grads, f"model{r}_gradients.pth")) for r in range(2)]
+            plain = gradients("plain", [])
+            for rank, got in enumerate(gradients("zero3", ["--zero_stage", "3"])):
+                self.assertEqual(sorted(got), sorted(plain[rank]))
+                self.assertEqual(gradient_problems(got, plain[rank]), [], f"rank {rank}")
+            replicated, _ = self.train(tmp, "replicated", 2, 0)
+            for first, second in ((3, 0), (0, 3), (3, 2), (1, 3)):
+                work, _ = self.train(tmp, f"mixed{first}{second}", 2, first, epochs=1)
+                self.train(tmp, f"mixed{first}{second}", 2, second, epochs=2, resume=True)
+                self.same(work, replicated, f"stage {first} then {second}")
+
+    def test_evaluation_gathers_the_model_and_prints_the_replicated_loss(self):
+        loss = re.compile(r"^Epoch 0 on Rank 0: Validation Loss = (-?\d+(?:\.\d+)?)$", re.M)
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = run([DP, "--world_size", "2", "--batch_size", "16", "--max_batches", "2", "--n_epochs", "1",
+                         "--dropout", "0", "--workdir", os.path.join(tmp, "plain"), "--master_port", str(free_port())]
+                        + TINY, timeout=600)
+            sharded = run([DP, "--world_size", "2", "--zero_stage", "3", "--batch_size", "16", "--max_batches", "2",
+                           "--n_epochs", "1", "--dropout", "0", "--workdir", os.path.join(tmp, "sharded"),
+                           "--master_port", str(free_port())] + TINY, timeout=600)
+            want, got = float(loss.search(plain.stdout)[1]), float(loss.search(sharded.stdout)[1])
+            self.assertAlmostEqual(got, want, delta=1e-4 * abs(want))
+
+    def test_refusals_name_the_reason(self):
+        for extra, needle in ((["--tensor_parallel_size", "2"], "--zero_stage 3 shards whole-model units"),
+                              (["--pipeline_parallel_size", "2"], "it does not combine with --tensor_parallel_size 1 "
+                                                                  "or --pipeline_parallel_size 2"),
+                              (["--zero_prefetch", "-1"], "--zero_prefetch -1")):
+            proc = run([DP, "--world_size", "2", "--zero_stage", "3"] + extra + TINY, check=False)
+            self.assertNotEqual(proc.returncode, 0)
+            self.assertIn(needle, proc.stderr)
+            self.assertNotIn("Epoch", proc.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
