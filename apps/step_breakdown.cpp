@@ -122,8 +122,9 @@ int main(int argc, char** argv) {
     torch::manual_seed(1234);
     model::GPT2LMHeadModel gpt2(config);
     gpt2->reset_parameters();
-    train::GPT2TrainStep step(gpt2, 1e-4);
-    step.precision = model::parse_precision(flags["precision"].as<std::string>());
+    train::TrainStepSettings settings;
+    settings.precision = model::parse_precision(flags["precision"].as<std::string>());
+    train::GPT2TrainStep step(gpt2, 1e-4, nullptr, settings);
     step.set_training(true);
     step.after_backward = [] { in_optimizer = true; };
     auto batch = [&] {

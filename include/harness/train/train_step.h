@@ -181,12 +181,6 @@ class GPT2TrainStep : public TrainStep {
   std::unique_ptr<StepOptimizer> optimizer_;
   data_parallel::GradientSynchronizer* synchronizer_;
   TrainStepSettings settings_;
-
- public:
-  // The precision setting itself, for the one caller that still sets it after construction
-  // (apps/step_breakdown.cpp); every other caller gives it in TrainStepSettings. To go once that
-  // program passes its settings to the constructor.
-  model::Precision& precision = settings_.precision;
 };
 
 
