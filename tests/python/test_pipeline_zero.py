@@ -15,6 +15,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from after_adamw import gradient_problems, weight_problems  # noqa: E402
 from test_checkpoints import DP, TINY as CHECKPOINTED, free_port, run, weights  # noqa: E402
+import test_pipeline_processes as processes  # noqa: E402
 from test_pipeline_processes import COMMON, LR, STEPS, train  # noqa: E402
 
 STAGES = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
@@ -70,16 +71,7 @@ class ShardedStageCheckpoints(unittest.TestCase):
     """A sharded stage checkpoint is the same unsplit state as any other: at learning rate 0 the
     resumed run ends with exactly the checkpoint's weights, and training on continues."""
 
-    def resume_still(self, layout, checkpoint, tmp, name, epochs):
-        torch = __import__("torch")
-        work = os.path.join(tmp, name)
-        proc = run([DP, "--master_port", str(free_port()), "--workdir", work, "--resume", checkpoint] + layout +
-                   CHECKPOINTED + ["--learning_rate", "0", "--n_epochs", str(epochs)], timeout=600)
-        self.assertIn("continuing from " + checkpoint, proc.stderr)
-        a, b = weights(checkpoint), weights(work)
-        for key in a:
-            self.assertTrue(torch.equal(a[key], b[key]), f"{name}: {key}")
-        return os.path.join(work, "checkpoints", "step-%08d" % (4 * epochs))
+    resume_still = processes.Resharding.resume_without_learning
 
     def test_sharded_stages_reshard_to_one_rank_and_back(self):
         with tempfile.TemporaryDirectory() as tmp:

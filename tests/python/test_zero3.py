@@ -14,8 +14,9 @@ import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from after_adamw import gradient_problems, weight_problems  # noqa: E402
+from after_adamw import gradient_problems  # noqa: E402
 from test_programs import DP, TINY, free_port, run  # noqa: E402
+import test_zero2 as zero2  # noqa: E402
 from test_zero2 import weights  # noqa: E402
 
 HELD = re.compile(r"--zero_stage 3 held at most (\d+) bytes of gathered parameters at once while training on rank 0 "
@@ -25,17 +26,8 @@ STATE = re.compile(r"--zero_stage 3 keeps (\d+) bytes of AdamW state on rank 0 \
 
 
 class ZeroStageThree(unittest.TestCase):
-    def train(self, tmp, name, world, zero, epochs=2, resume=False, extra=()):
-        work = os.path.join(tmp, name)
-        proc = run([DP, "--world_size", str(world), "--zero_stage", str(zero), "--batch_size", "16",
-                    "--max_batches", "2", "--n_epochs", str(epochs), "--benchmark_only", "--dropout", "0",
-                    "--learning_rate", "1e-3", "--workdir", work, "--master_port", str(free_port())]
-                   + (["--resume", "auto"] if resume else []) + TINY + list(extra), timeout=600)
-        return work, proc
-
-    def same(self, actual, expected, label):
-        problems = weight_problems(weights(actual), weights(expected), n_embd=64, lr=1e-3, steps=4, update_fraction=1e-5)
-        self.assertEqual(problems, [], label)
+    train = zero2.ZeroStageTwo.train  # the same runs and the same comparison as stage 2's tests
+    same = zero2.ZeroStageTwo.same
 
     def test_sharded_parameters_take_the_replicated_steps_with_and_without_accumulation(self):
         with tempfile.TemporaryDirectory() as tmp:
