@@ -562,6 +562,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.program), exist_ok=True)
     shutil.copy2(built, args.program)
     binary_sha = sha256(args.program)
+    # What the program was built from, as it stood when it was copied.
+    head, uncommitted = git_head(), uncommitted_sources()
 
     stages, stage3_note = probe_stages(args)
     models = args.models.split(",")
@@ -612,8 +614,8 @@ def main(argv=None):
     out = {
         "device": f"CPU processes, one core each ({cpu_model_name()}), of a shared {os.cpu_count()}-core machine",
         "program": {"path": os.path.relpath(built, REPO_ROOT), "sha256": binary_sha,
-                    "rebuilt_during_the_run": sha256(built) != binary_sha, "git_head": git_head(),
-                    "source_changes_not_committed": uncommitted_sources()},
+                    "rebuilt_during_the_run": sha256(built) != binary_sha, "git_head": head,
+                    "source_changes_not_committed": uncommitted},
         "settings": {"world_size": 2, "threads_per_device": 1, "batch": args.batch_size,
                      "model_max_length": args.model_max_length, "epochs": args.epochs,
                      "warmup_epochs_dropped": args.warmup_epochs, "max_batches": args.max_batches,
