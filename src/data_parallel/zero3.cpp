@@ -34,14 +34,12 @@ ShardedUnits::ShardedUnits(DistContext ctx, std::vector<ShardedUnit> units) : ct
       unit.elements += ps[k].numel();
     }
     unit.chunk = (unit.elements + N - 1) / N;
-    std::vector<at::Tensor> flat;
-    for (const at::Tensor& p : ps) flat.push_back(p.detach().reshape({-1}));
-    at::Tensor all = torch::cat(flat);
-    if (unit.chunk * N > unit.elements) all = torch::cat({all, torch::zeros({unit.chunk * N - unit.elements}, all.options())});
-    unit.weights = all.narrow(0, ctx_.rank * unit.chunk, unit.chunk).clone();
+    // This rank's range of the unit, copied from each parameter (no copy of the whole unit).
+    unit.weights = torch::zeros({unit.chunk}, ps[0].options().requires_grad(false));
+    for (size_t k = 0; k < ps.size(); ++k) copy_into_chunk(unit, k, ps[k].detach(), unit.weights);
     unit.gradient = torch::zeros_like(unit.weights);
     // The parameters become views of the full copy, whose storage is then let go.
-    unit.full = torch::empty({unit.chunk * N}, all.options());
+    unit.full = torch::empty({unit.chunk * N}, unit.weights.options());
     for (size_t k = 0; k < ps.size(); ++k) {
       at::Tensor p = ps[k];
       p.set_data(unit.full.narrow(0, unit.offsets[k], p.numel()).view(p.sizes()));
@@ -207,6 +205,15 @@ void ShardedUnits::launch_reduce_locked(Unit& unit) {
     unit.reducing = ctx_.group->_reduce_scatter_base(unit.received, unit.buffer, options);
   }
   unit.launched = true;
+  // At most two units' reduce-scatters in flight (their buffers the only full gradients kept):
+  // those done are folded into their chunks now, and the oldest waited for beyond that.
+  reducing_.push_back(&unit);
+  while (!reducing_.empty() &&
+         (reducing_.size() > 2 || !reducing_.front()->reducing || reducing_.front()->reducing->isCompleted())) {
+    Unit* oldest = reducing_.front();
+    reducing_.pop_front();
+    settle_reduce_locked(*oldest);
+  }
 }
 
 void ShardedUnits::settle_reduce_locked(Unit& unit) {
@@ -246,6 +253,7 @@ void ShardedUnits::finalize() {
     }
   }
   for (Unit& unit : units_) settle_reduce_locked(unit);
+  reducing_.clear();
   // A gradient accumulated after its unit left (a weight used again) is reduced again and added,
   // the same units on every rank (agreed first by one MAX all-reduce of a flag per unit).
   at::Tensor late = torch::zeros({static_cast<int64_t>(units_.size())}, torch::kInt);
@@ -264,6 +272,7 @@ void ShardedUnits::finalize() {
     launch_reduce_locked(units_[u]);
     settle_reduce_locked(units_[u]);
   }
+  reducing_.clear();
   reset_backward_locked();
   ++finalized_steps_;
 }
@@ -300,8 +309,11 @@ std::vector<at::Tensor> ShardedUnits::gather_unit(size_t u, const at::Tensor& ch
 }
 
 void ShardedUnits::copy_into_chunk(size_t u, size_t k, const at::Tensor& full, at::Tensor& chunk) const {
+  copy_into_chunk(units_.at(u), k, full, chunk);
+}
+
+void ShardedUnits::copy_into_chunk(const Unit& unit, size_t k, const at::Tensor& full, at::Tensor& chunk) const {
   torch::NoGradGuard no_grad;
-  const Unit& unit = units_.at(u);
   const int64_t n = unit.spec.parameters.at(k).numel();
   if (full.numel() != n) {
     throw std::invalid_argument(unit.spec.names[k] + ": " + std::to_string(full.numel()) + " elements, the parameter has " +

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -115,12 +116,14 @@ class ShardedUnits final : public GradientSynchronizer {
   void allocate_locked(Unit& unit);
   void free_locked(Unit& unit);
   void launch_reduce_locked(Unit& unit);
+  void copy_into_chunk(const Unit& unit, size_t k, const at::Tensor& full, at::Tensor& chunk) const;
   void settle_reduce_locked(Unit& unit);
   void reset_backward_locked();
 
   DistContext ctx_;
   std::vector<Unit> units_;
   std::vector<std::pair<size_t, size_t>> index_;  // synchronizer index -> (unit, parameter)
+  std::deque<Unit*> reducing_;  // units whose reduce-scatter is in flight, oldest first
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
   bool gathering_all_ = false;
