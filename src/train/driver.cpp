@@ -622,11 +622,8 @@ TrainingSummary run_training(TrainStep& step, const TrainingData& data, const Tr
               << ", std:" << format_number(rate_stats.std) << std::endl;
   }
 
-  model::GPT2LMHeadModel model = step.gathered_model();
-  // Split over a tensor-parallel group, every rank of it takes part in gathering the weights.
-  if (!o.save_dir.empty() || model->tensor_parallel() != nullptr) {
-    model::save_pretrained(*model, o.save_dir, /*write=*/!o.save_dir.empty());
-  }
+  // Split or sharded, every rank takes part in gathering the weights; the writer writes them.
+  step.save_model(o.save_dir, /*write=*/!o.save_dir.empty());
   summary.epoch_seconds = progress.seconds;
   summary.epoch_token_rates = progress.rates;
   summary.global_step = at.global_step;

@@ -4,6 +4,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <map>
 #include <optional>
 
@@ -71,6 +72,20 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
   optimizer_->step();
   // Reading the loss also waits for the step, so a step's time is finished work on every device.
   return run.step_loss(total);
+}
+
+void TrainStep::save_model(const std::string& dir, bool write) {
+  model::GPT2LMHeadModel gathered = gathered_model();
+  if (write || gathered->tensor_parallel() != nullptr) model::save_pretrained(*gathered, dir, write);
+}
+
+void GPT2TrainStep::save_model(const std::string& dir, bool write) {
+  if (write) std::filesystem::create_directories(dir);
+  if (!optimizer_->stream_weights((std::filesystem::path(dir) / "model.safetensors").string(), write)) {
+    TrainStep::save_model(dir, write);
+    return;
+  }
+  if (write) model_->config().save_json_file((std::filesystem::path(dir) / "config.json").string());
 }
 
 double TrainStep::validation_loss(data::BatchLoader& loader) {

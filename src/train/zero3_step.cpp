@@ -110,6 +110,7 @@ class Zero3AdamW final : public StepOptimizer {
   bool collective_state() const override { return true; }
   OptimizerState state() override;
   void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
+  bool stream_weights(const std::string& path, bool write) override;
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
   model::NamedTensors unsplit_gradients() override;
   int64_t state_bytes() const override {
@@ -192,21 +193,28 @@ OptimizerState Zero3AdamW::state() {
   return out;
 }
 
-void Zero3AdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
+bool Zero3AdamW::stream_weights(const std::string& path, bool write) {
   std::optional<model::SafetensorsWriter> weights;
-  std::vector<OptimizerStateWriter::Parameter> stepped;
   if (write) {
     std::vector<model::SafetensorsEntry> entries;
     for (const auto& item : model_->named_parameters()) {
       entries.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
-      if (step_ > 0) stepped.push_back({item.key(), step_, item.value().sizes().vec()});
     }
-    weights.emplace(weights_path, std::move(entries));
+    weights.emplace(path, std::move(entries));
   }
   for_each_full(weight_chunks(), [&](const std::string&, const at::Tensor& w) {
     if (weights) weights->append(w);
   });
   if (weights) weights->finish();
+  return true;
+}
+
+void Zero3AdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
+  stream_weights(weights_path, write);
+  std::vector<OptimizerStateWriter::Parameter> stepped;
+  if (write && step_ > 0) {
+    for (const auto& item : model_->named_parameters()) stepped.push_back({item.key(), step_, item.value().sizes().vec()});
+  }
   // The two moments of a unit at a time: each parameter's pair goes into the file in order.
   std::optional<OptimizerStateWriter> moments;
   if (write) moments.emplace(optimizer_path, stepped);

@@ -64,6 +64,10 @@ class StepOptimizer {
   // elsewhere only (pipeline stages that are processes: from the stage that steps it). A
   // collective there; nothing to do otherwise.
   virtual void gather_weights() {}
+  // The unsplit weights as Hugging Face's model.safetensors at `path` (written where `write`),
+  // streamed one piece at a time without gathering the whole model, where the layout can (ZeRO-3);
+  // false: it cannot, and the caller saves the gathered model. A collective where it streams.
+  virtual bool stream_weights(const std::string& path, bool write) { return false; }
 
  protected:
   double last_grad_norm_ = 0.0;

@@ -90,6 +90,10 @@ class TrainStep {
   // streams each unsplit tensor into the files as it is gathered, so no rank holds the unsplit
   // state.
   virtual void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) = 0;
+  // The trained model as Hugging Face's folder (config.json and model.safetensors) in `dir`,
+  // written where `write`: gathered_model() saved, unless the layout streams the weights one piece
+  // at a time (ZeRO-3). A collective where collective_state() or the model is split.
+  virtual void save_model(const std::string& dir, bool write);
   // Unsplit weights and optimizer state in (each rank keeps its part). Errors name the tensor.
   virtual void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) = 0;
   // Generator streams the layout owns besides the default generators (tensor parallelism's
@@ -163,6 +167,7 @@ class GPT2TrainStep : public TrainStep {
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override {
     optimizer_->load_state(weights, optimizer);
   }
+  void save_model(const std::string& dir, bool write) override;
   GeneratorStates extra_generator_states() override;
   void restore_extra_generator_states(const GeneratorStates& states) override;
   model::NamedTensors unsplit_gradients() override { return optimizer_->unsplit_gradients(); }
