@@ -16,6 +16,15 @@ namespace harness {
 // HARNESS_KEEP_FREED_MEMORY=0 in the environment leaves glibc's defaults.
 void keep_freed_host_memory();
 
+// Gives the pages of what has been freed back to the system (glibc's malloc_trim), where a
+// program lets go of much it will not allocate again: the whole parameters ZeRO-3 replaced by
+// its chunks, at setup. Returns the bytes the resident set shrank by (0 where nothing was given
+// back or it cannot be read).
+int64_t give_back_freed_host_memory();
+
+// This process's resident set (/proc/self/status's VmRSS) in bytes; -1 where it cannot be read.
+int64_t resident_memory_bytes();
+
 // /proc/meminfo's MemAvailable in bytes: what the kernel estimates can be allocated without
 // swapping (free memory plus reclaimable caches). -1 where it cannot be read.
 int64_t host_available_memory_bytes();

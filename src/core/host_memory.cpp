@@ -23,6 +23,29 @@ void keep_freed_host_memory() {
 #endif
 }
 
+int64_t give_back_freed_host_memory() {
+  const int64_t before = resident_memory_bytes();
+#if defined(__GLIBC__)
+  ::malloc_trim(0);
+#endif
+  const int64_t after = resident_memory_bytes();
+  return before < 0 || after < 0 || after > before ? 0 : before - after;
+}
+
+int64_t resident_memory_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) != 0) continue;
+    std::istringstream fields(line.substr(6));
+    int64_t kilobytes = -1;
+    std::string unit;
+    fields >> kilobytes >> unit;
+    return kilobytes < 0 || unit != "kB" ? -1 : kilobytes * 1024;
+  }
+  return -1;
+}
+
 int64_t host_available_memory_bytes() {
   std::ifstream meminfo("/proc/meminfo");
   std::string line;

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
+#include "harness/host_memory.h"
 
 namespace harness::data_parallel {
 
@@ -52,6 +53,9 @@ ShardedUnits::ShardedUnits(DistContext ctx, std::vector<ShardedUnit> units) : ct
       index_.emplace_back(u, k);
     }
   }
+  // The whole parameters, replaced by the chunks, are not allocated again: their pages go back
+  // to the system (under keep_freed_host_memory() they would stay resident, freed).
+  if (ctx_.device.is_cpu()) give_back_freed_host_memory();
 }
 
 ShardedUnits::~ShardedUnits() {
@@ -68,10 +72,46 @@ ShardedUnits::~ShardedUnits() {
   }
 }
 
+at::DataPtr ShardedUnits::take_locked(size_t bytes, c10::Allocator* allocator) {
+  auto it = pool_.find(bytes);
+  if (it == pool_.end() || it->second.empty()) return allocator->allocate(bytes);
+  at::DataPtr data = std::move(it->second.back());
+  it->second.pop_back();
+  pooled_bytes_ -= static_cast<int64_t>(bytes);
+  return data;
+}
+
+void ShardedUnits::give_locked(size_t bytes, at::DataPtr data) {
+  if (!data) return;
+  pool_[bytes].push_back(std::move(data));
+  pooled_bytes_ += static_cast<int64_t>(bytes);
+}
+
+at::Tensor ShardedUnits::pooled_empty_locked(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor out = torch::empty({0}, options);
+  c10::StorageImpl* storage = out.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(numel) * out.element_size();
+  storage->set_data_ptr_noswap(take_locked(bytes, storage->allocator()));
+  storage->set_nbytes(bytes);
+  out.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return out;
+}
+
+void ShardedUnits::recycle_locked(at::Tensor& tensor) {
+  // Only once its collective is done (waited for): whatever still refers to the storage (the
+  // finished Work) no longer reads it.
+  if (!tensor.defined()) return;
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const size_t bytes = storage->nbytes();
+  give_locked(bytes, storage->set_data_ptr(at::DataPtr(nullptr, storage->device())));
+  storage->set_nbytes(0);
+  tensor = at::Tensor();
+}
+
 void ShardedUnits::allocate_locked(Unit& unit) {
   c10::StorageImpl* storage = unit.full.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(unit.full.numel()) * unit.full.element_size();
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_data_ptr_noswap(take_locked(bytes, storage->allocator()));
   storage->set_nbytes(bytes);
   unit.here = true;
   live_bytes_ += static_cast<int64_t>(bytes);
@@ -80,8 +120,11 @@ void ShardedUnits::allocate_locked(Unit& unit) {
 
 void ShardedUnits::free_locked(Unit& unit) {
   if (!unit.here) return;
-  live_bytes_ -= static_cast<int64_t>(unit.full.storage().nbytes());
-  unit.full.storage().unsafeGetStorageImpl()->reset();
+  c10::StorageImpl* storage = unit.full.storage().unsafeGetStorageImpl();
+  const size_t bytes = storage->nbytes();
+  live_bytes_ -= static_cast<int64_t>(bytes);
+  give_locked(bytes, storage->set_data_ptr(at::DataPtr(nullptr, storage->device())));
+  storage->set_nbytes(0);
   unit.here = false;
 }
 
@@ -91,7 +134,8 @@ void ShardedUnits::gather(size_t u) {
   if (unit.here) return;
   allocate_locked(unit);
   if (ctx_.backend == "gloo") {  // as BucketedAllReduce's gathers: an all-to-all is faster here
-    unit.gather_send = unit.weights.repeat({ctx_.world_size});
+    unit.gather_send = pooled_empty_locked(unit.chunk * ctx_.world_size, unit.weights.options());
+    unit.gather_send.view({ctx_.world_size, unit.chunk}).copy_(unit.weights.unsqueeze(0).expand({ctx_.world_size, unit.chunk}));
     unit.gathering = all_to_all_even(*ctx_.group, unit.full, unit.gather_send);
   } else {
     unit.gathering = ctx_.group->_allgather_base(unit.full, unit.weights);
@@ -107,8 +151,9 @@ void ShardedUnits::wait(size_t u) {
     units_.at(u).gathering.reset();
   }
   if (work) work->wait();
+  work.reset();
   std::lock_guard<std::mutex> lock(mutex_);
-  units_.at(u).gather_send = at::Tensor();
+  recycle_locked(units_.at(u).gather_send);
 }
 
 void ShardedUnits::release(size_t u) {
@@ -152,6 +197,11 @@ int64_t ShardedUnits::live_bytes() const {
   return live_bytes_;
 }
 
+int64_t ShardedUnits::pooled_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pooled_bytes_;
+}
+
 int64_t ShardedUnits::peak_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return peak_bytes_;
@@ -181,25 +231,28 @@ void ShardedUnits::add(size_t index) {
 
 void ShardedUnits::launch_reduce_locked(Unit& unit) {
   torch::NoGradGuard no_grad;
-  std::vector<at::Tensor> pieces;
-  for (const at::Tensor& p : unit.spec.parameters) {
-    pieces.push_back(p.grad().defined() ? p.grad().reshape({-1}) : torch::zeros({p.numel()}, unit.weights.options()));
-  }
+  // The unit's gradients, flattened in its layout (missing ones and the padding zeros), into a
+  // buffer of the pool; the full gradients let go.
   const int64_t N = ctx_.world_size;
-  if (unit.chunk * N > unit.elements) pieces.push_back(torch::zeros({unit.chunk * N - unit.elements}, unit.weights.options()));
-  unit.buffer = torch::cat(pieces);
-  pieces.clear();
-  for (const at::Tensor& p : unit.spec.parameters) {
-    at::Tensor parameter = p;
+  const at::ScalarType wire = reduce_dtype_ ? *reduce_dtype_ : unit.weights.scalar_type();
+  unit.buffer = pooled_empty_locked(unit.chunk * N, unit.weights.options().dtype(wire));
+  for (size_t k = 0; k < unit.spec.parameters.size(); ++k) {
+    at::Tensor parameter = unit.spec.parameters[k];
+    at::Tensor into = unit.buffer.narrow(0, unit.offsets[k], parameter.numel());
+    if (parameter.grad().defined()) {
+      into.copy_(parameter.grad().reshape({-1}));
+    } else {
+      into.zero_();
+    }
     parameter.mutable_grad() = at::Tensor();
   }
-  if (reduce_dtype_ && *reduce_dtype_ != unit.buffer.scalar_type()) unit.buffer = unit.buffer.to(*reduce_dtype_);
+  if (unit.chunk * N > unit.elements) unit.buffer.narrow(0, unit.elements, unit.chunk * N - unit.elements).zero_();
   communicated_bytes_ += unit.buffer.numel() * static_cast<int64_t>(unit.buffer.element_size());
   if (ctx_.backend == "gloo") {  // every rank's copy of this rank's chunk, summed when settled
-    unit.received = torch::empty_like(unit.buffer);
+    unit.received = pooled_empty_locked(unit.buffer.numel(), unit.buffer.options());
     unit.reducing = all_to_all_even(*ctx_.group, unit.received, unit.buffer);
   } else {
-    unit.received = torch::empty({unit.chunk}, unit.buffer.options());
+    unit.received = pooled_empty_locked(unit.chunk, unit.buffer.options());
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     unit.reducing = ctx_.group->_reduce_scatter_base(unit.received, unit.buffer, options);
@@ -225,14 +278,14 @@ void ShardedUnits::settle_reduce_locked(Unit& unit) {
   at::Tensor sum;
   if (ctx_.backend == "gloo") {
     const at::Tensor copies = unit.received.view({ctx_.world_size, -1});
-    sum = copies[0].to(dtype, /*non_blocking=*/false, /*copy=*/true);
+    sum = copies[0].scalar_type() == dtype ? copies[0] : copies[0].to(dtype);  // summed in place, in the pool's buffer
     for (int64_t r = 1; r < ctx_.world_size; ++r) sum.add_(copies[r]);
   } else {
     sum = unit.received.to(dtype);
   }
   unit.gradient.add_(sum.div_(static_cast<double>(ctx_.world_size)));
-  unit.buffer = at::Tensor();
-  unit.received = at::Tensor();
+  recycle_locked(unit.buffer);
+  recycle_locked(unit.received);
 }
 
 void ShardedUnits::finalize() {

@@ -30,5 +30,21 @@ TEST(HostMemory, AFreedLargeTensorIsReusedWithoutPageFaults) {
   EXPECT_LT(minor_faults() - before, pages / 10);
 }
 
+TEST(HostMemory, WhatIsFreedCanBeGivenBack) {
+  keep_freed_host_memory();
+  const int64_t bytes = 256 * 1024 * 1024;
+  const int64_t before = resident_memory_bytes();
+  ASSERT_GT(before, 0);
+  // Kept by the heap after it is freed (the policy above), beneath a tensor still held.
+  torch::Tensor freed = torch::ones({bytes / 4});
+  torch::Tensor held = torch::ones({1024 * 1024});
+  freed = torch::Tensor();
+  EXPECT_GT(resident_memory_bytes() - before, bytes * 9 / 10);
+  const int64_t given = give_back_freed_host_memory();
+  EXPECT_GT(given, bytes * 9 / 10);
+  EXPECT_LT(resident_memory_bytes() - before, bytes / 10);
+  EXPECT_EQ(held.sum().item<double>(), 1024.0 * 1024.0);
+}
+
 }  // namespace
 }  // namespace harness

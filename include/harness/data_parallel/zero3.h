@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -71,6 +72,11 @@ class ShardedUnits final : public GradientSynchronizer {
   int64_t live_bytes() const;
   int64_t peak_bytes() const;
   void reset_peak();
+  // Bytes kept for reuse: the unit-sized buffers (full parameters, the gradients' reduce-scatter
+  // buffers) let go and not yet taken again. Each step takes and gives back the same sizes in
+  // the same order, so that they are allocated once, not freed and allocated again every unit
+  // (which, on a CPU, fragments the heap: the resident set grew by about two units per unit).
+  int64_t pooled_bytes() const;
 
   // GradientSynchronizer. attach() is refused: the units are given at construction.
   void attach(std::vector<at::Tensor> parameters) override;
@@ -113,6 +119,12 @@ class ShardedUnits final : public GradientSynchronizer {
     at::Tensor buffer, received;
     c10::intrusive_ptr<c10d::Work> reducing;
   };
+  // Unit-sized buffers let go, by size in bytes, for the next one of that size.
+  at::DataPtr take_locked(size_t bytes, c10::Allocator* allocator);
+  void give_locked(size_t bytes, at::DataPtr data);
+  at::Tensor pooled_empty_locked(int64_t numel, const at::TensorOptions& options);
+  void recycle_locked(at::Tensor& tensor);
+
   void allocate_locked(Unit& unit);
   void free_locked(Unit& unit);
   void launch_reduce_locked(Unit& unit);
@@ -126,6 +138,8 @@ class ShardedUnits final : public GradientSynchronizer {
   std::deque<Unit*> reducing_;  // units whose reduce-scatter is in flight, oldest first
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   int64_t live_bytes_ = 0, peak_bytes_ = 0;
+  std::map<size_t, std::vector<at::DataPtr>> pool_;
+  int64_t pooled_bytes_ = 0;
   bool gathering_all_ = false;
   mutable std::mutex mutex_;
 };
