@@ -42,6 +42,13 @@ std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t> hook_gradient_accum
   return {std::move(node), key};
 }
 
+ChunkOverlap chunk_overlap(int64_t rank, int64_t chunk, int64_t offset, int64_t n) {
+  const int64_t begin = rank * chunk, end = begin + chunk;
+  const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
+  if (from >= to) return {};
+  return {from - begin, from - offset, to - from};
+}
+
 std::vector<std::vector<size_t>> plan_buckets(const std::vector<at::Tensor>& parameters,
                                               int64_t cap_bytes) {
   std::vector<std::vector<size_t>> plan;

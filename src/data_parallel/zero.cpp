@@ -19,7 +19,6 @@ ShardedAdamW::ShardedAdamW(const BucketedAllReduce& gradients, std::vector<at::T
     Shard shard;
     shard.bucket = b;
     shard.chunk = gradients_.chunk_elements(b);
-    const int64_t begin = ctx.rank * shard.chunk, end = begin + shard.chunk;
     int64_t offset = 0;
     for (size_t index : plan[b]) {
       const at::Tensor& p = parameters_.at(index);
@@ -27,8 +26,8 @@ ShardedAdamW::ShardedAdamW(const BucketedAllReduce& gradients, std::vector<at::T
         throw std::invalid_argument("--zero_stage 1: parameter " + std::to_string(index) + " is not contiguous");
       }
       const int64_t n = p.numel();
-      const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
-      if (from < to) shard.pieces.push_back({index, from - offset, from - begin, to - from});
+      const ChunkOverlap mine = chunk_overlap(ctx.rank, shard.chunk, offset, n);
+      if (mine.length > 0) shard.pieces.push_back({index, mine.in_tensor, mine.in_chunk, mine.length});
       offset += n;
     }
     const auto options_of = parameters_.at(plan[b].front()).options();

@@ -372,12 +372,10 @@ void ShardedUnits::copy_into_chunk(const Unit& unit, size_t k, const at::Tensor&
     throw std::invalid_argument(unit.spec.names[k] + ": " + std::to_string(full.numel()) + " elements, the parameter has " +
                                 std::to_string(n));
   }
-  const int64_t begin = ctx_.rank * unit.chunk, end = begin + unit.chunk;
-  const int64_t offset = unit.offsets[k];
-  const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
-  if (from >= to) return;
-  chunk.narrow(0, from - begin, to - from)
-      .copy_(full.reshape({-1}).narrow(0, from - offset, to - from).to(chunk.device(), chunk.scalar_type()));
+  const ChunkOverlap mine = chunk_overlap(ctx_.rank, unit.chunk, unit.offsets[k], n);
+  if (mine.length == 0) return;
+  chunk.narrow(0, mine.in_chunk, mine.length)
+      .copy_(full.reshape({-1}).narrow(0, mine.in_tensor, mine.length).to(chunk.device(), chunk.scalar_type()));
 }
 
 }  // namespace harness::data_parallel

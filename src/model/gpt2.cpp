@@ -462,6 +462,16 @@ NamedTensors GPT2LMHeadModelImpl::full_gradients() {
 }
 
 void GPT2LMHeadModelImpl::load_full_state(const NamedTensors& full) {
+  torch::NoGradGuard no_grad;
+  auto params = named_parameters();
+  load_full_state(full, [&](const std::string& name, const torch::Tensor& local) {
+    torch::Tensor& p = params[name];
+    p.copy_(local.to(p.device(), p.scalar_type()));
+  });
+}
+
+void GPT2LMHeadModelImpl::load_full_state(const NamedTensors& full,
+                                          const std::function<void(const std::string&, const torch::Tensor&)>& load) {
   std::map<std::string, torch::Tensor> given;
   for (const auto& [raw_name, tensor] : full) {
     const std::string name = raw_name.rfind("transformer.", 0) == 0 ? raw_name : "transformer." + raw_name;
@@ -481,11 +491,9 @@ void GPT2LMHeadModelImpl::load_full_state(const NamedTensors& full) {
     throw std::invalid_argument(std::to_string(missing.size()) + " of the model's parameters have no weights: " +
                                 list + (missing.size() > 8 ? ", ..." : ""));
   }
-  auto params = named_parameters();
   torch::NoGradGuard no_grad;
-  for (auto& item : params) {
-    const torch::Tensor local = shard(item.key(), given.at(item.key()));  // checks the unsplit shape
-    item.value().copy_(local.to(item.value().device(), item.value().scalar_type()));
+  for (const auto& item : named_parameters()) {
+    load(item.key(), shard(item.key(), given.at(item.key())));  // shard() checks the unsplit shape
   }
 }
 

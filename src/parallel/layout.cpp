@@ -35,11 +35,12 @@ Layout Layout::create(int world_size, int tensor_parallel_size, int pipeline_par
   if (zero_stage < 0 || zero_stage > 3) {
     throw std::invalid_argument("--zero_stage " + std::to_string(zero_stage) + ": expected 0, 1, 2 or 3");
   }
-  if (zero_stage == 3 && model_ranks > 1) {
-    throw std::invalid_argument("--zero_stage 3 shards whole-model units (GPT-2's blocks) over data-parallel replicas: "
-                                "it does not combine with --tensor_parallel_size " + std::to_string(tensor_parallel_size) +
-                                " or --pipeline_parallel_size " + std::to_string(pipeline_parallel_size) +
-                                " (a unit would have to be split or staged too; use --zero_stage 1 or 2 there)");
+  if (zero_stage == 3 && pipeline_parallel_size > 1) {
+    throw std::invalid_argument("--zero_stage 3 gathers every unit (GPT-2's blocks) in every step's forward and backward "
+                                "on each data-parallel rank: it does not combine with --pipeline_parallel_size " +
+                                std::to_string(pipeline_parallel_size) +
+                                " (each stage's units would have to be gathered within its stage's schedule; use "
+                                "--zero_stage 1 or 2 there)");
   }
   return Layout(world_size / model_ranks, tensor_parallel_size, pipeline_parallel_size, zero_stage);
 }

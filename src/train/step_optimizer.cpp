@@ -15,6 +15,7 @@
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/zero.h"
+#include "harness/data_parallel/zero3.h"
 #include "harness/model/safetensors.h"
 #include "harness/optim/fused_adamw.h"
 
@@ -98,6 +99,15 @@ class HeldAdamW {
   virtual void forget_gathered() {}
   // The state of held parameters by name, shaped like them here; the others start without.
   virtual void load(const OptimizerState& state) = 0;
+
+  // Where the weights are kept too (ZeRO-3's chunks), instead of in the model's parameters:
+  // held parameter i's weights shaped like it here (collective), its weights set from `local`
+  // (this rank's part of it, shaped like it), and every weight brought into the parameters for
+  // an evaluation or the saved model, until zero_grad().
+  virtual bool keeps_weights() const { return false; }
+  virtual at::Tensor weight(size_t) { throw std::logic_error("HeldAdamW: the weights are the parameters"); }
+  virtual void load_weight(size_t, const at::Tensor&) { throw std::logic_error("HeldAdamW: the weights are the parameters"); }
+  virtual void gather_weights() {}
 };
 
 class WholeMoments final : public HeldAdamW {
@@ -163,14 +173,13 @@ class ShardedMoments final : public HeldAdamW {
     place_.assign(held_.size(), {kNone, 0});
     const int rank = buckets_.context().rank;
     for (size_t b = 0; b < plan.size(); ++b) {
-      const int64_t chunk = buckets_.chunk_elements(b), begin = rank * chunk, end = begin + chunk;
       int64_t offset = 0;
       for (size_t k = 0; k < plan[b].size(); ++k) {
         const size_t index = plan[b][k];
         place_[index] = {b, k};
         const int64_t n = tensors[index].numel();
-        const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
-        if (from < to) pieces_.push_back({b, index, from - begin, to - from});
+        const data_parallel::ChunkOverlap mine = data_parallel::chunk_overlap(rank, buckets_.chunk_elements(b), offset, n);
+        if (mine.length > 0) pieces_.push_back({b, index, mine.in_chunk, mine.length});
         offset += n;
       }
     }
@@ -273,6 +282,146 @@ void ShardedMoments::load(const OptimizerState& state) {
   adam_->load_state(full);
 }
 
+// ZeRO-3 (data_parallel/zero3.h): the weights, gradients and AdamW moments of every held parameter
+// are `units`' chunks over the data-parallel group (the units are the step's synchronizer). A walk
+// over the parameters gathers one unit's weights, moments or gradients at a time.
+class UnitMoments final : public HeldAdamW {
+ public:
+  UnitMoments(const NamedParameters& held, const OptimizerSettings& settings, data_parallel::ShardedUnits& units)
+      : units_(units) {
+    options_.lr = settings.learning_rate;
+    options_.weight_decay = settings.weight_decay;
+    std::map<std::string, std::pair<size_t, size_t>> place_of;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      for (size_t k = 0; k < units_.unit(u).names.size(); ++k) place_of[units_.unit(u).names[k]] = {u, k};
+      exp_avg_.push_back(torch::zeros_like(units_.weight_chunk(u)));
+      exp_avg_sq_.push_back(torch::zeros_like(units_.weight_chunk(u)));
+    }
+    const int64_t rank = units_.context().rank;
+    for (size_t i = 0; i < held.size(); ++i) {
+      auto it = place_of.find(held[i].first);
+      if (it == place_of.end()) throw std::invalid_argument("--zero_stage 3: " + held[i].first + " is in no unit");
+      place_.push_back(it->second);
+      const auto [u, k] = it->second;
+      const data_parallel::ChunkOverlap mine =
+          data_parallel::chunk_overlap(rank, units_.chunk_elements(u), units_.offset_of(u, k), held[i].second.numel());
+      if (mine.length > 0) pieces_.push_back({i, u, mine.in_chunk, mine.length});
+    }
+  }
+
+  void zero_grad() override {
+    forget_gathered();
+    units_.release_all();  // an evaluation's or a checkpoint's full copies
+    units_.discard_gradients();
+  }
+  void for_each_gradient(const std::function<void(size_t, const at::Tensor&)>& visit) const override {
+    for (const Piece& piece : pieces_) {
+      visit(piece.parameter, units_.gradient_chunk(piece.unit).narrow(0, piece.chunk_offset, piece.length));
+    }
+  }
+  const data_parallel::DistContext* shard_group() const override { return &units_.context(); }
+  void scale_gradients(double factor) override {
+    torch::NoGradGuard no_grad;
+    for (size_t u = 0; u < units_.size(); ++u) units_.gradient_chunk(u).mul_(factor);
+  }
+  void step() override {
+    torch::NoGradGuard no_grad;
+    ++step_;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      optim::fused_adamw_update({units_.weight_chunk(u)}, {units_.gradient_chunk(u)}, {exp_avg_[u]}, {exp_avg_sq_[u]},
+                                step_, options_);
+    }
+  }
+  void set_learning_rate(double learning_rate) override { options_.lr = learning_rate; }
+  double learning_rate() const override { return options_.lr; }
+  int64_t state_bytes() const override {
+    int64_t bytes = 0;
+    for (size_t u = 0; u < exp_avg_.size(); ++u) bytes += exp_avg_[u].nbytes() + exp_avg_sq_[u].nbytes();
+    return bytes;
+  }
+  std::optional<int64_t> steps_of(size_t) const override {
+    if (step_ == 0) return std::nullopt;
+    return step_;
+  }
+  std::pair<at::Tensor, at::Tensor> moments(size_t i) override {
+    const auto [u, k] = place_.at(i);
+    if (moments_.unit != u) {
+      moments_ = {u, units_.gather_unit(u, exp_avg_[u])};
+      second_moments_ = units_.gather_unit(u, exp_avg_sq_[u]);
+    }
+    return {moments_.parts.at(k), second_moments_.at(k)};
+  }
+  at::Tensor gradient(size_t i) override { return gathered(gradients_, i, [&](size_t u) { return units_.gradient_chunk(u); }); }
+  void forget_gathered() override { moments_ = weights_ = gradients_ = {}; second_moments_.clear(); }
+  void load(const OptimizerState& state) override;
+
+  bool keeps_weights() const override { return true; }
+  at::Tensor weight(size_t i) override { return gathered(weights_, i, [&](size_t u) { return units_.weight_chunk(u); }); }
+  void load_weight(size_t i, const at::Tensor& local) override {
+    units_.release_all();
+    const auto [u, k] = place_.at(i);
+    units_.copy_into_chunk(u, k, local, units_.weight_chunk(u));
+  }
+  void gather_weights() override {
+    units_.release_all();  // copies gathered before the last step are stale
+    units_.gather_all();
+  }
+
+ private:
+  static constexpr size_t kNone = static_cast<size_t>(-1);
+  struct Piece {  // the part of a held parameter inside this rank's chunk of its unit
+    size_t parameter, unit;
+    int64_t chunk_offset, length;
+  };
+  struct Gathered {  // one unit's chunks of something, every rank's together, a view per parameter
+    size_t unit = kNone;
+    std::vector<at::Tensor> parts;
+  };
+  // Held parameter i's part of what `chunk_of` gives for each unit, its unit gathered unless it
+  // is the one `cache` holds (collective).
+  at::Tensor gathered(Gathered& cache, size_t i, const std::function<at::Tensor(size_t)>& chunk_of) {
+    const auto [u, k] = place_.at(i);
+    if (cache.unit != u) cache = {u, units_.gather_unit(u, chunk_of(u))};
+    return cache.parts.at(k);
+  }
+
+  data_parallel::ShardedUnits& units_;
+  optim::AdamWHyperparameters options_;
+  std::vector<std::pair<size_t, size_t>> place_;  // held parameter -> (unit, position in it)
+  std::vector<Piece> pieces_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
+  int64_t step_ = 0;
+  Gathered moments_, weights_, gradients_;
+  std::vector<at::Tensor> second_moments_;
+};
+
+void UnitMoments::load(const OptimizerState& state) {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    exp_avg_[u].zero_();
+    exp_avg_sq_[u].zero_();
+  }
+  step_ = state.empty() ? 0 : state.begin()->second.step;
+  std::map<std::string, size_t> index_of;
+  for (size_t i = 0; i < place_.size(); ++i) {
+    const auto [u, k] = place_[i];
+    index_of[units_.unit(u).names[k]] = i;
+  }
+  for (const auto& [name, s] : state) {
+    if (s.step != step_) {
+      throw std::invalid_argument("optimizer state: " + name + " took " + std::to_string(s.step) + " steps, other parameters " +
+                                  std::to_string(step_) + "; --zero_stage 3 steps every parameter together");
+    }
+    const auto [u, k] = place_.at(index_of.at(name));
+    units_.copy_into_chunk(u, k, s.exp_avg, exp_avg_[u]);
+    units_.copy_into_chunk(u, k, s.exp_avg_sq, exp_avg_sq_[u]);
+  }
+  if (!state.empty() && state.size() != index_of.size()) {
+    for (const auto& [name, i] : index_of) {
+      if (!state.count(name)) throw std::invalid_argument("optimizer state: none for " + name + ", which --zero_stage 3 steps");
+    }
+  }
+}
+
 // Where this rank's parameters are in the layout: all of them here (no pipeline), or the ones its
 // pipeline stages hold, each parameter owned by one stage (wte by the first, its copy on the last
 // stage kept equal by the embedding group's gradient sum).
@@ -315,6 +464,7 @@ class LayoutAdamW final : public StepOptimizer {
   void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
   model::NamedTensors unsplit_gradients() override;
+  bool stream_weights(const std::string& path, bool write) override;
   int64_t state_bytes() const override { return state_->state_bytes(); }
   void gather_weights() override;
 
@@ -427,6 +577,7 @@ void LayoutAdamW::step() {
 }
 
 void LayoutAdamW::gather_weights() {
+  if (state_->keeps_weights()) state_->gather_weights();
   if (!placement_.pipeline) return;
   materialize_others();
   torch::NoGradGuard no_grad;
@@ -460,12 +611,14 @@ void LayoutAdamW::for_each_weight(const std::function<void(const std::string&, c
   torch::NoGradGuard no_grad;
   for (const auto& item : model_->named_parameters()) {
     const int owner = owner_of(item.key());
-    at::Tensor weight = owner == rank() ? item.value().detach().contiguous()
-                                        : at::empty(shape_of(item.key(), item.value()), item.value().options());
+    at::Tensor weight = owner != rank() ? at::empty(shape_of(item.key(), item.value()), item.value().options())
+                        : state_->keeps_weights() ? state_->weight(*held_index(item.key())).contiguous()
+                                                  : item.value().detach().contiguous();
     if (placement_.pipeline) broadcast_from(owner, weight);
     if (model_->tensor_parallel() != nullptr) weight = model_->unshard(item.key(), weight);
     take(item.key(), weight);
   }
+  state_->forget_gathered();
 }
 
 void LayoutAdamW::for_each_moment(const std::vector<Header>& headers,
@@ -510,21 +663,8 @@ OptimizerState LayoutAdamW::state() {
 
 void LayoutAdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
   // Streamed: each unsplit tensor goes into its file as it arrives and is let go.
-  if (!placement_.pipeline) {
+  if (!stream_weights(weights_path, write)) {
     model::write_model_weights(*model_, weights_path, write);  // a collective when the model is split
-  } else {
-    std::optional<model::SafetensorsWriter> weights;
-    if (write) {
-      std::vector<model::SafetensorsEntry> entries;
-      for (const auto& item : model_->named_parameters()) {
-        entries.push_back({item.key(), item.value().scalar_type(), model_->shards().at(item.key()).full_shape});
-      }
-      weights.emplace(weights_path, std::move(entries));
-    }
-    for_each_weight([&](const std::string&, const at::Tensor& weight) {
-      if (weights) weights->append(weight);
-    });
-    if (weights) weights->finish();
   }
   if (!write && !collective_state()) return;  // nothing to gather, nothing to write
   const std::vector<Header> stepped = headers();
@@ -542,9 +682,34 @@ void LayoutAdamW::save_state(const std::string& weights_path, const std::string&
   if (moments) moments->finish();
 }
 
+bool LayoutAdamW::stream_weights(const std::string& path, bool write) {
+  // From the stages or the chunks, one unsplit tensor at a time; the model's own parameters hold
+  // every weight otherwise, and the caller writes them.
+  if (!placement_.pipeline && !state_->keeps_weights()) return false;
+  std::optional<model::SafetensorsWriter> weights;
+  if (write) {
+    std::vector<model::SafetensorsEntry> entries;
+    for (const auto& item : model_->named_parameters()) {
+      entries.push_back({item.key(), item.value().scalar_type(), model_->shards().at(item.key()).full_shape});
+    }
+    weights.emplace(path, std::move(entries));
+  }
+  for_each_weight([&](const std::string&, const at::Tensor& weight) {
+    if (weights) weights->append(weight);
+  });
+  if (weights) weights->finish();
+  return true;
+}
+
 void LayoutAdamW::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
   materialize_others();
-  model_->load_full_state(weights);
+  if (state_->keeps_weights()) {
+    model_->load_full_state(weights, [&](const std::string& name, const at::Tensor& local) {
+      state_->load_weight(*held_index(name), local);
+    });
+  } else {
+    model_->load_full_state(weights);
+  }
   OptimizerState mine;
   for (const auto& [name, s] : optimizer) {
     if (!model_->shards().count(name)) {
@@ -622,6 +787,14 @@ std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const
   Placement placement = whole_model_placement(*model);
   return std::make_unique<LayoutAdamW>(std::move(model), settings, std::move(placement),
                                        held_adamw(settings, &gradients));
+}
+
+std::unique_ptr<StepOptimizer> unit_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
+                                          data_parallel::ShardedUnits& units) {
+  Placement placement = whole_model_placement(*model);
+  return std::make_unique<LayoutAdamW>(
+      std::move(model), settings, std::move(placement),
+      [settings, &units](const NamedParameters& held) { return std::make_unique<UnitMoments>(held, settings, units); });
 }
 
 std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,

@@ -3,29 +3,15 @@
 
 #include <torch/torch.h>
 
-#include <cmath>
-#include <map>
-#include <optional>
 #include <stdexcept>
 
 #include "harness/model/loss.h"
 #include "harness/model/precision.h"
-#include "harness/model/safetensors.h"
-#include "harness/optim/fused_adamw.h"
 
 namespace harness::train {
 namespace {
 
 namespace dp = harness::data_parallel;
-
-// Where each of the model's parameters is among the units: (unit, position), by name.
-std::map<std::string, std::pair<size_t, size_t>> places_of(const dp::ShardedUnits& units) {
-  std::map<std::string, std::pair<size_t, size_t>> out;
-  for (size_t u = 0; u < units.size(); ++u) {
-    for (size_t k = 0; k < units.unit(u).names.size(); ++k) out[units.unit(u).names[k]] = {u, k};
-  }
-  return out;
-}
 
 class Zero3ForwardBackward final : public ForwardBackward {
  public:
@@ -88,199 +74,6 @@ class Zero3ForwardBackward final : public ForwardBackward {
   std::vector<size_t> order_;
 };
 
-class Zero3AdamW final : public StepOptimizer {
- public:
-  Zero3AdamW(model::GPT2LMHeadModel model, const OptimizerSettings& settings, dp::ShardedUnits& units)
-      : model_(std::move(model)), settings_(settings), units_(units), places_(places_of(units)) {
-    options_.lr = settings.learning_rate;
-    options_.weight_decay = settings.weight_decay;
-    for (size_t u = 0; u < units_.size(); ++u) {
-      exp_avg_.push_back(torch::zeros_like(units_.weight_chunk(u)));
-      exp_avg_sq_.push_back(torch::zeros_like(units_.weight_chunk(u)));
-    }
-  }
-
-  void zero_grad() override {
-    units_.release_all();  // an evaluation's or a checkpoint's full copies
-    units_.discard_gradients();
-  }
-  void step() override;
-  void set_learning_rate(double learning_rate) override { options_.lr = learning_rate; }
-  double learning_rate() const override { return options_.lr; }
-  bool collective_state() const override { return true; }
-  OptimizerState state() override;
-  void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
-  bool stream_weights(const std::string& path, bool write) override;
-  void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
-  model::NamedTensors unsplit_gradients() override;
-  int64_t state_bytes() const override {
-    int64_t bytes = 0;
-    for (size_t u = 0; u < exp_avg_.size(); ++u) bytes += exp_avg_[u].nbytes() + exp_avg_sq_[u].nbytes();
-    return bytes;
-  }
-  void gather_weights() override {
-    units_.release_all();  // copies gathered before the last step are stale
-    units_.gather_all();
-  }
-
- private:
-  // Every parameter in the model's order with unit u's chunks (`chunks`) gathered, one unit at a
-  // time (collective): `take` sees each parameter's full tensor before the next unit is gathered.
-  void for_each_full(const std::vector<at::Tensor>& chunks,
-                     const std::function<void(const std::string&, const at::Tensor&)>& take) {
-    std::optional<size_t> cached;
-    std::vector<at::Tensor> parts;
-    for (const auto& item : model_->named_parameters()) {
-      const auto [u, k] = places_.at(item.key());
-      if (cached != u) {
-        parts = units_.gather_unit(u, chunks.at(u));
-        cached = u;
-      }
-      take(item.key(), parts.at(k));
-    }
-  }
-  std::vector<at::Tensor> weight_chunks() {
-    std::vector<at::Tensor> out;
-    for (size_t u = 0; u < units_.size(); ++u) out.push_back(units_.weight_chunk(u));
-    return out;
-  }
-
-  model::GPT2LMHeadModel model_;
-  OptimizerSettings settings_;
-  dp::ShardedUnits& units_;
-  std::map<std::string, std::pair<size_t, size_t>> places_;
-  optim::AdamWHyperparameters options_;
-  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
-  int64_t step_ = 0;
-};
-
-void Zero3AdamW::step() {
-  torch::NoGradGuard no_grad;
-  // Each parameter's part of this rank's chunk normed on its own (as clip_grad_norm_ norms each
-  // gradient), the squares summed over the ranks: the whole gradient's norm.
-  const int64_t rank = units_.context().rank;
-  std::vector<at::Tensor> pieces;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    const int64_t chunk = units_.chunk_elements(u), begin = rank * chunk, end = begin + chunk;
-    for (size_t k = 0; k < units_.unit(u).parameters.size(); ++k) {
-      const int64_t offset = units_.offset_of(u, k), n = units_.unit(u).parameters[k].numel();
-      const int64_t from = std::max(begin, offset), to = std::min(end, offset + n);
-      if (from < to) pieces.push_back(units_.gradient_chunk(u).narrow(0, from - begin, to - from));
-    }
-  }
-  double squares = 0.0;
-  if (!pieces.empty()) squares = at::stack(at::_foreach_norm(pieces)).to(at::kDouble).square().sum().item<double>();
-  std::vector<at::Tensor> total{torch::tensor({squares}, torch::kDouble).to(units_.context().device.torch_device())};
-  if (units_.context().world_size > 1) units_.context().group->allreduce(total)->wait();
-  last_grad_norm_ = std::sqrt(total[0].to(torch::kCPU).item<double>());
-  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
-  ++step_;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    at::Tensor gradient = units_.gradient_chunk(u);
-    if (coefficient < 1.0) gradient.mul_(coefficient);
-    optim::fused_adamw_update({units_.weight_chunk(u)}, {gradient}, {exp_avg_[u]}, {exp_avg_sq_[u]}, step_, options_);
-  }
-}
-
-OptimizerState Zero3AdamW::state() {
-  OptimizerState out;
-  if (step_ == 0) return out;
-  std::map<std::string, at::Tensor> first;
-  for_each_full(exp_avg_, [&](const std::string& name, const at::Tensor& m) { first[name] = m.to(torch::kCPU, torch::kFloat, false, true); });
-  for_each_full(exp_avg_sq_, [&](const std::string& name, const at::Tensor& v) {
-    out[name] = {step_, first.at(name), v.to(torch::kCPU, torch::kFloat, false, true)};
-  });
-  return out;
-}
-
-bool Zero3AdamW::stream_weights(const std::string& path, bool write) {
-  std::optional<model::SafetensorsWriter> weights;
-  if (write) {
-    std::vector<model::SafetensorsEntry> entries;
-    for (const auto& item : model_->named_parameters()) {
-      entries.push_back({item.key(), item.value().scalar_type(), item.value().sizes().vec()});
-    }
-    weights.emplace(path, std::move(entries));
-  }
-  for_each_full(weight_chunks(), [&](const std::string&, const at::Tensor& w) {
-    if (weights) weights->append(w);
-  });
-  if (weights) weights->finish();
-  return true;
-}
-
-void Zero3AdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {
-  stream_weights(weights_path, write);
-  std::vector<OptimizerStateWriter::Parameter> stepped;
-  if (write && step_ > 0) {
-    for (const auto& item : model_->named_parameters()) stepped.push_back({item.key(), step_, item.value().sizes().vec()});
-  }
-  // The two moments of a unit at a time: each parameter's pair goes into the file in order.
-  std::optional<OptimizerStateWriter> moments;
-  if (write) moments.emplace(optimizer_path, stepped);
-  if (step_ > 0) {
-    std::optional<size_t> cached;
-    std::vector<at::Tensor> m, v;
-    for (const auto& item : model_->named_parameters()) {
-      const auto [u, k] = places_.at(item.key());
-      if (cached != u) {
-        m = units_.gather_unit(u, exp_avg_[u]);
-        v = units_.gather_unit(u, exp_avg_sq_[u]);
-        cached = u;
-      }
-      if (moments) moments->add(m.at(k), v.at(k));
-    }
-  }
-  if (moments) moments->finish();
-}
-
-void Zero3AdamW::load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) {
-  units_.release_all();
-  std::map<std::string, bool> seen;
-  for (const auto& [name, full] : weights) {
-    const std::string key = name.rfind("transformer.", 0) == 0 || name.rfind("lm_head", 0) == 0 ? name : "transformer." + name;
-    auto it = places_.find(key);
-    if (it == places_.end()) throw std::invalid_argument("weights for " + name + ", which the model does not have");
-    const auto [u, k] = it->second;
-    units_.copy_into_chunk(u, k, full, units_.weight_chunk(u));
-    seen[key] = true;
-  }
-  for (const auto& [name, place] : places_) {
-    if (!seen.count(name)) throw std::invalid_argument("weights: none for " + name);
-  }
-  for (size_t u = 0; u < units_.size(); ++u) {
-    exp_avg_[u].zero_();
-    exp_avg_sq_[u].zero_();
-  }
-  step_ = optimizer.empty() ? 0 : optimizer.begin()->second.step;
-  for (const auto& [name, s] : optimizer) {
-    auto it = places_.find(name);
-    if (it == places_.end()) throw std::invalid_argument("optimizer state for " + name + ", which the model does not have");
-    if (s.step != step_) {
-      throw std::invalid_argument("optimizer state: " + name + " took " + std::to_string(s.step) + " steps, other parameters " +
-                                  std::to_string(step_) + "; --zero_stage 3 steps every parameter together");
-    }
-    const auto [u, k] = it->second;
-    units_.copy_into_chunk(u, k, s.exp_avg, exp_avg_[u]);
-    units_.copy_into_chunk(u, k, s.exp_avg_sq, exp_avg_sq_[u]);
-  }
-  if (!optimizer.empty() && optimizer.size() != places_.size()) {
-    for (const auto& [name, place] : places_) {
-      if (!optimizer.count(name)) throw std::invalid_argument("optimizer state: none for " + name + ", which --zero_stage 3 steps");
-    }
-  }
-}
-
-model::NamedTensors Zero3AdamW::unsplit_gradients() {
-  std::vector<at::Tensor> gradients;
-  for (size_t u = 0; u < units_.size(); ++u) gradients.push_back(units_.gradient_chunk(u));
-  model::NamedTensors out;
-  for_each_full(gradients, [&](const std::string& name, const at::Tensor& g) {
-    out.emplace_back(name, g.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous());
-  });
-  return out;
-}
-
 }  // namespace
 
 std::vector<dp::ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model) {
@@ -312,14 +105,10 @@ std::vector<size_t> zero3_use_order(int64_t n_layer) {
 Zero3Parts make_zero3(model::GPT2LMHeadModel model, const dp::DistContext& data, const OptimizerSettings& settings,
                       int prefetch) {
   if (prefetch < 0) throw std::invalid_argument("--zero_prefetch " + std::to_string(prefetch) + " must be >= 0");
-  if (model->tensor_parallel() != nullptr) {
-    throw std::invalid_argument("--zero_stage 3 shards whole units over the data-parallel ranks: it does not combine "
-                                "with --tensor_parallel_size (use --zero_stage 1 or 2)");
-  }
   Zero3Parts parts;
   parts.units = std::make_unique<dp::ShardedUnits>(data, gpt2_units(model));
   parts.forward_backward = std::make_unique<Zero3ForwardBackward>(model, *parts.units, prefetch);
-  parts.optimizer = std::make_unique<Zero3AdamW>(model, settings, *parts.units);
+  parts.optimizer = unit_adamw(model, settings, *parts.units);
   return parts;
 }
 

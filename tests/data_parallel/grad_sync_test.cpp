@@ -36,6 +36,23 @@ TEST(BucketPlan, ReverseOrderCappedAndSplitByDtype) {
             (std::vector<std::vector<size_t>>{{5, 4, 2}, {1}, {0}}));
 }
 
+// A flat layout cut into chunks of 4 (ranks 0-2 own [0,4), [4,8), [8,12)): where tensors meet
+// each rank's chunk.
+TEST(ChunkOverlap, WhereATensorMeetsEachRanksChunk) {
+  auto of = [](int64_t rank, int64_t offset, int64_t n) {
+    const ChunkOverlap o = chunk_overlap(rank, 4, offset, n);
+    return std::vector<int64_t>{o.in_chunk, o.in_tensor, o.length};
+  };
+  using V = std::vector<int64_t>;
+  EXPECT_EQ(of(0, 0, 3), (V{0, 0, 3}));   // inside rank 0's chunk
+  EXPECT_EQ(of(1, 0, 3), (V{0, 0, 0}));   // not in rank 1's
+  EXPECT_EQ(of(0, 3, 6), (V{3, 0, 1}));   // [3, 9): its first element on rank 0,
+  EXPECT_EQ(of(1, 3, 6), (V{0, 1, 4}));   // the next four on rank 1,
+  EXPECT_EQ(of(2, 3, 6), (V{0, 5, 1}));   // its last on rank 2
+  EXPECT_EQ(of(2, 9, 3), (V{1, 0, 3}));   // ends where the layout ends
+  EXPECT_EQ(of(2, 12, 2), (V{0, 0, 0}));  // in the padding past the last chunk: nowhere
+}
+
 // A tied weight's copy on another pipeline stage must be laid out alike in ZeRO's chunks: kept
 // apart, it gets a bucket of its own wherever it falls, the order of the rest unchanged.
 TEST(BucketPlan, KeptApartParametersGetBucketsOfTheirOwn) {

@@ -105,9 +105,11 @@ TEST(Layout, RefusalsNameTheFlagsAndValues) {
   expect_refused(4, 0, 1, 0, "--tensor_parallel_size 0 must be at least 1");
   expect_refused(4, 1, -1, 0, "--pipeline_parallel_size -1 must be at least 1");
   expect_refused(4, 1, 1, 4, "--zero_stage 4: expected 0, 1, 2 or 3");
-  expect_refused(4, 2, 1, 3, "--zero_stage 3 shards whole-model units (GPT-2's blocks) over data-parallel replicas: "
-                             "it does not combine with --tensor_parallel_size 2 or --pipeline_parallel_size 1");
+  expect_refused(4, 1, 2, 3, "--zero_stage 3 gathers every unit (GPT-2's blocks) in every step's forward and backward "
+                             "on each data-parallel rank: it does not combine with --pipeline_parallel_size 2");
   EXPECT_EQ(Layout::create(4, 1, 1, 3).data_parallel_size(), 4);
+  // ZeRO-3 shards each tensor-parallel rank's slices of every unit over its data-parallel group.
+  EXPECT_EQ(Layout::create(4, 2, 1, 3).data_parallel_size(), 2);
   // ZeRO-1 shards each tensor-parallel shard's and each pipeline stage's state over its
   // data-parallel group.
   const Layout sharded = Layout::create(8, 2, 2, 1);

@@ -26,6 +26,14 @@ struct Node;
 
 namespace harness::data_parallel {
 
+// Where a tensor laid out at [offset, offset + n) of a flat buffer cut into equal chunks meets
+// `rank`'s chunk [rank * chunk, (rank + 1) * chunk) (pure): the overlap's start in the chunk and
+// in the tensor (flattened), and its length (0: they do not meet).
+struct ChunkOverlap {
+  int64_t in_chunk = 0, in_tensor = 0, length = 0;
+};
+ChunkOverlap chunk_overlap(int64_t rank, int64_t chunk, int64_t offset, int64_t n);
+
 // The bucket plan (pure): indices of `parameters` that require grad, in reverse order, cut into
 // consecutive buckets of at most cap_bytes (a larger parameter gets a bucket of its own) and
 // wherever dtype or device changes.

@@ -210,6 +210,11 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // Unsplit weights in: every parameter once, with its unsplit shape (names with or without
   // "transformer."); each rank keeps its part. Errors name the tensor and the shapes.
   void load_full_state(const NamedTensors& full);
+  // The same checks, with each rank's part of every parameter handed to `load` (in the model's
+  // order, named as named_parameters() names it) instead of copied into the parameter: where the
+  // parameters' storage is elsewhere (ZeRO-3's chunks).
+  void load_full_state(const NamedTensors& full,
+                       const std::function<void(const std::string&, const torch::Tensor&)>& load);
   // Collective: the largest absolute difference between a replicated parameter's gradient here
   // and on the group's rank 0 (0 when they agree, as they must by construction; 0 unsplit).
   double replicated_gradient_divergence();

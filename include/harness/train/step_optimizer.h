@@ -19,6 +19,7 @@
 
 namespace harness::data_parallel {
 class BucketedAllReduce;
+class ShardedUnits;
 }
 
 namespace harness::train {
@@ -65,7 +66,8 @@ class StepOptimizer {
   // collective there; nothing to do otherwise.
   virtual void gather_weights() {}
   // The unsplit weights as Hugging Face's model.safetensors at `path` (written where `write`),
-  // streamed one piece at a time without gathering the whole model, where the layout can (ZeRO-3);
+  // streamed one piece at a time without gathering the whole model, where the layout can (ZeRO-3,
+  // pipeline stages that are processes);
   // false: it cannot, and the caller saves the gathered model. A collective where it streams.
   virtual bool stream_weights(const std::string& path, bool write) { return false; }
 
@@ -89,6 +91,15 @@ std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, co
 // group, and checkpoints gather the chunks, then unsplit them.
 std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients);
+
+// ZeRO-3: every weight, gradient and AdamW moment is `units`' chunks over the data-parallel group
+// (data_parallel/zero3.h; the step's synchronizer, built over `model`'s parameters). AdamW steps
+// the chunks; the norm sums the squares of every rank's chunks (over the tensor-parallel group
+// too where the model is split, the replicated parameters once); checkpoints and the saved model
+// gather one unit at a time, then unsplit each tensor; gather_weights() gathers every unit for an
+// evaluation, until the next zero_grad().
+std::unique_ptr<StepOptimizer> unit_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
+                                          data_parallel::ShardedUnits& units);
 
 // Pipeline stages that are processes: what this rank's stages hold and who owns each parameter.
 struct PipelineStageParameters {

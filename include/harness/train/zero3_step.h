@@ -7,9 +7,12 @@
 //   - the synchronizer is the ShardedUnits itself: a unit's gradients are reduce-scattered into
 //     the chunks as soon as they are complete (unit 0's at the end, when the embedding's backward
 //     has added to the head's gradient of the tied wte);
-//   - the optimizer is AdamW on the chunks (FusedAdamW's kernel, element for element), the norm
-//     summed over every rank's chunks, checkpoints in the unsplit format gathered one unit at a
-//     time; gather_weights() gathers every unit for an evaluation or the saved model.
+//   - the optimizer is unit_adamw (step_optimizer.h): every layout's AdamW, its state kept as the
+//     units' chunks (FusedAdamW's kernel on them, element for element), the norm summed over every
+//     rank's chunks, checkpoints and the saved model in the unsplit format gathered one unit at a
+//     time; gather_weights() gathers every unit for an evaluation.
+// A model split over a tensor-parallel group is sharded the same way: each rank's units are its
+// slices, sharded over its data-parallel group.
 #pragma once
 
 #include <memory>
@@ -36,8 +39,8 @@ struct Zero3Parts {
   std::unique_ptr<StepOptimizer> optimizer;
 };
 
-// The three parts for `model` (whole, on this rank's device, the same weights on every rank)
-// sharded over `data`; `prefetch` >= 0 units gathered ahead (--zero_prefetch).
+// The three parts for `model` (whole or this rank's tensor-parallel slices, on this rank's device,
+// the same weights on every rank of `data`) sharded over `data`; `prefetch` >= 0 units gathered ahead (--zero_prefetch).
 Zero3Parts make_zero3(model::GPT2LMHeadModel model, const data_parallel::DistContext& data,
                       const OptimizerSettings& settings, int prefetch);
 
