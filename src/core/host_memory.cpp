@@ -13,6 +13,24 @@
 #endif
 
 namespace harness {
+namespace {
+
+// The bytes of a "<key> <n> kB" line of a /proc file; -1 where there is none or it cannot be read.
+int64_t kilobytes_field(const char* path, const std::string& key) {
+  std::ifstream file(path);
+  std::string line;
+  while (std::getline(file, line)) {
+    if (line.rfind(key, 0) != 0) continue;
+    std::istringstream fields(line.substr(key.size()));
+    int64_t kilobytes = -1;
+    std::string unit;
+    fields >> kilobytes >> unit;
+    return kilobytes < 0 || unit != "kB" ? -1 : kilobytes * 1024;
+  }
+  return -1;
+}
+
+}  // namespace
 
 void keep_freed_host_memory() {
   const char* setting = std::getenv("HARNESS_KEEP_FREED_MEMORY");
@@ -32,32 +50,8 @@ int64_t give_back_freed_host_memory() {
   return before < 0 || after < 0 || after > before ? 0 : before - after;
 }
 
-int64_t resident_memory_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) != 0) continue;
-    std::istringstream fields(line.substr(6));
-    int64_t kilobytes = -1;
-    std::string unit;
-    fields >> kilobytes >> unit;
-    return kilobytes < 0 || unit != "kB" ? -1 : kilobytes * 1024;
-  }
-  return -1;
-}
+int64_t resident_memory_bytes() { return kilobytes_field("/proc/self/status", "VmRSS:"); }
 
-int64_t host_available_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    if (line.rfind("MemAvailable:", 0) != 0) continue;
-    std::istringstream fields(line.substr(13));
-    int64_t kilobytes = -1;
-    std::string unit;
-    fields >> kilobytes >> unit;
-    return kilobytes < 0 || unit != "kB" ? -1 : kilobytes * 1024;
-  }
-  return -1;
-}
+int64_t host_available_memory_bytes() { return kilobytes_field("/proc/meminfo", "MemAvailable:"); }
 
 }  // namespace harness

@@ -12,13 +12,7 @@
 namespace harness::data_parallel {
 namespace {
 
-// A world of this process alone (Gloo on a free port).
-DistContext one_rank() {
-  DistOptions o;
-  o.master_port = testing::free_port();
-  o.timeout = std::chrono::seconds(30);
-  return init_process_group(o);
-}
+using testing::one_rank;
 
 TEST(BucketPlan, ReverseOrderCappedAndSplitByDtype) {
   // float32 sizes in bytes: 320, 64, 1024, 64, 192, 12; cap 400.

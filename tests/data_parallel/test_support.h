@@ -9,10 +9,19 @@
 #include <vector>
 
 #include "../support/multi_process.h"
+#include "harness/data_parallel/process_group.h"
 
 namespace harness::data_parallel::testing {
 
 using namespace harness::test_workers;
+
+// A world of this process alone (Gloo on a free port).
+inline DistContext one_rank() {
+  DistOptions o;
+  o.master_port = free_port();
+  o.timeout = std::chrono::seconds(30);
+  return init_process_group(o);
+}
 
 // Runs `world_size` copies of this test binary in scenario `scenario` (DpWorker.Run).
 inline CapturedLaunch launch_scenario(const std::string& scenario, int world_size,

@@ -11,12 +11,7 @@
 namespace harness::data_parallel {
 namespace {
 
-DistContext one_rank() {
-  DistOptions o;
-  o.master_port = testing::free_port();
-  o.timeout = std::chrono::seconds(30);
-  return init_process_group(o);
-}
+using testing::one_rank;
 
 ShardedUnit unit_of(const std::string& name, std::vector<at::Tensor> parameters) {
   ShardedUnit unit;
