@@ -615,6 +615,12 @@ class Check:
                       ["--backend", "nccl", "--device", "cuda"], ["--backend", "gloo", "--device", "cpu"], 1)
         data_parallel("run_data_parallel --world_size 2 --backend nccl", 2,
                       ["--backend", "nccl", "--device", "cuda"], ["--backend", "gloo", "--device", "cpu"], 2)
+        # ZeRO-2's reduce-scatter into the chunks and ZeRO-3's units (their storage allocated and
+        # freed in place by the CUDA caching allocator, NCCL's all-gather and reduce-scatter).
+        for stage in ("2", "3"):
+            data_parallel(f"run_data_parallel --zero_stage {stage} --backend nccl", 1,
+                          ["--backend", "nccl", "--device", "cuda", "--zero_stage", stage],
+                          ["--backend", "gloo", "--device", "cpu", "--zero_stage", stage], 1)
         self.pytest_files(reserve)
 
     def pytest_files(self, reserve):

@@ -128,7 +128,8 @@ class GpuCheckOnACpu(unittest.TestCase):
         for name in ("run_pipeline single device (with evaluation)", "run_pipeline model_parallel",
                      "run_pipeline pipeline_parallel gpipe", "run_pipeline pipeline_parallel 1f1b except_last",
                      "run_pipeline pipeline_parallel interleaved", "run_data_parallel --world_size 1 --backend nccl",
-                     "run_data_parallel --world_size 2 --backend nccl", "pytest gradients on cuda",
+                     "run_data_parallel --world_size 2 --backend nccl", "run_data_parallel --zero_stage 2 --backend nccl",
+                     "run_data_parallel --zero_stage 3 --backend nccl", "pytest gradients on cuda",
                      "pytest gradients: cuda equals cpu", "gpu_single throughput"):
             s = self.step(r, name)
             self.assertEqual(s["status"], "skipped", name)
