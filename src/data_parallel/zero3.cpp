@@ -87,12 +87,21 @@ void ShardedUnits::give_locked(size_t bytes, at::DataPtr data) {
   pooled_bytes_ += static_cast<int64_t>(bytes);
 }
 
+void ShardedUnits::fill_storage_locked(c10::StorageImpl& storage, size_t bytes) {
+  storage.set_data_ptr_noswap(take_locked(bytes, storage.allocator()));
+  storage.set_nbytes(bytes);
+}
+
+size_t ShardedUnits::empty_storage_locked(c10::StorageImpl& storage) {
+  const size_t bytes = storage.nbytes();
+  give_locked(bytes, storage.set_data_ptr(at::DataPtr(nullptr, storage.device())));
+  storage.set_nbytes(0);
+  return bytes;
+}
+
 at::Tensor ShardedUnits::pooled_empty_locked(int64_t numel, const at::TensorOptions& options) {
   at::Tensor out = torch::empty({0}, options);
-  c10::StorageImpl* storage = out.storage().unsafeGetStorageImpl();
-  const size_t bytes = static_cast<size_t>(numel) * out.element_size();
-  storage->set_data_ptr_noswap(take_locked(bytes, storage->allocator()));
-  storage->set_nbytes(bytes);
+  fill_storage_locked(*out.storage().unsafeGetStorageImpl(), static_cast<size_t>(numel) * out.element_size());
   out.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
   return out;
 }
@@ -101,18 +110,13 @@ void ShardedUnits::recycle_locked(at::Tensor& tensor) {
   // Only once its collective is done (waited for): whatever still refers to the storage (the
   // finished Work) no longer reads it.
   if (!tensor.defined()) return;
-  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  const size_t bytes = storage->nbytes();
-  give_locked(bytes, storage->set_data_ptr(at::DataPtr(nullptr, storage->device())));
-  storage->set_nbytes(0);
+  empty_storage_locked(*tensor.storage().unsafeGetStorageImpl());
   tensor = at::Tensor();
 }
 
 void ShardedUnits::allocate_locked(Unit& unit) {
-  c10::StorageImpl* storage = unit.full.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(unit.full.numel()) * unit.full.element_size();
-  storage->set_data_ptr_noswap(take_locked(bytes, storage->allocator()));
-  storage->set_nbytes(bytes);
+  fill_storage_locked(*unit.full.storage().unsafeGetStorageImpl(), bytes);
   unit.here = true;
   live_bytes_ += static_cast<int64_t>(bytes);
   if (!gathering_all_) peak_bytes_ = std::max(peak_bytes_, live_bytes_);
@@ -120,11 +124,7 @@ void ShardedUnits::allocate_locked(Unit& unit) {
 
 void ShardedUnits::free_locked(Unit& unit) {
   if (!unit.here) return;
-  c10::StorageImpl* storage = unit.full.storage().unsafeGetStorageImpl();
-  const size_t bytes = storage->nbytes();
-  live_bytes_ -= static_cast<int64_t>(bytes);
-  give_locked(bytes, storage->set_data_ptr(at::DataPtr(nullptr, storage->device())));
-  storage->set_nbytes(0);
+  live_bytes_ -= static_cast<int64_t>(empty_storage_locked(*unit.full.storage().unsafeGetStorageImpl()));
   unit.here = false;
 }
 

@@ -344,15 +344,11 @@ class UnitMoments final : public HeldAdamW {
     return step_;
   }
   std::pair<at::Tensor, at::Tensor> moments(size_t i) override {
-    const auto [u, k] = place_.at(i);
-    if (moments_.unit != u) {
-      moments_ = {u, units_.gather_unit(u, exp_avg_[u])};
-      second_moments_ = units_.gather_unit(u, exp_avg_sq_[u]);
-    }
-    return {moments_.parts.at(k), second_moments_.at(k)};
+    at::Tensor first = gathered(first_moments_, i, [&](size_t u) { return exp_avg_[u]; });
+    return {first, gathered(second_moments_, i, [&](size_t u) { return exp_avg_sq_[u]; })};
   }
   at::Tensor gradient(size_t i) override { return gathered(gradients_, i, [&](size_t u) { return units_.gradient_chunk(u); }); }
-  void forget_gathered() override { moments_ = weights_ = gradients_ = {}; second_moments_.clear(); }
+  void forget_gathered() override { first_moments_ = second_moments_ = weights_ = gradients_ = {}; }
   void load(const OptimizerState& state) override;
 
   bool keeps_weights() const override { return true; }
@@ -391,8 +387,7 @@ class UnitMoments final : public HeldAdamW {
   std::vector<Piece> pieces_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   int64_t step_ = 0;
-  Gathered moments_, weights_, gradients_;
-  std::vector<at::Tensor> second_moments_;
+  Gathered first_moments_, second_moments_, weights_, gradients_;
 };
 
 void UnitMoments::load(const OptimizerState& state) {

@@ -4,7 +4,8 @@
 // (its "chunk": the unit's parameters flattened in order, zero-padded to a multiple of N), with
 // the chunk's gradient and AdamW moments. A unit's full parameters exist only between gather()
 // and release(): the model's parameters are views of one full buffer per unit whose storage is
-// allocated and all-gathered on gather() and freed on release(), in place, so that what autograd
+// taken (from a pool of the buffers let go, by size) and all-gathered on gather() and given back
+// to the pool on release(), in place, so that what autograd
 // saved of them in forward reads the regathered values in backward. A unit's gradients are
 // reduce-scattered into the chunks as soon as every parameter of it has had its accumulations of
 // the backward (its full gradients and weights then let go). Which unit is gathered when (and
@@ -122,6 +123,9 @@ class ShardedUnits final : public GradientSynchronizer {
   // Unit-sized buffers let go, by size in bytes, for the next one of that size.
   at::DataPtr take_locked(size_t bytes, c10::Allocator* allocator);
   void give_locked(size_t bytes, at::DataPtr data);
+  // `storage` given `bytes` of the pool (or newly allocated); its bytes given to the pool, returned.
+  void fill_storage_locked(c10::StorageImpl& storage, size_t bytes);
+  size_t empty_storage_locked(c10::StorageImpl& storage);
   at::Tensor pooled_empty_locked(int64_t numel, const at::TensorOptions& options);
   void recycle_locked(at::Tensor& tensor);
 
