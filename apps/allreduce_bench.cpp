@@ -17,6 +17,7 @@
 #include <iostream>
 #include <optional>
 
+#include "help.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/ring_all_reduce.h"
@@ -36,8 +37,8 @@ struct BenchFlags {
 };
 
 BenchFlags parse(int argc, char** argv) {
-  cxxopts::Options options("allreduce_bench",
-                           "bus bandwidth of builtin vs ring all-reduce against message size (CPU, Gloo)");
+  const std::string what = "bus bandwidth of builtin vs ring all-reduce against message size (CPU, Gloo)";
+  cxxopts::Options options("allreduce_bench", what);
   options.add_options()
       ("world_size", "ranks (processes started here)", cxxopts::value<int>()->default_value("2"))
       ("min_bytes", "smallest message (bytes, float32)", cxxopts::value<int64_t>()->default_value("1024"))
@@ -51,7 +52,7 @@ BenchFlags parse(int argc, char** argv) {
   try {
     const cxxopts::ParseResult r = options.parse(argc, argv);
     if (r.count("help")) {
-      std::cout << options.help() << std::endl;
+      std::cout << harness::apps::one_line_help(options, what);
       std::exit(0);
     }
     if (!r.unmatched().empty()) {

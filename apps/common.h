@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "help.h"
 #include "harness/data/dataset.h"
 #include "harness/data/loader.h"
 #include "harness/device.h"
@@ -25,43 +26,42 @@ struct CommonFlags : train::RunConfig {
 inline void add_common_options(cxxopts::Options& options, int64_t default_batch_size,
                                int64_t default_epochs) {
   options.add_options()
-      ("batch_size", "global batch size", cxxopts::value<int64_t>()->default_value(std::to_string(default_batch_size)))
-      ("n_epochs", "epochs", cxxopts::value<int64_t>()->default_value(std::to_string(default_epochs)))
-      ("learning_rate", "AdamW learning rate (0 leaves the weights as loaded)", cxxopts::value<double>()->default_value("1e-4"))
-      ("model_max_length", "tokens per example (source + target), longer ones are cut", cxxopts::value<int64_t>()->default_value("128"))
-      ("dataset", "folder with train/validation/test .jsonl or fairseq train/valid/test.{de,en}; default: the embedded corpus", cxxopts::value<std::string>()->default_value(""))
+      ("batch_size", "global batch, shared by the data-parallel ranks", cxxopts::value<int64_t>()->default_value(std::to_string(default_batch_size)), "N")
+      ("n_epochs", "epochs", cxxopts::value<int64_t>()->default_value(std::to_string(default_epochs)), "N")
+      ("learning_rate", "AdamW's learning rate; 0 leaves the weights as loaded", cxxopts::value<double>()->default_value("1e-4"), "LR")
+      ("model_max_length", "tokens per example (source + target), longer ones cut", cxxopts::value<int64_t>()->default_value("128"), "N")
+      ("dataset", "JSON Lines or fairseq folder (default: the embedded corpus)", cxxopts::value<std::string>()->default_value(""), "DIR")
       ("benchmark_only", "train only: no validation loss, generation or BLEU")
-      ("max_batches", "batches per epoch (0 = the whole epoch)", cxxopts::value<int64_t>()->default_value("0"))
-      ("precision", "fp32 | bf16: bf16 runs the matmuls and attention of training steps under autocast in bfloat16 (weights, gradients and optimizer state stay fp32; layer norm, softmax statistics and the loss in fp32)", cxxopts::value<std::string>()->default_value("fp32"))
-      ("gradient_accumulation_steps", "batches per optimizer step: their gradients are accumulated (synchronised across data-parallel ranks once, after the last) and the losses weighted as one batch N times as large", cxxopts::value<int64_t>()->default_value("1"))
-      ("model", "preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny", cxxopts::value<std::string>()->default_value("gpt2-mini"))
-      ("model_path", "Hugging Face folder (config.json + model.safetensors [+ tokenizer.model]) to start from", cxxopts::value<std::string>()->default_value(""))
-      ("dropout", "dropout probability for embeddings, attention and residuals (default: the model's)", cxxopts::value<double>())
-      ("workdir", "where results, tokenizer and model are written", cxxopts::value<std::string>()->default_value("./workdir"))
-      ("seed", "fixes weights, shuffling, dropout and the embedded corpus", cxxopts::value<uint64_t>()->default_value("1234"))
-      ("devices", "comma-separated devices: cuda:0,cuda:1 or cpu:0,cpu:1 (CPU lanes)", cxxopts::value<std::string>()->default_value(""))
-      ("threads_per_device", "intra-op threads of each CPU device (0 = cores / devices)", cxxopts::value<int>()->default_value("0"))
-      ("trace", "write a Chrome trace (chrome://tracing, Perfetto) of the run to FILE", cxxopts::value<std::string>()->default_value(""))
-      ("train_size", "training pairs taken from the dataset", cxxopts::value<size_t>()->default_value("5000"))
-      ("validation_size", "validation pairs", cxxopts::value<size_t>()->default_value("1000"))
-      ("test_size", "test pairs (generation and BLEU)", cxxopts::value<size_t>()->default_value("100"))
-      ("export_dataset", "write the corpus as JSON Lines to DIR and exit", cxxopts::value<std::string>()->default_value(""))
-      ("fit_vocab", "size a freshly initialised model's vocabulary to the tokenizer's (no rows for ids the tokenizer never produces; a smaller LM head)")
-      ("checkpoint_every", "write a training checkpoint every N optimizer steps (0: at the end of each epoch only; epochs always end with one)", cxxopts::value<int64_t>()->default_value("0"))
-      ("checkpoint_dir", "where checkpoints go (default: <workdir>/checkpoints)", cxxopts::value<std::string>()->default_value(""))
-      ("keep_checkpoints", "complete checkpoints kept (older ones are removed once a newer one is complete)", cxxopts::value<int>()->default_value("2"))
-      ("resume", "none | auto (the newest complete checkpoint in --checkpoint_dir, falling back to older ones) | a checkpoint folder", cxxopts::value<std::string>()->default_value("none"))
-      ("lr_schedule", "constant | cosine | linear: the learning rate of each optimizer step; cosine and linear decay from --learning_rate after the warmup to --min_learning_rate at the run's end (transformers' get_cosine/linear_schedule_with_warmup)", cxxopts::value<std::string>()->default_value("constant"))
-      ("warmup_steps", "optimizer steps of linear warmup from 0 to --learning_rate", cxxopts::value<int64_t>()->default_value("0"))
-      ("min_learning_rate", "the floor cosine and linear decay to", cxxopts::value<double>()->default_value("0"))
-      ("weight_decay", "AdamW's decoupled weight decay", cxxopts::value<double>()->default_value("0.01"))
-      ("max_grad_norm", "clip the gradient by its global L2 norm over the whole model, whatever the layout (torch.nn.utils.clip_grad_norm_); 0 = off", cxxopts::value<double>()->default_value("0"))
-      ("max_steps", "optimizer steps of the run (0 = the epochs decide); the run ends at whichever comes first", cxxopts::value<int64_t>()->default_value("0"))
-      ("eval_every", "validation loss every N optimizer steps, printed as 'Step s: Validation Loss = ...' and logged (0 = at each epoch's end only)", cxxopts::value<int64_t>()->default_value("0"))
-      ("tensorboard_dir", "also write the metrics of <workdir>/metrics.jsonl as TensorBoard event files to DIR (tensorboard --logdir DIR)", cxxopts::value<std::string>()->default_value(""))
-      ("async_checkpoint", "copy each checkpoint's state into host memory at the step and write it from a background thread while training goes on (atomic as always: a kill during the write leaves the previous checkpoint complete)")
-      ("no_progress", "no progress display on stderr")
-      ("h,help", "this help");
+      ("max_batches", "batches per epoch; 0 = the whole epoch", cxxopts::value<int64_t>()->default_value("0"), "N")
+      ("precision", "fp32 | bf16: autocast precision of the training steps", cxxopts::value<std::string>()->default_value("fp32"), "P")
+      ("gradient_accumulation_steps", "batches per optimizer step", cxxopts::value<int64_t>()->default_value("1"), "N")
+      ("model", "preset: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt2-mini, gpt2-tiny", cxxopts::value<std::string>()->default_value("gpt2-mini"), "NAME")
+      ("model_path", "Hugging Face folder to start from (default: none)", cxxopts::value<std::string>()->default_value(""), "DIR")
+      ("dropout", "dropout of embeddings, attention and residuals (default: the model's)", cxxopts::value<double>(), "P")
+      ("workdir", "where results, tokenizer and model are written", cxxopts::value<std::string>()->default_value("./workdir"), "DIR")
+      ("seed", "fixes weights, shuffling, dropout and the embedded corpus", cxxopts::value<uint64_t>()->default_value("1234"), "N")
+      ("devices", "cuda:0,cuda:1 or CPU lanes cpu:0,cpu:1 (default: every GPU, else two CPU lanes)", cxxopts::value<std::string>()->default_value(""), "LIST")
+      ("threads_per_device", "intra-op threads of each CPU device; 0 = cores / devices", cxxopts::value<int>()->default_value("0"), "N")
+      ("trace", "write a Chrome trace of the run to FILE (default: none)", cxxopts::value<std::string>()->default_value(""), "FILE")
+      ("train_size", "training pairs taken from the dataset", cxxopts::value<size_t>()->default_value("5000"), "N")
+      ("validation_size", "validation pairs", cxxopts::value<size_t>()->default_value("1000"), "N")
+      ("test_size", "test pairs (generation and BLEU)", cxxopts::value<size_t>()->default_value("100"), "N")
+      ("export_dataset", "write the corpus as JSON Lines to DIR and exit (default: none)", cxxopts::value<std::string>()->default_value(""), "DIR")
+      ("fit_vocab", "a fresh model's vocabulary sized to the tokenizer's")
+      ("checkpoint_every", "checkpoint every N optimizer steps; 0 = at each epoch's end only", cxxopts::value<int64_t>()->default_value("0"), "N")
+      ("checkpoint_dir", "where checkpoints go (default: <workdir>/checkpoints)", cxxopts::value<std::string>()->default_value(""), "DIR")
+      ("keep_checkpoints", "complete checkpoints kept", cxxopts::value<int>()->default_value("2"), "K")
+      ("resume", "none | auto (the newest complete checkpoint) | a checkpoint folder", cxxopts::value<std::string>()->default_value("none"), "WHAT")
+      ("lr_schedule", "constant | cosine | linear, after --warmup_steps", cxxopts::value<std::string>()->default_value("constant"), "KIND")
+      ("warmup_steps", "optimizer steps of linear warmup from 0", cxxopts::value<int64_t>()->default_value("0"), "N")
+      ("min_learning_rate", "the floor cosine and linear decay reach at the run's end", cxxopts::value<double>()->default_value("0"), "LR")
+      ("weight_decay", "AdamW's decoupled weight decay", cxxopts::value<double>()->default_value("0.01"), "W")
+      ("max_grad_norm", "clip by the global gradient norm; 0 = off", cxxopts::value<double>()->default_value("0"), "G")
+      ("max_steps", "optimizer steps of the run; 0 = the epochs decide", cxxopts::value<int64_t>()->default_value("0"), "N")
+      ("eval_every", "validation loss every N optimizer steps; 0 = at epochs' ends only", cxxopts::value<int64_t>()->default_value("0"), "N")
+      ("tensorboard_dir", "also write the metrics as TensorBoard events (default: none)", cxxopts::value<std::string>()->default_value(""), "DIR")
+      ("async_checkpoint", "write checkpoints from a host snapshot in the background")
+      ("no_progress", "no progress display on stderr");
 }
 
 inline CommonFlags read_common(const cxxopts::ParseResult& r) {
@@ -158,14 +158,17 @@ inline std::vector<std::string> join_boolean_values(int argc, char** argv,
   return out;
 }
 
-inline cxxopts::ParseResult parse_or_exit(cxxopts::Options& options, int argc, char** argv) {
+// `what`: the program's one sentence under the usage line of --help.
+inline cxxopts::ParseResult parse_or_exit(cxxopts::Options& options, const std::string& what, int argc,
+                                          char** argv) {
+  options.add_options()("h,help", "this help");
   try {
     std::vector<std::string> joined = join_boolean_values(argc, argv, {"--pytest"});
     std::vector<char*> args;
     for (std::string& a : joined) args.push_back(a.data());
     cxxopts::ParseResult result = options.parse(static_cast<int>(args.size()), args.data());
     if (result.count("help")) {
-      std::cout << options.help() << std::endl;
+      std::cout << one_line_help(options, what);
       std::exit(0);
     }
     if (!result.unmatched().empty()) {

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "help.h"
 #include "harness/model/config.h"
 #include "harness/model/gpt2.h"
 #include "harness/model/precision.h"
@@ -60,9 +61,9 @@ std::vector<std::string> split_csv(const std::string& text) {
 }
 
 Flags parse(int argc, char** argv) {
-  cxxopts::Options options("gpu_throughput",
-                           "GPT-2 training throughput on one GPU: tokens/s, MFU against a measured bf16 matmul peak, "
-                           "peak memory, at the largest batch that fits");
+  const std::string what = "GPT-2 training throughput on one GPU: tokens/s, MFU against a measured bf16 matmul peak, "
+                           "peak memory, at the largest batch that fits";
+  cxxopts::Options options("gpu_throughput", what);
   options.add_options()
       ("model", "GPT-2 preset", cxxopts::value<std::string>()->default_value("gpt2"))
       ("tokens", "tokens per example, comma-separated", cxxopts::value<std::string>()->default_value("128,1024"))
@@ -81,7 +82,7 @@ Flags parse(int argc, char** argv) {
   try {
     const cxxopts::ParseResult r = options.parse(argc, argv);
     if (r.count("help")) {
-      std::cout << options.help() << std::endl;
+      std::cout << harness::apps::one_line_help(options, what);
       std::exit(0);
     }
     if (!r.unmatched().empty()) throw std::invalid_argument("unexpected argument '" + r.unmatched().front() + "'");

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "help.h"
 #include "harness/device.h"
 #include "harness/trace.h"
 #include "harness/pipeline/activation_meter.h"
@@ -79,7 +80,8 @@ double measured_bubble(const Tracer& tracer, int devices, int64_t since_us) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cxxopts::Options options("pipeline_bench", "GPT-2 pipeline schedules: speed, bubble and activation memory");
+  const std::string what = "GPT-2 pipeline schedules: speed, bubble and activation memory";
+  cxxopts::Options options("pipeline_bench", what);
   options.add_options()
       ("model", "GPT-2 preset", cxxopts::value<std::string>()->default_value("gpt2-mini"))
       ("vocab_size", "vocabulary (0: the preset's)", cxxopts::value<int64_t>()->default_value("0"))
@@ -99,7 +101,7 @@ int main(int argc, char** argv) {
   try {
     const cxxopts::ParseResult r = options.parse(argc, argv);
     if (r.count("help")) {
-      std::cout << options.help() << std::endl;
+      std::cout << harness::apps::one_line_help(options, what);
       return 0;
     }
     pipeline::install_activation_meter();

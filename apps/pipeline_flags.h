@@ -7,14 +7,14 @@
 
 namespace harness::apps {
 
-// `when`: where the program applies them ("pipeline_parallel mode", "--pipeline_parallel_size > 1").
+// `when`: where the program applies them ("in pipeline_parallel mode", ...).
 inline void add_pipeline_options(cxxopts::Options& options, const std::string& when) {
   options.add_options()
-      ("n_chunk", "micro-batches per batch (" + when + ")", cxxopts::value<int64_t>()->default_value("4"))
-      ("pipeline_schedule", "gpipe | 1f1b | interleaved: the order of each stage's forwards and backwards (" + when + ")", cxxopts::value<std::string>()->default_value("1f1b"))
-      ("virtual_stages", "stages per device (or per stage process) for --pipeline_schedule interleaved", cxxopts::value<int>()->default_value("1"))
-      ("activation_checkpointing", "always | except_last | never: recompute a stage's forward in its backward instead of keeping its activations (torchgpipe's modes)", cxxopts::value<std::string>()->default_value("never"))
-      ("balance", "blocks per stage: auto (timed, torchgpipe's balance_by_time, may cut a block between its attention and MLP halves) or N,N,... with N.5 for such a cut (default: runs of ceil(n_layer / stages))", cxxopts::value<std::string>()->default_value(""));
+      ("n_chunk", "micro-batches per batch, " + when, cxxopts::value<int64_t>()->default_value("4"), "M")
+      ("pipeline_schedule", "gpipe | 1f1b | interleaved, " + when, cxxopts::value<std::string>()->default_value("1f1b"), "NAME")
+      ("virtual_stages", "stages per device under --pipeline_schedule interleaved", cxxopts::value<int>()->default_value("1"), "V")
+      ("activation_checkpointing", "always | except_last | never: recompute forwards in backward", cxxopts::value<std::string>()->default_value("never"), "MODE")
+      ("balance", "blocks per stage: auto (timed) or N,N,... (default: ceil(n_layer / stages) each)", cxxopts::value<std::string>()->default_value(""), "LIST");
 }
 
 inline train::PipelineScheduleConfig read_pipeline_flags(const cxxopts::ParseResult& result) {

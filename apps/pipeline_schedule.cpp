@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "help.h"
 #include "harness/pipeline/schedule.h"
 #include "harness/pipeline/training_schedule.h"
 
@@ -135,9 +136,9 @@ void print_training_schedule(const TrainingSchedule& schedule) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cxxopts::Options options("pipeline_schedule",
-                           "Pipeline training schedules (GPipe, 1F1B, interleaved 1F1B) for S "
-                           "stages and M micro-batches: per-device actions, Gantt chart, bubble");
+  const std::string what = "Pipeline training schedules (GPipe, 1F1B, interleaved 1F1B) for S "
+                           "stages and M micro-batches: per-device actions, Gantt chart, bubble";
+  cxxopts::Options options("pipeline_schedule", what);
   options.add_options()
       ("schedule", "gpipe, 1f1b or interleaved",
        cxxopts::value<std::string>()->default_value("gpipe"))
@@ -151,7 +152,7 @@ int main(int argc, char** argv) {
   try {
     const cxxopts::ParseResult result = options.parse(argc, argv);
     if (result.count("help")) {
-      std::cout << options.help() << std::endl;
+      std::cout << harness::apps::one_line_help(options, what);
       return 0;
     }
     config = parse_config(result);

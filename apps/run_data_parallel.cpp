@@ -28,33 +28,33 @@ struct DataParallelFlags {
 };
 
 DataParallelFlags parse(int argc, char** argv) {
-  cxxopts::Options options("run_data_parallel",
-                           "Train GPT-2 (German->English) with data parallelism over a process group");
+  const std::string what = "Train GPT-2 (German->English) with data, tensor and pipeline parallelism over processes.";
+  cxxopts::Options options("run_data_parallel", what);
   add_common_options(options, /*default_batch_size=*/128, /*default_epochs=*/10);
   options.add_options()
-      ("world_size", "number of ranks (worker processes started here)", cxxopts::value<int>()->default_value("2"))
-      ("pytest", "train one batch and write each rank's gradients to --grad_dir/model{rank}_gradients.pth (also --pytest True / --pytest False, the original's spelling)", cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
-      ("allreduce", "builtin: the process group's all-reduce; ring: ring all-reduce on point-to-point send/recv (with either --grad_sync)", cxxopts::value<std::string>()->default_value("builtin"))
-      ("reshuffle_each_epoch", "a new seeded partition of the training set every epoch (seed + epoch, as DistributedSampler.set_epoch); default: the original's fixed partition")
-      ("save_every_rank", "besides rank 0's model in --workdir, rank r > 0 writes its replica to --workdir/rank{r}/ (to check that replicas agree)")
-      ("grad_dir", "folder for the --pytest gradient files", cxxopts::value<std::string>()->default_value("tests"))
-      ("backend", "auto | gloo | nccl (auto: nccl on GPUs, gloo on CPUs)", cxxopts::value<std::string>()->default_value("auto"))
-      ("device", "auto | cpu | cuda: what each rank trains on (auto: GPU local_rank if any)", cxxopts::value<std::string>()->default_value("auto"))
-      ("master_addr", "rendezvous host (default: $MASTER_ADDR or localhost)", cxxopts::value<std::string>()->default_value(""))
-      ("master_port", "rendezvous port (default: $MASTER_PORT or 11868)", cxxopts::value<int>()->default_value("0"))
-      ("grad_sync", "bucketed: overlapped all-reduce of gradient buckets during backward; naive: the original's per-parameter all-reduce after backward", cxxopts::value<std::string>()->default_value("bucketed"))
-      ("bucket_cap_mb", "bucket size for --grad_sync bucketed", cxxopts::value<double>()->default_value("25"))
-      ("max_restarts", "as torchrun's --max-restarts: when a worker dies, restart the whole group up to N times, resuming from the newest complete checkpoint", cxxopts::value<int>()->default_value("0"))
-      ("dist_timeout_s", "seconds the rendezvous and each collective may take before the run fails", cxxopts::value<int>()->default_value("300"))
-      ("grad_reduce_dtype", "fp32 | bf16: the dtype gradients are all-reduced in (bf16 halves the bytes; the summed gradient is rounded to bf16 before the fp32 average is written back)", cxxopts::value<std::string>()->default_value("fp32"))
-      ("zero_prefetch", "--zero_stage 3: how many units (GPT-2 blocks, the embeddings with the tied head) are all-gathered ahead of the one computing, in forward and backward", cxxopts::value<int>()->default_value("1"))
-      ("zero_stage", "0 | 1 | 2 | 3: 1 shards AdamW's state over the data-parallel ranks (ZeRO-1): gradients are reduce-scattered during backward, each rank steps its shard, parameters are all-gathered; 2 shards the gradients too (ZeRO-2: each rank keeps only its chunks, the full gradients let go as they are reduced); with tensor or pipeline parallelism, over each shard's or stage's data-parallel group; 3 shards the parameters too (ZeRO-3, FSDP-style: each rank stores 1/N of every unit, gathered right before the unit's forward and again before its backward, let go after; with tensor parallelism each rank's slices, over its data-parallel group; not with pipeline stages); checkpoints keep the unsharded format", cxxopts::value<int>()->default_value("0"))
-      ("debug_sync", "before each collective, the ranks compare its fingerprint (sequence number, operation, dtypes and shapes) through the store: a mismatch or a rank that never arrives fails with every rank's view instead of hanging (as TORCH_DISTRIBUTED_DEBUG=DETAIL; costs one store round trip per collective)")
-      ("tensor_parallel_size", "ranks that split one model replica (Megatron-style tensor parallelism); --world_size = data-parallel size x this", cxxopts::value<int>()->default_value("1"))
-      ("pipeline_parallel_size", "pipeline stages, each a process (or --tensor_parallel_size of them); --world_size = data-parallel size x tensor x this, ranks ordered (p * D + d) * T + t", cxxopts::value<int>()->default_value("1"))
-      ("memory_plan", "print each rank's parameters, gradients, optimizer state and an activation estimate for this layout, model and batch, and the memory available per rank, then exit");
-  add_pipeline_options(options, "--pipeline_parallel_size > 1");
-  cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
+      ("world_size", "processes in all: data x tensor x pipeline", cxxopts::value<int>()->default_value("2"), "N")
+      ("tensor_parallel_size", "ranks that split each layer of a replica", cxxopts::value<int>()->default_value("1"), "T")
+      ("pipeline_parallel_size", "pipeline stages, each its own processes", cxxopts::value<int>()->default_value("1"), "P")
+      ("backend", "auto | gloo | nccl; auto: nccl on GPUs, gloo on CPUs", cxxopts::value<std::string>()->default_value("auto"), "NAME")
+      ("device", "auto | cpu | cuda; auto: GPU local_rank if there is one", cxxopts::value<std::string>()->default_value("auto"), "KIND")
+      ("master_addr", "rendezvous host (default: $MASTER_ADDR, else localhost)", cxxopts::value<std::string>()->default_value(""), "HOST")
+      ("master_port", "rendezvous port (default: $MASTER_PORT, else 11868)", cxxopts::value<int>()->default_value("0"), "PORT")
+      ("dist_timeout_s", "seconds the rendezvous and each collective may take", cxxopts::value<int>()->default_value("300"), "S")
+      ("grad_sync", "bucketed (overlapped with backward) | naive (per parameter, after)", cxxopts::value<std::string>()->default_value("bucketed"), "KIND")
+      ("bucket_cap_mb", "bucket size of --grad_sync bucketed", cxxopts::value<double>()->default_value("25"), "MB")
+      ("allreduce", "builtin (the process group's) | ring (on send/recv)", cxxopts::value<std::string>()->default_value("builtin"), "KIND")
+      ("grad_reduce_dtype", "fp32 | bf16: the dtype gradients are reduced in", cxxopts::value<std::string>()->default_value("fp32"), "DTYPE")
+      ("zero_stage", "0 | 1 | 2 | 3: shard optimizer state, then gradients, then parameters", cxxopts::value<int>()->default_value("0"), "S")
+      ("zero_prefetch", "units all-gathered ahead under --zero_stage 3", cxxopts::value<int>()->default_value("1"), "N")
+      ("memory_plan", "print each rank's memory plan for this layout and exit")
+      ("pytest", "train one batch, write each rank's gradients to --grad_dir", cxxopts::value<bool>()->default_value("false")->implicit_value("true"), "True|False")
+      ("grad_dir", "folder of the --pytest gradient files", cxxopts::value<std::string>()->default_value("tests"), "DIR")
+      ("reshuffle_each_epoch", "a new seeded partition of the training set every epoch")
+      ("save_every_rank", "ranks above 0 also write their replica to <workdir>/rank{r}/")
+      ("max_restarts", "restart the group after a worker dies, up to N times", cxxopts::value<int>()->default_value("0"), "N")
+      ("debug_sync", "compare each collective's fingerprint across ranks before it runs");
+  add_pipeline_options(options, "with --pipeline_parallel_size above 1");
+  cxxopts::ParseResult result = parse_or_exit(options, what, argc, argv);
   DataParallelFlags flags;
   try {
     const CommonFlags common = read_common(result);

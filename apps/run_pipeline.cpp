@@ -16,15 +16,15 @@ struct PipelineFlags {
 };
 
 PipelineFlags parse(int argc, char** argv) {
-  cxxopts::Options options("run_pipeline",
-                           "Train GPT-2 (German->English) on one device, model parallel, or pipelined");
+  const std::string what = "Train GPT-2 (German->English) on one device, in model parallel, or as a pipeline of devices.";
+  cxxopts::Options options("run_pipeline", what);
   add_common_options(options, /*default_batch_size=*/32, /*default_epochs=*/2);
   options.add_options()
-      ("model_parallel_mode", "model_parallel | pipeline_parallel (absent: one device)", cxxopts::value<std::string>()->default_value(""))
-      ("shuffle", "reshuffle the training pairs every epoch (from --seed); default: in order, as the original (shuffle=False)")
-      ("memory_plan", "print each device's parameters, gradients, optimizer state and an activation estimate for this mode, model and batch, and the memory available per device, then exit");
-  add_pipeline_options(options, "pipeline_parallel mode");
-  cxxopts::ParseResult result = parse_or_exit(options, argc, argv);
+      ("model_parallel_mode", "model_parallel | pipeline_parallel (default: one device)", cxxopts::value<std::string>()->default_value(""), "MODE")
+      ("shuffle", "reshuffle the training pairs every epoch from --seed")
+      ("memory_plan", "print each device's memory plan for this mode and exit");
+  add_pipeline_options(options, "in pipeline_parallel mode");
+  cxxopts::ParseResult result = parse_or_exit(options, what, argc, argv);
   PipelineFlags flags;
   try {
     const CommonFlags common = read_common(result);

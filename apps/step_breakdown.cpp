@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "help.h"
 #include "harness/model/gpt2.h"
 #include "harness/host_memory.h"
 #include "harness/model/precision.h"
@@ -96,7 +97,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
 int main(int argc, char** argv) {
   harness::keep_freed_host_memory();  // reuse, not re-fault, the large tensors of each step
   using namespace harness;
-  cxxopts::Options options("step_breakdown", "Where a GPT-2 training step's time goes, by kind of work");
+  const std::string what = "Where a GPT-2 training step's time goes, by kind of work";
+  cxxopts::Options options("step_breakdown", what);
   options.add_options()
       ("model", "preset", cxxopts::value<std::string>()->default_value("gpt2-mini"))
       ("vocab", "vocab_size (0: the preset's)", cxxopts::value<int64_t>()->default_value("0"))
@@ -110,7 +112,7 @@ int main(int argc, char** argv) {
       ("h,help", "this help");
   const auto flags = options.parse(argc, argv);
   if (flags.count("help")) {
-    std::cout << options.help() << std::endl;
+    std::cout << harness::apps::one_line_help(options, what);
     return 0;
   }
   try {
