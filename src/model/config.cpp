@@ -43,7 +43,7 @@ std::string type_name(const json& v) { return v.type_name(); }
 
 // A value for a one-line error message: its type and, for a scalar, its JSON cut after 60 bytes.
 // Containers are described by size: dump() would copy a whole (maybe huge) subtree.
-std::string shown(const json& v) {
+std::string shown_with_type(const json& v) {
   if (v.is_object()) return "object with " + std::to_string(v.size()) + " key(s)";
   if (v.is_array()) return "array of " + std::to_string(v.size()) + " element(s)";
   std::string text = v.dump();
@@ -61,7 +61,7 @@ void read_int(const json& j, const char* key, int64_t& out, const std::string& o
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return;
   if (!it->is_number_integer()) {
-    throw std::runtime_error(origin + ": key \"" + key + "\" must be an integer, got " + shown(*it));
+    throw std::runtime_error(origin + ": key \"" + key + "\" must be an integer, got " + shown_with_type(*it));
   }
   if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
     throw std::runtime_error(origin + ": key \"" + key + "\" = " + it->dump() +
@@ -74,7 +74,7 @@ void read_double(const json& j, const char* key, double& out, const std::string&
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return;
   if (!it->is_number()) {
-    throw std::runtime_error(origin + ": key \"" + key + "\" must be a number, got " + shown(*it));
+    throw std::runtime_error(origin + ": key \"" + key + "\" must be a number, got " + shown_with_type(*it));
   }
   out = it->get<double>();
 }
@@ -88,8 +88,8 @@ void require_value(const json& j, const char* key, const json& expected, const s
   for (const auto& ok : also_ok) {
     if (*it == ok) return;
   }
-  throw std::runtime_error(origin + ": key \"" + key + "\" = " + shown(*it) +
-                           " is not supported (expected " + shown(expected) + ")");
+  throw std::runtime_error(origin + ": key \"" + key + "\" = " + shown_with_type(*it) +
+                           " is not supported (expected " + shown_with_type(expected) + ")");
 }
 
 }  // namespace
@@ -164,14 +164,14 @@ GPT2Config GPT2Config::from_json_string(const std::string& text, const std::stri
     throw std::runtime_error(origin + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) {
-    throw std::runtime_error(origin + ": expected a JSON object, got " + shown(j));
+    throw std::runtime_error(origin + ": expected a JSON object, got " + shown_with_type(j));
   }
   if (auto it = j.find("model_type"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) {
-      throw std::runtime_error(origin + ": key \"model_type\" must be a string, got " + shown(*it));
+      throw std::runtime_error(origin + ": key \"model_type\" must be a string, got " + shown_with_type(*it));
     }
     if (it->get<std::string>() != "gpt2") {
-      throw std::runtime_error(origin + ": key \"model_type\" is " + shown(*it) +
+      throw std::runtime_error(origin + ": key \"model_type\" is " + shown_with_type(*it) +
                                ", only \"gpt2\" is supported");
     }
   }

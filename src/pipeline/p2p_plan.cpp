@@ -60,20 +60,17 @@ std::string context(const P2PPlan& plan) {
 }
 
 
-using MessageKey = std::tuple<int, int, int>;
-MessageKey key_of(const Message& m) { return {static_cast<int>(m.kind), m.micro_batch, m.from_stage}; }
-
 // Every message sent exactly once and received exactly once, between the same two devices.
 void check_pairs(const P2PPlan& plan) {
   struct Ends {
     int sends = 0, recvs = 0, sender = -1, receiver = -1, send_peer = -1, recv_peer = -1;
     Message message;
   };
-  std::map<MessageKey, Ends> ends;
+  std::map<Message, Ends> ends;
   for (size_t d = 0; d < plan.per_device.size(); ++d) {
     for (const P2PStep& step : plan.per_device[d]) {
       for (const Op& op : step.exchange) {
-        Ends& e = ends[key_of(op.message)];
+        Ends& e = ends[op.message];
         e.message = op.message;
         if (op.kind == Op::Kind::kSend) {
           ++e.sends;

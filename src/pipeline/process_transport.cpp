@@ -10,10 +10,6 @@
 namespace harness::pipeline {
 namespace {
 
-std::tuple<int, int, int> key_of(const P2PMessage& m) {
-  return {static_cast<int>(m.kind), m.micro_batch, m.from_stage};
-}
-
 std::string sizes_text(at::IntArrayRef sizes) {
   std::ostringstream out;
   out << sizes;
@@ -106,7 +102,7 @@ void ProcessTransport::exchange(int device, const std::vector<P2POp>& ops,
     if (ops[k].kind == P2POp::Kind::kSend) {
       if (posted[k].work) sending_.push_back(std::move(posted[k]));
     } else {
-      received_[key_of(ops[k].message)] = std::move(posted[k]);
+      received_[ops[k].message] = std::move(posted[k]);
     }
   }
 }
@@ -130,7 +126,7 @@ void ProcessTransport::wait_for(Posted& posted, int device) {
 }
 
 at::Tensor ProcessTransport::take(int device, const P2PMessage& message) {
-  auto it = received_.find(key_of(message));
+  auto it = received_.find(message);
   if (it == received_.end()) {
     throw std::logic_error("pipeline rank " + std::to_string(device) + " needs " + p2p_message_label(message) +
                            " before its plan received it");

@@ -34,10 +34,6 @@ namespace fs = std::filesystem;
 namespace dp = harness::data_parallel;
 using json = nlohmann::json;
 
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read " + path);

@@ -19,7 +19,7 @@ namespace harness::train {
 
 namespace {
 
-using json = nlohmann::ordered_json;  // the fields in the documented order
+using ordered_json = nlohmann::ordered_json;  // the fields in the documented order
 
 // The lines of `path` whose "step" is at most `last_step` (none when the file does not exist).
 std::vector<std::string> records_through(const std::string& path, int64_t last_step) {
@@ -27,10 +27,10 @@ std::vector<std::string> records_through(const std::string& path, int64_t last_s
   std::ifstream in(path);
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
-    json record;
+    ordered_json record;
     try {
-      record = json::parse(line);
-    } catch (const json::exception&) {
+      record = ordered_json::parse(line);
+    } catch (const ordered_json::exception&) {
       continue;  // a line cut short by a kill
     }
     if (record.value("step", int64_t{0}) <= last_step) kept.push_back(line);
@@ -53,7 +53,7 @@ MetricsLog::MetricsLog(const std::string& path, int64_t resumed_step, const std:
 MetricsLog::~MetricsLog() = default;
 
 void MetricsLog::log(const StepMetrics& m) {
-  const json record = {{"kind", "train"},
+  const ordered_json record = {{"kind", "train"},
                        {"step", m.step},
                        {"epoch", m.epoch},
                        {"loss", m.loss},
@@ -72,7 +72,7 @@ void MetricsLog::log(const StepMetrics& m) {
 }
 
 void MetricsLog::log(const EvalMetrics& m) {
-  const json record = {{"kind", "eval"}, {"step", m.step}, {"epoch", m.epoch}, {"validation_loss", m.validation_loss}};
+  const ordered_json record = {{"kind", "eval"}, {"step", m.step}, {"epoch", m.epoch}, {"validation_loss", m.validation_loss}};
   out_ << record.dump() << std::endl;
   if (tensorboard_) tensorboard_->add_scalar("eval/validation_loss", m.validation_loss, m.step);
 }

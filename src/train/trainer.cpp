@@ -15,13 +15,10 @@
 #include "harness/train/setup.h"
 
 namespace harness::train {
-namespace {
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
-
-}  // namespace
 
 double EpochTiming::mean_batch_token_rate() const { return mean_std(batch_token_rates).mean; }
 

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "harness/pipeline/training_schedule.h"
@@ -33,6 +34,10 @@ struct P2PMessage {
   int from_stage = 0;
   bool operator==(const P2PMessage& other) const {
     return kind == other.kind && micro_batch == other.micro_batch && from_stage == other.from_stage;
+  }
+  // Messages as map keys: activations first, then by micro-batch and stage.
+  bool operator<(const P2PMessage& other) const {
+    return std::tie(kind, micro_batch, from_stage) < std::tie(other.kind, other.micro_batch, other.from_stage);
   }
 };
 

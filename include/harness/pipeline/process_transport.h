@@ -73,7 +73,7 @@ class ProcessTransport final : public StageTransport {
   };
   void wait_for(Posted& posted, int device);
 
-  std::map<std::tuple<int, int, int>, Posted> received_;
+  std::map<P2PMessage, Posted> received_;
   std::vector<Posted> sending_;
   int64_t sent_bytes_ = 0;
   std::optional<P2PDebugRecord> debug_;

@@ -21,6 +21,9 @@ class Tracer;
 
 namespace harness::train {
 
+// Seconds on the steady clock: what the epochs' and checkpoints' timings subtract.
+double now_seconds();
+
 struct EpochTiming;
 
 struct TrainEpochOptions {
