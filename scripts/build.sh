@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing (scripts/setup.sh), then configures and builds into build/.
+# Usage: scripts/build.sh [TARGET ...]: everything (the programs, tools and test suites), or only
+# the targets named and what they need (e.g. scripts/build.sh run_data_parallel).
 # Torch_DIR=/path/to/libtorch/share/cmake/Torch builds against another LibTorch.
 # BUILD_DIR overrides the build folder (default: build).
 set -euo pipefail
@@ -19,5 +21,7 @@ if [[ ! -f "$BUILD_DIR/build.ninja" || -n "${Torch_DIR:-}" ]]; then
     exit 1
   }
 fi
-echo "[build] building (ninja, $(nproc) jobs)"
-cmake --build "$BUILD_DIR" -j "$(nproc)" "$@"
+targets=()
+for target in "$@"; do targets+=(--target "$target"); done
+echo "[build] building ${*:-everything} (ninja, $(nproc) jobs)"
+cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}"

@@ -4,7 +4,8 @@
 # Extra arguments are passed to run_data_parallel (e.g. --n_epochs 2).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-"$ROOT/scripts/build.sh"
+# The demo runs one program: build it and the library, not the tools and test suites.
+"$ROOT/scripts/build.sh" run_data_parallel
 BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
 WORKDIR="${WORKDIR:-$ROOT/workdir/main}"
 cd "$ROOT"

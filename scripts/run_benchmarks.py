@@ -183,7 +183,7 @@ class Runner:
             return bc.parse_log(log, kind, world_size, n_epochs)
         if not os.access(cmd[0], os.X_OK):
             raise bc.BenchmarkError(
-                f"{cmd[0]} not found: build it first (scripts/build.sh --target run_pipeline "
+                f"{cmd[0]} not found: build it first (scripts/build.sh run_pipeline "
                 f"run_data_parallel) or point --build-dir at the folder that has it")
         err = os.path.join(self.perf_dir, name + ".stderr.log")
         # A fresh work directory per run: the programs refuse checkpoints of an earlier run there.
