@@ -206,6 +206,8 @@ class Docs(unittest.TestCase):
         if not words:
             return []
         first, problems = words[0], []
+        if first.startswith("scripts/") and first.endswith(".py"):
+            return [f"{where}: {first} needs an interpreter: .venv/bin/python (which has torch) or python3"]
         if first in (".venv/bin/python", "python3", "python"):
             if len(words) < 2 or not words[1].startswith("scripts/"):
                 return [f"{where}: {first} runs something other than a script of scripts/: {command!r}"]
@@ -280,6 +282,7 @@ class Docs(unittest.TestCase):
         self.assertTrue(self.check_command("build/no_such_program --help", where))
         self.assertTrue(self.check_command(".venv/bin/python scripts/no_such.py", where))
         self.assertTrue(self.check_command("rm -rf build", where))
+        self.assertTrue(self.check_command("scripts/plot_metrics.py metrics.jsonl", where))
         self.assertTrue(self.check_command("torchrun --nnodes 2 python train.py", where))
         self.assertEqual(slug("ZeRO's memory and speed"), "zeros-memory-and-speed")
         self.assertEqual(slug("Memory plan (`--memory_plan`)"), "memory-plan---memory_plan")
