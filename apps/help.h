@@ -5,33 +5,32 @@
 #include <cxxopts.hpp>
 
 #include <algorithm>
-#include <iostream>
 #include <string>
 #include <vector>
 
 namespace harness::apps {
 
-// One option's line: "  --name ARG   meaning (default: X)". Switches are off by default; an
-// option whose default is worked out at run time (an empty string here) says so in its meaning.
-inline std::string flag_line(const cxxopts::HelpOptionDetails& o, size_t name_width) {
-  // A switch is a boolean without a value's name; --pytest, a boolean that takes True|False, has one.
-  const bool is_switch = o.is_boolean && o.arg_help.empty();
+// A switch is a boolean without a value's name; --pytest, a boolean that takes True|False, has one.
+inline bool is_switch(const cxxopts::HelpOptionDetails& o) { return o.is_boolean && o.arg_help.empty(); }
+
+// "--name ARG", "-h, --help", "--pytest [True|False]".
+inline std::string flag_name(const cxxopts::HelpOptionDetails& o) {
   std::string name = "--" + o.l.front();
   if (!o.s.empty()) name = "-" + o.s + ", " + name;
-  if (!is_switch) {
+  if (!is_switch(o)) {
     const std::string arg = o.arg_help.empty() ? "ARG" : o.arg_help;
     name += o.has_implicit ? " [" + arg + "]" : " " + arg;
   }
-  std::string meaning = o.desc;
-  if (meaning.find("(default: ") != std::string::npos || o.l.front() == "help") {
-    // The default is worked out at run time and said in words, or there is none.
-  } else if (is_switch) {
-    meaning += " (default: off)";
-  } else if (o.has_default && !o.default_value.empty()) {
-    meaning += " (default: " + o.default_value + ")";
-  }
-  name.resize(std::max(name.size(), name_width), ' ');
-  return "  " + name + "  " + meaning + "\n";
+  return name;
+}
+
+// The meaning with its default. Switches are off by default; an option whose default is worked
+// out at run time (an empty string here) says so in its meaning.
+inline std::string flag_meaning(const cxxopts::HelpOptionDetails& o) {
+  if (o.desc.find("(default: ") != std::string::npos || o.l.front() == "help") return o.desc;
+  if (is_switch(o)) return o.desc + " (default: off)";
+  if (o.has_default && !o.default_value.empty()) return o.desc + " (default: " + o.default_value + ")";
+  return o.desc;
 }
 
 inline std::string one_line_help(const cxxopts::Options& options, const std::string& what) {
@@ -40,12 +39,13 @@ inline std::string one_line_help(const cxxopts::Options& options, const std::str
     for (const cxxopts::HelpOptionDetails& o : options.group_help(group).options) all.push_back(&o);
   }
   size_t width = 0;
-  for (const auto* o : all) {
-    const std::string line = flag_line(*o, 0);
-    width = std::max(width, line.find("  ", 2) - 2);
-  }
+  for (const auto* o : all) width = std::max(width, flag_name(*o).size());
   std::string out = "Usage: " + options.program() + " [--flag value ...]\n" + what + "\n\n";
-  for (const auto* o : all) out += flag_line(*o, width);
+  for (const auto* o : all) {
+    std::string name = flag_name(*o);
+    name.resize(width, ' ');
+    out += "  " + name + "  " + flag_meaning(*o) + "\n";
+  }
   return out;
 }
 
