@@ -16,19 +16,18 @@
 #include <vector>
 
 #include "dropout_kernel.h"
+#include "elementwise_grain.h"
 
 namespace harness::model {
 namespace {
 
 thread_local std::optional<at::Generator> thread_generator;
 
-constexpr int64_t kDropoutGrain = 32768;  // elements per parallel task
-
 // Runs fn(first, end) over [0, n) split into ranges, each starting on an even element (a draw's
 // first word), however many threads share them.
 template <typename Fn>
 void for_each_even_range(int64_t n, const Fn& fn) {
-  at::parallel_for(0, (n + 1) / 2, kDropoutGrain / 2,
+  at::parallel_for(0, (n + 1) / 2, detail::kElementwiseGrain / 2,
                    [&](int64_t begin, int64_t end) { fn(2 * begin, std::min(2 * end, n)); });
 }
 
@@ -108,7 +107,7 @@ class FusedDropout : public torch::autograd::Function<FusedDropout> {
                 grad.scalar_type(), ", expected float or bfloat16");
     const void* src = grad.data_ptr();
     void* dst = dx.data_ptr();
-    at::parallel_for(0, grad.numel(), kDropoutGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, grad.numel(), detail::kElementwiseGrain, [&](int64_t begin, int64_t end) {
       if (bf16) {
         detail::dropout_backward_bf16(static_cast<const uint16_t*>(src) + begin, kept + begin,
                                       static_cast<uint16_t*>(dst) + begin, end - begin, scale);

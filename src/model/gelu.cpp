@@ -4,12 +4,11 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include "elementwise_grain.h"
 #include "gelu_kernel.h"
 
 namespace harness::model {
 namespace {
-
-constexpr int64_t kGeluGrain = 32768;  // elements per parallel task
 
 bool ours(const at::Tensor& x) {
   return x.is_cpu() && x.layout() == at::kStrided &&
@@ -29,7 +28,7 @@ class GeluTanh : public torch::autograd::Function<GeluTanh> {
     at::Tensor out = at::empty(in.sizes(), in.options());
     const float* src = in.data_ptr<float>();
     float* dst = out.data_ptr<float>();
-    at::parallel_for(0, in.numel(), kGeluGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, in.numel(), detail::kElementwiseGrain, [&](int64_t begin, int64_t end) {
       detail::gelu_tanh_forward(src + begin, dst + begin, end - begin);
     });
     return out.to(x.scalar_type());
@@ -43,7 +42,7 @@ class GeluTanh : public torch::autograd::Function<GeluTanh> {
     const float* g = grad.data_ptr<float>();
     const float* src = in.data_ptr<float>();
     float* dst = dx.data_ptr<float>();
-    at::parallel_for(0, in.numel(), kGeluGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, in.numel(), detail::kElementwiseGrain, [&](int64_t begin, int64_t end) {
       detail::gelu_tanh_backward(g + begin, src + begin, dst + begin, end - begin);
     });
     return {dx.to(x.scalar_type())};
