@@ -2,6 +2,7 @@
 and the scripts' flags. Every relative link resolves (anchors included), every flag the docs name
 exists, every flag of the two programs is documented in docs/programs.md, every command in a sh
 block names a program or script that exists, and --help gives one line per flag with its default."""
+import functools
 import glob
 import os
 import re
@@ -75,6 +76,7 @@ def slug(heading):
     return text.replace(" ", "-")
 
 
+@functools.lru_cache(maxsize=None)
 def anchors(path):
     seen, out = {}, set()
     prose, _ = split_blocks(read(path))
