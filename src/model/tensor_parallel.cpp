@@ -19,7 +19,8 @@ int64_t parts_of(const ShardSpec& spec) { return spec.kind == ShardSpec::Kind::k
 int64_t ShardSpec::split_dim(int64_t dims) const {
   switch (kind) {
     case Kind::kColumns: return dims - 1;
-    case Kind::kRows: return 0;
+    case Kind::kRows:
+    case Kind::kBalancedRows: return 0;
     case Kind::kReplicated: break;
   }
   return -1;
@@ -32,6 +33,10 @@ std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t extent, const Shar
                                 std::to_string(world_size) + ")");
   }
   if (spec.kind == ShardSpec::Kind::kReplicated) return {{0, extent}};
+  if (spec.kind == ShardSpec::Kind::kBalancedRows) {
+    const VocabularyRange range = vocabulary_range(extent, rank, world_size);
+    return {{range.start, range.size()}};
+  }
   const int64_t parts = parts_of(spec);
   if (parts < 1 || extent % (parts * world_size) != 0) {
     throw std::invalid_argument("shard: extent " + std::to_string(extent) + " is not divisible into " +
@@ -65,6 +70,23 @@ at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int rank,
 at::Tensor unshard_tensor(const std::vector<at::Tensor>& shards, const ShardSpec& spec) {
   if (shards.empty()) throw std::invalid_argument("unshard_tensor: no shards");
   if (spec.kind == ShardSpec::Kind::kReplicated) return shards.front();
+  if (spec.kind == ShardSpec::Kind::kBalancedRows) {
+    const int world = static_cast<int>(shards.size());
+    int64_t rows = 0;
+    for (const auto& s : shards) rows += s.dim() > 0 ? s.size(0) : 0;
+    for (int r = 0; r < world; ++r) {
+      const at::Tensor& s = shards[static_cast<size_t>(r)];
+      const bool same_rest = s.dim() > 0 && s.dim() == shards.front().dim() &&
+                             s.sizes().slice(1) == shards.front().sizes().slice(1);
+      if (!same_rest || rows < world || s.size(0) != vocabulary_range(rows, r, world).size()) {
+        throw std::invalid_argument("unshard_tensor: shard " + shape_str(s.sizes()) + " of rank " + std::to_string(r) +
+                                    " (rank 0's " + shape_str(shards.front().sizes()) +
+                                    ") is not its part of a balanced split of " + std::to_string(rows) +
+                                    " rows over " + std::to_string(world) + " ranks");
+      }
+    }
+    return torch::cat(shards, 0);
+  }
   for (const auto& s : shards) {
     if (s.sizes() != shards.front().sizes()) {
       throw std::invalid_argument("unshard_tensor: shards of different shapes " +
@@ -86,6 +108,20 @@ at::Tensor unshard_tensor(const std::vector<at::Tensor>& shards, const ShardSpec
   return torch::cat(pieces, dim);
 }
 
+VocabularyRange vocabulary_range(int64_t vocab_size, int rank, int world_size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw std::invalid_argument("vocabulary_range: rank " + std::to_string(rank) + " outside [0, " +
+                                std::to_string(world_size) + ")");
+  }
+  if (vocab_size < world_size) {
+    throw std::invalid_argument("vocabulary_range: " + std::to_string(vocab_size) + " ids cannot be split over " +
+                                std::to_string(world_size) + " ranks");
+  }
+  const int64_t base = vocab_size / world_size, extra = vocab_size % world_size;
+  const int64_t start = rank * base + std::min<int64_t>(rank, extra);
+  return {start, start + base + (rank < extra ? 1 : 0)};
+}
+
 void validate_tensor_parallel(const GPT2Config& config, int tensor_parallel_size) {
   config.validate();
   if (tensor_parallel_size < 1) {
@@ -100,6 +136,11 @@ void validate_tensor_parallel(const GPT2Config& config, int tensor_parallel_size
   if (config.inner_dim() % tensor_parallel_size != 0) {
     throw std::invalid_argument("tensor parallelism splits the MLP: inner size " +
                                 std::to_string(config.inner_dim()) + " is not divisible by --tensor_parallel_size " +
+                                std::to_string(tensor_parallel_size));
+  }
+  if (config.vocab_size < tensor_parallel_size) {
+    throw std::invalid_argument("tensor parallelism splits the tied head over the vocabulary: vocab_size " +
+                                std::to_string(config.vocab_size) + " is smaller than --tensor_parallel_size " +
                                 std::to_string(tensor_parallel_size));
   }
 }

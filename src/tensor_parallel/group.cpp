@@ -18,6 +18,17 @@ class ProcessGroupTensorParallel : public model::TensorParallelGroup {
   at::Tensor copy_to_region(const at::Tensor& x) override { return copy_to_tp_region(x, tp_); }
   at::Tensor reduce_from_region(const at::Tensor& x) override { return reduce_from_tp_region(x, tp_); }
   std::vector<at::Tensor> all_gather(const at::Tensor& x) override { return tensor_parallel::all_gather(x, tp_); }
+  at::Tensor all_reduce(const at::Tensor& x, ReduceOp op) override {
+    std::vector<at::Tensor> buffers{x.detach().contiguous().clone()};
+    if (tp_.world_size > 1) {
+      c10d::AllreduceOptions options;
+      options.reduceOp = op == ReduceOp::kSum   ? c10d::ReduceOp::SUM
+                         : op == ReduceOp::kMax ? c10d::ReduceOp::MAX
+                                                : c10d::ReduceOp::MIN;
+      tp_.group->allreduce(buffers, options)->wait();
+    }
+    return buffers[0];
+  }
   at::Tensor run_in_rank_stream(const c10::Device& device, const std::function<at::Tensor()>& fn) override {
     return rng_.run(device, fn);
   }

@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "harness/model/tensor_parallel.h"
+
 namespace harness::model {
 
 // sum(CE(logits[b,t], labels[b,t]) * weights[b,t]) / sum(weights), a float32 scalar.
@@ -16,5 +18,14 @@ at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& la
 // micro-batches). Same shape checks; weight_sum must be positive.
 at::Tensor weighted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels,
                                   const at::Tensor& weights, const at::Tensor& weight_sum);
+
+// The same loss when the tied head is split over the vocabulary of `group` (vocab_parallel.h):
+// from this rank's slice of the logits [B, T, V_t] of a `vocab_size` vocabulary, the value (and,
+// for the slice, the gradient) the two above give on the whole logits, on every rank. Labels of
+// -100 or of weight 0 count nothing. weight_sum undefined: the weights' own sum (which must not
+// be 0), as above. Collective over the group.
+at::Tensor vocab_parallel_weighted_cross_entropy(const at::Tensor& logits_slice, const at::Tensor& labels,
+                                                 const at::Tensor& weights, const at::Tensor& weight_sum,
+                                                 int64_t vocab_size, TensorParallelGroup& group);
 
 }  // namespace harness::model

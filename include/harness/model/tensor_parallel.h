@@ -18,18 +18,23 @@ struct GPT2Config;
 
 // How a parameter of the unsplit model is spread over the tensor-parallel ranks.
 struct ShardSpec {
-  enum class Kind { kReplicated, kColumns, kRows };
+  // kBalancedRows: the first dimension split as evenly as it goes when it does not divide (the
+  // vocabulary of the tied wte and head: GPT-2's 50257 rows): the first extent % T ranks hold one
+  // row more than the others (see vocabulary_range).
+  enum class Kind { kReplicated, kColumns, kRows, kBalancedRows };
   Kind kind = Kind::kReplicated;
   // kColumns: the output dimension is `fused_parts` equal blocks fused side by side (GPT-2's
   // c_attn packs [q | k | v]: 3); each block is split over the ranks on its own, so rank t holds
   // block p's t-th slice for every p, in block order.
   int64_t fused_parts = 1;
-  // The dimension that is split: kColumns the last one, kRows the first; -1 for kReplicated.
+  // The dimension that is split: kColumns the last one, kRows and kBalancedRows the first; -1 for
+  // kReplicated.
   int64_t split_dim(int64_t dims) const;
 };
 
 // Rank `rank`'s shard of an unsplit tensor, and the unsplit tensor from every rank's shard
-// (pure). Errors name the shape, the split and the number of ranks when they do not divide.
+// (pure). Errors name the shape, the split and the number of ranks when they do not divide
+// (kBalancedRows: when there are fewer rows than ranks).
 at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec, int rank, int world_size);
 at::Tensor unshard_tensor(const std::vector<at::Tensor>& shards, const ShardSpec& spec);
 
@@ -38,8 +43,19 @@ at::Tensor unshard_tensor(const std::vector<at::Tensor>& shards, const ShardSpec
 std::vector<std::pair<int64_t, int64_t>> shard_ranges(int64_t extent, const ShardSpec& spec, int rank,
                                                       int world_size);
 
+// The ids of a vocabulary of `vocab_size` that rank `rank` of `world_size` holds: [start, end).
+// Balanced: vocab_size / world_size ids each, one more on the first vocab_size % world_size ranks
+// (50257 over 2: [0, 25129) and [25129, 50257)), so no rank is ever left without an id and none
+// holds more than one row beyond another. Throws when vocab_size < world_size.
+struct VocabularyRange {
+  int64_t start = 0, end = 0;
+  int64_t size() const { return end - start; }
+};
+VocabularyRange vocabulary_range(int64_t vocab_size, int rank, int world_size);
+
 // Throws std::invalid_argument with the numbers when n_head or the MLP's inner size is not
-// divisible by tensor_parallel_size (or the config itself is invalid).
+// divisible by tensor_parallel_size, when the vocabulary has fewer ids than ranks (the tied head
+// is split over it), or when the config itself is invalid.
 void validate_tensor_parallel(const GPT2Config& config, int tensor_parallel_size);
 
 // The ranks that together hold one model replica, seen from one of them.
@@ -56,6 +72,10 @@ class TensorParallelGroup {
   virtual at::Tensor reduce_from_region(const at::Tensor& x) = 0;
   // Every rank's x in rank order, outside autograd (gathering shards to save or compare).
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& x) = 0;
+  // The element-wise reduction of every rank's x (same shape on all), outside autograd: a new
+  // tensor, x left as it was (the vocabulary-parallel loss's maxima and sums).
+  enum class ReduceOp { kSum, kMax, kMin };
+  virtual at::Tensor all_reduce(const at::Tensor& x, ReduceOp op) = 0;
   // fn with `device`'s default generator switched to this rank's own stream, for dropout on
   // activations that exist on this rank alone (its heads' attention probabilities); the default
   // generator, which must agree over the group, is left as it was.

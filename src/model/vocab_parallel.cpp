@@ -1,0 +1,124 @@
+// Cross entropy and arg-max over a vocabulary split across a tensor-parallel group (see
+// vocab_parallel.h).
+#include "harness/model/vocab_parallel.h"
+
+#include <torch/torch.h>
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "shape_text.h"
+
+namespace harness::model {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using ReduceOp = TensorParallelGroup::ReduceOp;
+
+constexpr int64_t kIgnoreIndex = -100;
+
+VocabularyRange checked_slice(const char* what, const at::Tensor& logits_slice, int64_t vocab_size,
+                              const TensorParallelGroup& group) {
+  const VocabularyRange range = vocabulary_range(vocab_size, group.rank(), group.size());
+  if (logits_slice.dim() != 2 || logits_slice.size(1) != range.size()) {
+    throw std::invalid_argument(std::string(what) + ": logits slice must be [N, " + std::to_string(range.size()) +
+                                "] (ids [" + std::to_string(range.start) + ", " + std::to_string(range.end) +
+                                ") of " + std::to_string(vocab_size) + " on rank " + std::to_string(group.rank()) +
+                                " of " + std::to_string(group.size()) + "), got " + shape_str(logits_slice.sizes()));
+  }
+  return range;
+}
+
+// The per-row loss; the group travels as a pointer (its owner, the model, outlives the graph).
+class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits_slice, const at::Tensor& labels,
+                            int64_t start, TensorParallelGroup* group) {
+    const at::Tensor x = logits_slice.to(torch::kFloat32);
+    const int64_t n = x.size(0), width = x.size(1);
+    const at::Tensor max = group->all_reduce(std::get<0>(x.max(1)), ReduceOp::kMax);
+    at::Tensor softmax = (x - max.unsqueeze(1)).exp_();  // exps, then in place the softmax slice
+    const at::Tensor sum_exp = group->all_reduce(softmax.sum(1), ReduceOp::kSum);
+    const at::Tensor here = labels.ge(start).logical_and_(labels.lt(start + width));
+    const at::Tensor local_label = (labels - start).masked_fill_(here.logical_not(), 0);
+    const at::Tensor label_logit_here =
+        n == 0 ? x.new_zeros({0}) : x.gather(1, local_label.unsqueeze(1)).squeeze(1).masked_fill_(here.logical_not(), 0.0);
+    const at::Tensor label_logit = group->all_reduce(label_logit_here, ReduceOp::kSum);
+    const at::Tensor ignored = labels.eq(kIgnoreIndex);
+    softmax.div_(sum_exp.unsqueeze(1));
+    ctx->save_for_backward({softmax, local_label, here, ignored});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits_slice.scalar_type());
+    return (sum_exp.log() + max - label_logit).masked_fill_(ignored, 0.0);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& softmax = saved[0];
+    const at::Tensor& local_label = saved[1];
+    const at::Tensor& here = saved[2];
+    const at::Tensor& ignored = saved[3];
+    const at::Tensor upstream = grads[0].to(torch::kFloat32).masked_fill(ignored, 0.0);
+    at::Tensor grad = softmax * upstream.unsqueeze(1);
+    if (grad.size(0) > 0) {
+      grad.scatter_add_(1, local_label.unsqueeze(1), (-upstream * here.to(torch::kFloat32)).unsqueeze(1));
+    }
+    const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits_slice, const at::Tensor& labels, int64_t vocab_size,
+                                        TensorParallelGroup& group) {
+  const VocabularyRange range = checked_slice("vocab_parallel_cross_entropy", logits_slice, vocab_size, group);
+  if (labels.dim() != 1 || labels.size(0) != logits_slice.size(0)) {
+    throw std::invalid_argument("vocab_parallel_cross_entropy: labels must be [" +
+                                std::to_string(logits_slice.size(0)) + "] like the logits slice " +
+                                shape_str(logits_slice.sizes()) + ", got " + shape_str(labels.sizes()));
+  }
+  const at::Tensor ids = labels.to(logits_slice.device(), torch::kInt64);
+  if (ids.is_cpu() && ids.numel() > 0) {  // on a GPU this check would cost a synchronisation
+    const at::Tensor bad = ids.ne(kIgnoreIndex).logical_and_(ids.lt(0).logical_or_(ids.ge(vocab_size)));
+    if (bad.any().item<bool>()) {
+      const int64_t row = bad.nonzero()[0][0].item<int64_t>();
+      throw std::invalid_argument("vocab_parallel_cross_entropy: label " + std::to_string(ids[row].item<int64_t>()) +
+                                  " (row " + std::to_string(row) + ") is outside the vocabulary [0, " +
+                                  std::to_string(vocab_size) + ") and is not the ignore index -100");
+    }
+  }
+  return VocabParallelCrossEntropy::apply(logits_slice, ids, range.start, &group);
+}
+
+at::Tensor vocab_parallel_argmax(const at::Tensor& logits_slice, int64_t vocab_size, int64_t limit,
+                                 TensorParallelGroup& group) {
+  const VocabularyRange range = checked_slice("vocab_parallel_argmax", logits_slice, vocab_size, group);
+  if (limit < 1 || limit > vocab_size) {
+    throw std::invalid_argument("vocab_parallel_argmax: limit " + std::to_string(limit) + " is outside [1, " +
+                                std::to_string(vocab_size) + "]");
+  }
+  torch::NoGradGuard no_grad;
+  const int64_t n = logits_slice.size(0);
+  const int64_t competing = std::clamp<int64_t>(limit - range.start, 0, range.size());
+  const auto doubles = logits_slice.options().dtype(torch::kFloat64);
+  // (value, global id) of this rank's best per row; a rank with no competing id offers -inf at
+  // an id past the vocabulary, which any real id beats.
+  at::Tensor best = torch::empty({2, n}, doubles);
+  if (competing > 0) {
+    const auto [value, index] = logits_slice.detach().narrow(1, 0, competing).max(1);
+    best[0].copy_(value);
+    best[1].copy_(index + range.start);
+  } else {
+    best[0].fill_(-std::numeric_limits<double>::infinity());
+    best[1].fill_(static_cast<double>(vocab_size));
+  }
+  const at::Tensor all = torch::stack(group.all_gather(best));  // [T, 2, N]
+  const at::Tensor values = all.select(1, 0), ids = all.select(1, 1);
+  const at::Tensor top = std::get<0>(values.max(0));
+  const at::Tensor tied = ids.masked_fill(values.ne(top.unsqueeze(0)), std::numeric_limits<double>::infinity());
+  return std::get<0>(tied.min(0)).to(torch::kInt64);
+}
+
+}  // namespace harness::model
