@@ -13,14 +13,12 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
-#include "harness/tensor_parallel/parallel_context.h"
 #include "harness/train/memory_plan.h"
 
 namespace harness::apps {
 namespace {
 
 namespace dp = harness::data_parallel;
-namespace tp = harness::tensor_parallel;
 
 struct DataParallelFlags {
   train::DataParallelConfig config;

@@ -1,4 +1,4 @@
-// The data x tensor x pipeline layout of a run (see layout.h).
+// The data x context x tensor x pipeline layout of a run (see layout.h).
 #include "harness/parallel/layout.h"
 
 #include <iomanip>
@@ -14,35 +14,42 @@ void check_at_least_one(const char* flag, int value) {
 
 }  // namespace
 
-Layout Layout::create(int world_size, int tensor_parallel_size, int pipeline_parallel_size, int zero_stage) {
+Layout Layout::create(int world_size, const LayoutSizes& sizes) {
   check_at_least_one("--world_size", world_size);
-  check_at_least_one("--tensor_parallel_size", tensor_parallel_size);
-  check_at_least_one("--pipeline_parallel_size", pipeline_parallel_size);
-  const int model_ranks = tensor_parallel_size * pipeline_parallel_size;
+  check_at_least_one("--tensor_parallel_size", sizes.tensor);
+  check_at_least_one("--context_parallel_size", sizes.context);
+  check_at_least_one("--pipeline_parallel_size", sizes.pipeline);
+  const int model_ranks = sizes.context * sizes.tensor * sizes.pipeline;
   if (world_size % model_ranks != 0) {
-    if (pipeline_parallel_size == 1) {
-      throw std::invalid_argument("--world_size " + std::to_string(world_size) +
-                                  " is not divisible by --tensor_parallel_size " +
-                                  std::to_string(tensor_parallel_size) +
-                                  " (world size = data-parallel size x tensor-parallel size)");
+    // The tensor size always, the context and pipeline sizes where asked for: a data x tensor or
+    // a 3D run is refused in the words it was before.
+    std::string product = "--tensor_parallel_size " + std::to_string(sizes.tensor);
+    std::string meaning = "data-parallel x tensor-parallel";
+    if (sizes.context > 1) {
+      product = "--context_parallel_size " + std::to_string(sizes.context) + " x " + product;
+      meaning = "data-parallel x context-parallel x tensor-parallel";
     }
-    throw std::invalid_argument("--world_size " + std::to_string(world_size) + " is not divisible by " +
-                                "--tensor_parallel_size " + std::to_string(tensor_parallel_size) +
-                                " x --pipeline_parallel_size " + std::to_string(pipeline_parallel_size) + " = " +
-                                std::to_string(model_ranks) +
-                                " (world size = data-parallel x tensor-parallel x pipeline-parallel size)");
+    if (sizes.pipeline > 1) {
+      product += " x --pipeline_parallel_size " + std::to_string(sizes.pipeline);
+      meaning += " x pipeline-parallel";
+    }
+    const bool tensor_alone = sizes.context == 1 && sizes.pipeline == 1;
+    throw std::invalid_argument("--world_size " + std::to_string(world_size) + " is not divisible by " + product +
+                                (tensor_alone ? " (world size = data-parallel size x tensor-parallel size)"
+                                              : " = " + std::to_string(model_ranks) + " (world size = " + meaning +
+                                                    " size)"));
   }
-  if (zero_stage < 0 || zero_stage > 3) {
-    throw std::invalid_argument("--zero_stage " + std::to_string(zero_stage) + ": expected 0, 1, 2 or 3");
+  if (sizes.zero_stage < 0 || sizes.zero_stage > 3) {
+    throw std::invalid_argument("--zero_stage " + std::to_string(sizes.zero_stage) + ": expected 0, 1, 2 or 3");
   }
-  if (zero_stage == 3 && pipeline_parallel_size > 1) {
+  if (sizes.zero_stage == 3 && sizes.pipeline > 1) {
     throw std::invalid_argument("--zero_stage 3 gathers every unit (GPT-2's blocks) in every step's forward and backward "
                                 "on each data-parallel rank: it does not combine with --pipeline_parallel_size " +
-                                std::to_string(pipeline_parallel_size) +
+                                std::to_string(sizes.pipeline) +
                                 " (each stage's units would have to be gathered within its stage's schedule; use "
                                 "--zero_stage 1 or 2 there)");
   }
-  return Layout(world_size / model_ranks, tensor_parallel_size, pipeline_parallel_size, zero_stage);
+  return Layout(world_size / model_ranks, sizes);
 }
 
 void Layout::check_rank(int rank) const {
@@ -53,20 +60,23 @@ void Layout::check_rank(int rank) const {
 }
 
 int Layout::rank_of(const Coordinates& c) const {
-  if (c.data < 0 || c.data >= data_ || c.tensor < 0 || c.tensor >= tensor_ || c.pipeline < 0 ||
-      c.pipeline >= pipeline_) {
-    throw std::invalid_argument("coordinates (d " + std::to_string(c.data) + ", t " + std::to_string(c.tensor) +
-                                ", p " + std::to_string(c.pipeline) + ") are outside " + sizes_text());
+  auto inside = [](int value, int size) { return value >= 0 && value < size; };
+  if (!inside(c.data, data_) || !inside(c.context, context_) || !inside(c.tensor, tensor_) ||
+      !inside(c.pipeline, pipeline_)) {
+    throw std::invalid_argument("coordinates (d " + std::to_string(c.data) + ", c " + std::to_string(c.context) +
+                                ", t " + std::to_string(c.tensor) + ", p " + std::to_string(c.pipeline) +
+                                ") are outside " + sizes_text());
   }
-  return (c.pipeline * data_ + c.data) * tensor_ + c.tensor;
+  return ((c.pipeline * data_ + c.data) * context_ + c.context) * tensor_ + c.tensor;
 }
 
 Coordinates Layout::coordinates_of(int rank) const {
   check_rank(rank);
   Coordinates c;
   c.tensor = rank % tensor_;
-  c.data = (rank / tensor_) % data_;
-  c.pipeline = rank / (tensor_ * data_);
+  c.context = (rank / tensor_) % context_;
+  c.data = (rank / (tensor_ * context_)) % data_;
+  c.pipeline = rank / (tensor_ * context_ * data_);
   return c;
 }
 
@@ -78,6 +88,20 @@ std::vector<int> Layout::group_along(int rank, int Coordinates::*axis, int size)
 }
 
 std::vector<int> Layout::data_parallel_group(int rank) const { return group_along(rank, &Coordinates::data, data_); }
+
+std::vector<int> Layout::context_parallel_group(int rank) const {
+  return group_along(rank, &Coordinates::context, context_);
+}
+
+std::vector<int> Layout::gradient_group(int rank) const {
+  // Same (p, t): the D * C ranks from (d, c) = (0, 0), ordered by d * C + c, which is rank order.
+  Coordinates c = coordinates_of(rank);
+  std::vector<int> ranks;
+  for (c.data = 0; c.data < data_; ++c.data) {
+    for (c.context = 0; c.context < context_; ++c.context) ranks.push_back(rank_of(c));
+  }
+  return ranks;
+}
 
 std::vector<int> Layout::tensor_parallel_group(int rank) const {
   return group_along(rank, &Coordinates::tensor, tensor_);
@@ -113,6 +137,14 @@ std::vector<std::vector<int>> Layout::data_parallel_groups() const {
   return every_group(world_size(), [this](int r) { return data_parallel_group(r); });
 }
 
+std::vector<std::vector<int>> Layout::context_parallel_groups() const {
+  return every_group(world_size(), [this](int r) { return context_parallel_group(r); });
+}
+
+std::vector<std::vector<int>> Layout::gradient_groups() const {
+  return every_group(world_size(), [this](int r) { return gradient_group(r); });
+}
+
 std::vector<std::vector<int>> Layout::tensor_parallel_groups() const {
   return every_group(world_size(), [this](int r) { return tensor_parallel_group(r); });
 }
@@ -127,23 +159,27 @@ std::vector<std::vector<int>> Layout::embedding_groups() const {
 
 bool Layout::reports(int rank) const {
   const Coordinates c = coordinates_of(rank);
-  return c.pipeline == pipeline_ - 1 && c.tensor == 0;
+  return c.pipeline == pipeline_ - 1 && c.context == 0 && c.tensor == 0;
 }
 
 std::string Layout::sizes_text() const {
-  return "data " + std::to_string(data_) + " x tensor " + std::to_string(tensor_) + " x pipeline " +
+  return "data " + std::to_string(data_) + (context_ > 1 ? " x context " + std::to_string(context_) : "") + " x tensor " + std::to_string(tensor_) + " x pipeline " +
          std::to_string(pipeline_) + " = world " + std::to_string(world_size());
 }
 
 std::string Layout::coordinates_table() const {
   std::ostringstream out;
-  out << "layout: " << sizes_text() << ", rank = (p*D + d)*T + t"
+  // The context column only where sequences are split, so a 3D run's table reads as before.
+  const bool context = context_ > 1;
+  out << "layout: " << sizes_text() << (context ? ", rank = ((p*D + d)*C + c)*T + t" : ", rank = (p*D + d)*T + t")
       << (zero_stage_ ? ", ZeRO stage " + std::to_string(zero_stage_) : std::string()) << "\n";
-  out << "  rank  data  tensor  pipeline  reports\n";
+  out << "  rank  data" << (context ? "  context" : "") << "  tensor  pipeline  reports\n";
   for (int r = 0; r < world_size(); ++r) {
     const Coordinates c = coordinates_of(r);
-    out << std::setw(6) << r << std::setw(6) << c.data << std::setw(8) << c.tensor << std::setw(10) << c.pipeline
-        << "  " << (reports(r) ? "Rank " + std::to_string(c.data) : std::string("-")) << "\n";
+    out << std::setw(6) << r << std::setw(6) << c.data;
+    if (context) out << std::setw(9) << c.context;
+    out << std::setw(8) << c.tensor << std::setw(10) << c.pipeline << "  "
+        << (reports(r) ? "Rank " + std::to_string(c.data) : std::string("-")) << "\n";
   }
   return out.str();
 }

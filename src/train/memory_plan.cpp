@@ -587,7 +587,10 @@ std::vector<Device> pipeline_devices(const PipelineConfig& flags) {
 int print_memory_plan(const DataParallelConfig& flags) {
   // The sizes as a run checks them (the flags named); the ZeRO stage is planned even where this
   // build cannot run it yet, and said so below.
-  (void)parallel::Layout::create(flags.world_size, flags.tensor_parallel_size, flags.pipeline_parallel_size, 0);
+  parallel::LayoutSizes sizes;
+  sizes.tensor = flags.tensor_parallel_size;
+  sizes.pipeline = flags.pipeline_parallel_size;
+  (void)parallel::Layout::create(flags.world_size, sizes);
   const MemoryPlan plan = plan_memory(memory_plan_input(flags, resolve_config(flags.run.model)));
   std::vector<Device> devices = data_parallel_devices(flags.device, flags.world_size);
   if (devices.front().is_cuda() && static_cast<int>(torch::cuda::device_count()) < flags.world_size) {
@@ -595,8 +598,8 @@ int print_memory_plan(const DataParallelConfig& flags) {
   }
   std::cout << format_memory_plan(plan, available_memory(devices)) << std::flush;
   try {
-    (void)parallel::Layout::create(flags.world_size, flags.tensor_parallel_size, flags.pipeline_parallel_size,
-                                   flags.zero_stage);
+    sizes.zero_stage = flags.zero_stage;
+    (void)parallel::Layout::create(flags.world_size, sizes);
   } catch (const std::invalid_argument& e) {
     std::cout << "note: planned as asked, but this build cannot run it: " << e.what() << std::endl;
   }

@@ -19,10 +19,10 @@
 #include "harness/data_parallel/zero3.h"
 #include "harness/model/safetensors.h"
 #include "harness/parallel/layout.h"
+#include "harness/parallel/process_groups.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/tensor_parallel/group.h"
-#include "harness/tensor_parallel/parallel_context.h"
 #include "harness/trace.h"
 #include "harness/train/memory_plan.h"
 #include "harness/train/pipeline_forward_backward.h"
@@ -77,8 +77,11 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
 
 // The run's data x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags named).
 parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
-  return parallel::Layout::create(world_size, flags.tensor_parallel_size, flags.pipeline_parallel_size,
-                                  flags.zero_stage);
+  parallel::LayoutSizes sizes;
+  sizes.tensor = flags.tensor_parallel_size;
+  sizes.pipeline = flags.pipeline_parallel_size;
+  sizes.zero_stage = flags.zero_stage;
+  return parallel::Layout::create(world_size, sizes);
 }
 
 // The stages' options from the pipeline flags (checked, the flags named), for P > 1; the balance
@@ -202,21 +205,13 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   if (rank == 0) config.save_json_file(f.workdir + "/config.json");  // as the original, at start
 
   const int P = layout.pipeline_parallel_size();
-  std::optional<tp::ParallelContext> parallel;
-  std::optional<tp::LayoutGroups> stages;
-  if (P > 1) {
-    stages = tp::make_layout_groups(world, options, layout);
-  } else if (T > 1) {
-    parallel = tp::make_parallel_context(world, options, T);
-  }
-  const dp::DistContext& ctx = stages ? stages->data : parallel ? parallel->data : world;
+  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  // The ranks holding the same slice of the model: what the gradients are averaged over.
+  const dp::DistContext& ctx = groups.gradient;
 
   // T > 1: the model is split over the tensor-parallel group from the start (each rank builds
-  // and loads its own slices); the ranks holding the same slices are the data-parallel group.
-  std::shared_ptr<model::TensorParallelGroup> split =
-      T == 1     ? nullptr
-      : parallel ? tp::make_tensor_parallel_group(parallel->tensor)
-                 : tp::make_tensor_parallel_group(stages->tensor);
+  // and loads its own slices).
+  std::shared_ptr<model::TensorParallelGroup> split = T == 1 ? nullptr : tp::make_tensor_parallel_group(groups.tensor);
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed, split);
   model->to(device.torch_device());
   broadcast_parameters(ctx, *model);
@@ -253,8 +248,8 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
       agreed = agreed.to(torch::kCPU);
       stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
     }
-    PipelineProcesses processes{stages->pipeline, stages->embedding, flags.debug_sync, {}};
-    if (zero_buckets && stages->embedding) {
+    PipelineProcesses processes{groups.pipeline, groups.embedding, flags.debug_sync, {}};
+    if (zero_buckets && groups.embedding) {
       const at::Tensor wte = model->transformer->wte->weight;
       zero_buckets->keep_apart(wte);
       processes.tied_gradient = [buckets = zero_buckets.get(), wte] { return buckets->gradient_shard_of(wte); };
@@ -275,7 +270,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     PipelineStageParameters held;
     held.held = pipeline_stages->held_parameters();
     for (const auto& item : model->named_parameters()) held.owner[item.key()] = pipeline_stages->owner_of(item.key());
-    held.pipeline = stages->pipeline;
+    held.pipeline = groups.pipeline;
     std::vector<at::Tensor> parameters;
     for (const auto& item : model->named_parameters()) {
       if (std::find(held.held.begin(), held.held.end(), item.key()) != held.held.end()) parameters.push_back(item.value());

@@ -1,5 +1,5 @@
-// The data x tensor x pipeline layout against literal tables: coordinates, every group of each
-// kind, who reports, the table printed at start, and the refusals with their values.
+// The data x context x tensor x pipeline layout against literal tables: coordinates, every group
+// of each kind, who reports, the table printed at start, and the refusals with their values.
 #include <gtest/gtest.h>
 
 #include <stdexcept>
@@ -13,8 +13,28 @@ namespace {
 
 using Groups = std::vector<std::vector<int>>;
 
+// The sizes as the flags give them: --tensor_parallel_size, --pipeline_parallel_size,
+// --zero_stage, --context_parallel_size.
+LayoutSizes sizes(int tensor, int pipeline = 1, int zero_stage = 0, int context = 1) {
+  LayoutSizes s;
+  s.tensor = tensor;
+  s.pipeline = pipeline;
+  s.zero_stage = zero_stage;
+  s.context = context;
+  return s;
+}
+
+// Who prints the per-epoch lines.
+std::vector<int> reporting(const Layout& l) {
+  std::vector<int> ranks;
+  for (int r = 0; r < l.world_size(); ++r) {
+    if (l.reports(r)) ranks.push_back(r);
+  }
+  return ranks;
+}
+
 TEST(Layout, TwoByTwoByTwo) {
-  const Layout l = Layout::create(8, 2, 2);
+  const Layout l = Layout::create(8, sizes(2, 2));
   EXPECT_EQ(l.data_parallel_size(), 2);
   EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
   EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
@@ -30,15 +50,11 @@ TEST(Layout, TwoByTwoByTwo) {
   EXPECT_EQ(l.data_parallel_group(5), (std::vector<int>{5, 7}));
   EXPECT_EQ(l.tensor_parallel_group(5), (std::vector<int>{4, 5}));
   EXPECT_EQ(l.pipeline_group(5), (std::vector<int>{1, 5}));
-  std::vector<int> reporting;
-  for (int r = 0; r < 8; ++r) {
-    if (l.reports(r)) reporting.push_back(r);
-  }
-  EXPECT_EQ(reporting, (std::vector<int>{4, 6}));  // last stage, tensor rank 0: d = 0 and d = 1
+  EXPECT_EQ(reporting(l), (std::vector<int>{4, 6}));  // last stage, tensor rank 0: d = 0 and d = 1
 }
 
 TEST(Layout, OneByTwoByFour) {
-  const Layout l = Layout::create(8, 2, 4);
+  const Layout l = Layout::create(8, sizes(2, 4));
   EXPECT_EQ(l.data_parallel_size(), 1);
   EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
   EXPECT_EQ(l.data_parallel_groups(), (Groups{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
@@ -52,7 +68,7 @@ TEST(Layout, OneByTwoByFour) {
 }
 
 TEST(Layout, FourByOneByTwo) {
-  const Layout l = Layout::create(8, 1, 2);
+  const Layout l = Layout::create(8, sizes(1, 2));
   EXPECT_EQ(l.data_parallel_size(), 4);
   EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
   EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
@@ -63,7 +79,7 @@ TEST(Layout, FourByOneByTwo) {
 
 // Without a pipeline the layout is the data x tensor one the programs run today: rank = d*T + t.
 TEST(Layout, DataByTensorAlone) {
-  const Layout l = Layout::create(8, 2);
+  const Layout l = Layout::create(8, sizes(2));
   EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
   EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}}));
   EXPECT_EQ(l.embedding_group(5), (std::vector<int>{5}));
@@ -74,23 +90,95 @@ TEST(Layout, DataByTensorAlone) {
 }
 
 TEST(Layout, CoordinatesTable) {
-  EXPECT_EQ(Layout::create(4, 2, 2).coordinates_table(),
+  EXPECT_EQ(Layout::create(4, sizes(2, 2)).coordinates_table(),
             "layout: data 1 x tensor 2 x pipeline 2 = world 4, rank = (p*D + d)*T + t\n"
             "  rank  data  tensor  pipeline  reports\n"
             "     0     0       0         0  -\n"
             "     1     0       1         0  -\n"
             "     2     0       0         1  Rank 0\n"
             "     3     0       1         1  -\n");
-  EXPECT_EQ(Layout::create(2, 1, 1, 1).coordinates_table(),
+  EXPECT_EQ(Layout::create(2, sizes(1, 1, 1)).coordinates_table(),
             "layout: data 2 x tensor 1 x pipeline 1 = world 2, rank = (p*D + d)*T + t, ZeRO stage 1\n"
             "  rank  data  tensor  pipeline  reports\n"
             "     0     0       0         0  Rank 0\n"
             "     1     1       0         0  Rank 1\n");
 }
 
-void expect_refused(int world, int t, int p, int zero, const std::string& message) {
+// The four-dimensional tables: rank = ((p*D + d)*C + c)*T + t. Coordinates are {d, t, p, c}.
+TEST(Layout, DataTwoContextTwo) {  // (D, C, T, P) = (2, 2, 1, 1)
+  const Layout l = Layout::create(4, sizes(1, 1, 0, 2));
+  EXPECT_EQ(l.data_parallel_size(), 2);
+  EXPECT_EQ(l.context_parallel_size(), 2);
+  EXPECT_EQ(l.gradient_group_size(), 4);
+  EXPECT_EQ(l.context_parallel_groups(), (Groups{{0, 1}, {2, 3}}));
+  EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 2}, {1, 3}}));
+  EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0}, {1}, {2}, {3}}));
+  EXPECT_EQ(l.pipeline_groups(), (Groups{{0}, {1}, {2}, {3}}));
+  EXPECT_EQ(l.gradient_groups(), (Groups{{0, 1, 2, 3}}));
+  EXPECT_EQ(l.embedding_groups(), (Groups{{0}, {1}, {2}, {3}}));
+  const std::vector<Coordinates> coordinates{{0, 0, 0, 0}, {0, 0, 0, 1}, {1, 0, 0, 0}, {1, 0, 0, 1}};
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(l.coordinates_of(r), coordinates[r]) << r;
+    EXPECT_EQ(l.rank_of(coordinates[r]), r);
+  }
+  EXPECT_EQ(reporting(l), (std::vector<int>{0, 2}));  // c = 0 of each replica
+}
+
+TEST(Layout, ContextTwoTensorTwoPipelineTwo) {  // (D, C, T, P) = (1, 2, 2, 2)
+  const Layout l = Layout::create(8, sizes(2, 2, 0, 2));
+  EXPECT_EQ(l.data_parallel_size(), 1);
+  EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(l.context_parallel_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  EXPECT_EQ(l.data_parallel_groups(), (Groups{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
+  EXPECT_EQ(l.gradient_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  EXPECT_EQ(l.pipeline_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(l.embedding_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  const std::vector<Coordinates> coordinates{{0, 0, 0, 0}, {0, 1, 0, 0}, {0, 0, 0, 1}, {0, 1, 0, 1},
+                                             {0, 0, 1, 0}, {0, 1, 1, 0}, {0, 0, 1, 1}, {0, 1, 1, 1}};
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(l.coordinates_of(r), coordinates[r]) << r;
+    EXPECT_EQ(l.rank_of(coordinates[r]), r);
+  }
+  EXPECT_EQ(reporting(l), (std::vector<int>{4}));
+  EXPECT_EQ(l.coordinates_table(),
+            "layout: data 1 x context 2 x tensor 2 x pipeline 2 = world 8, rank = ((p*D + d)*C + c)*T + t\n"
+            "  rank  data  context  tensor  pipeline  reports\n"
+            "     0     0        0       0         0  -\n"
+            "     1     0        0       1         0  -\n"
+            "     2     0        1       0         0  -\n"
+            "     3     0        1       1         0  -\n"
+            "     4     0        0       0         1  Rank 0\n"
+            "     5     0        0       1         1  -\n"
+            "     6     0        1       0         1  -\n"
+            "     7     0        1       1         1  -\n");
+}
+
+TEST(Layout, DataTwoTensorTwoPipelineTwoHasNoContextDimension) {  // (D, C, T, P) = (2, 1, 2, 2)
+  const Layout l = Layout::create(8, sizes(2, 2, 0, 1));
+  EXPECT_EQ(l.context_parallel_groups(), (Groups{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
+  EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+  // Without a context dimension, gradients are averaged over the data-parallel group.
+  EXPECT_EQ(l.gradient_groups(), l.data_parallel_groups());
+  EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(l.pipeline_groups(), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(l.rank_of({1, 1, 1, 0}), 7);
+  EXPECT_EQ(reporting(l), (std::vector<int>{4, 6}));
+}
+
+TEST(Layout, OneRank) {  // (D, C, T, P) = (1, 1, 1, 1)
+  const Layout l = Layout::create(1);
+  for (const Groups& groups : {l.data_parallel_groups(), l.context_parallel_groups(), l.tensor_parallel_groups(),
+                               l.pipeline_groups(), l.gradient_groups(), l.embedding_groups()}) {
+    EXPECT_EQ(groups, (Groups{{0}}));
+  }
+  EXPECT_EQ(l.coordinates_of(0), (Coordinates{0, 0, 0, 0}));
+  EXPECT_EQ(reporting(l), (std::vector<int>{0}));
+  EXPECT_EQ(l.sizes_text(), "data 1 x tensor 1 x pipeline 1 = world 1");
+}
+
+void expect_refused(int world, int t, int p, int zero, const std::string& message, int c = 1) {
   try {
-    (void)Layout::create(world, t, p, zero);
+    (void)Layout::create(world, sizes(t, p, zero, c));
     ADD_FAILURE() << "expected an error containing: " << message;
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
@@ -105,19 +193,28 @@ TEST(Layout, RefusalsNameTheFlagsAndValues) {
   expect_refused(4, 0, 1, 0, "--tensor_parallel_size 0 must be at least 1");
   expect_refused(4, 1, -1, 0, "--pipeline_parallel_size -1 must be at least 1");
   expect_refused(4, 1, 1, 4, "--zero_stage 4: expected 0, 1, 2 or 3");
+  expect_refused(4, 1, 1, 0, "--context_parallel_size 0 must be at least 1", 0);
+  expect_refused(6, 1, 1, 0,
+                 "--world_size 6 is not divisible by --context_parallel_size 4 x --tensor_parallel_size 1 = 4 "
+                 "(world size = data-parallel x context-parallel x tensor-parallel size)", 4);
+  expect_refused(12, 2, 2, 0,
+                 "--world_size 12 is not divisible by --context_parallel_size 2 x --tensor_parallel_size 2 x "
+                 "--pipeline_parallel_size 2 = 8 (world size = data-parallel x context-parallel x tensor-parallel x "
+                 "pipeline-parallel size)", 2);
   expect_refused(4, 1, 2, 3, "--zero_stage 3 gathers every unit (GPT-2's blocks) in every step's forward and backward "
                              "on each data-parallel rank: it does not combine with --pipeline_parallel_size 2");
-  EXPECT_EQ(Layout::create(4, 1, 1, 3).data_parallel_size(), 4);
+  EXPECT_EQ(Layout::create(4, sizes(1, 1, 3)).data_parallel_size(), 4);
   // ZeRO-3 shards each tensor-parallel rank's slices of every unit over its data-parallel group.
-  EXPECT_EQ(Layout::create(4, 2, 1, 3).data_parallel_size(), 2);
+  EXPECT_EQ(Layout::create(4, sizes(2, 1, 3)).data_parallel_size(), 2);
   // ZeRO-1 shards each tensor-parallel shard's and each pipeline stage's state over its
   // data-parallel group.
-  const Layout sharded = Layout::create(8, 2, 2, 1);
+  const Layout sharded = Layout::create(8, sizes(2, 2, 1));
   EXPECT_EQ(sharded.data_parallel_size(), 2);
   EXPECT_EQ(sharded.zero_stage(), 1);
-  const Layout l = Layout::create(4, 2);
+  const Layout l = Layout::create(4, sizes(2));
   EXPECT_THROW(l.coordinates_of(4), std::invalid_argument);
   EXPECT_THROW(l.rank_of({0, 2, 0}), std::invalid_argument);
+  EXPECT_THROW(l.rank_of({0, 0, 0, 1}), std::invalid_argument);  // no context dimension here
 }
 
 }  // namespace

@@ -19,7 +19,7 @@
 #include "harness/model/safetensors.h"
 #include "harness/tensor_parallel/comm_ops.h"
 #include "harness/tensor_parallel/group.h"
-#include "harness/tensor_parallel/parallel_context.h"
+#include "harness/parallel/process_groups.h"
 #include "test_support.h"
 
 namespace harness::tensor_parallel {
@@ -314,35 +314,36 @@ model::GPT2LMHeadModel reference_step(const model::GPT2Config& config, const at:
 // T x DP ranks: groups from the world, data split over the data-parallel ranks only, gradient
 // averaging over the data group, then AdamW; the gathered weights equal reference_step's.
 void training_step_scenario(const dp::DistContext& world, const dp::DistOptions& options, int T) {
-  ParallelContext parallel = make_parallel_context(world, options, T);
-  const ParallelLayout& layout = parallel.layout;
-  EXPECT_EQ(parallel.tensor.world_size, T);
-  EXPECT_EQ(parallel.tensor.rank, world.rank % T);
-  EXPECT_EQ(parallel.data.world_size, world.world_size / T);
-  EXPECT_EQ(parallel.data.rank, world.rank / T);
+  const parallel::Layout layout = parallel::Layout::create(world.world_size, {/*tensor=*/T});
+  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  EXPECT_EQ(groups.tensor.world_size, T);
+  EXPECT_EQ(groups.tensor.rank, world.rank % T);
+  EXPECT_EQ(groups.data.world_size, world.world_size / T);
+  EXPECT_EQ(groups.data.rank, world.rank / T);
   // Each group really spans its ranks: sum of world ranks over it.
-  for (const auto* group : {&parallel.tensor, &parallel.data}) {
+  for (const auto* group : {&groups.tensor, &groups.data}) {
     at::Tensor r = torch::full({1}, static_cast<float>(world.rank));
     dp::all_reduce_sum(*group, r);
-    const auto& ranks = group == &parallel.tensor ? layout.tensor_group_ranks : layout.data_group_ranks;
+    const std::vector<int> ranks = group == &groups.tensor ? layout.tensor_parallel_group(world.rank)
+                                                           : layout.data_parallel_group(world.rank);
     float want = 0;
     for (int q : ranks) want += static_cast<float>(q);
-    EXPECT_EQ(r.item<float>(), want) << (group == &parallel.tensor ? "tensor group " : "data group ")
-                                     << ranks_text(ranks);
+    EXPECT_EQ(r.item<float>(), want) << (group == &groups.tensor ? "tensor group " : "data group ")
+                                     << parallel::ranks_text(ranks);
   }
 
   const model::GPT2Config config = testing::tiny_config();
-  const int n_dp = layout.data_parallel_size;
+  const int n_dp = layout.data_parallel_size();
   const at::Tensor ids = token_batch(2 * n_dp, 8, config.vocab_size, 21);
   std::map<std::string, at::Tensor> want_grads;
   model::GPT2LMHeadModel want = reference_step(config, ids, n_dp, want_grads);
 
   torch::manual_seed(5);  // reference_step's seed: the same weights, split
-  model::GPT2LMHeadModel split(config, make_tensor_parallel_group(parallel.tensor));
+  model::GPT2LMHeadModel split(config, make_tensor_parallel_group(groups.tensor));
   torch::optim::AdamW optimizer(split->parameters(), torch::optim::AdamWOptions(kLearningRate));
-  auto sync = dp::make_gradient_synchronizer("bucketed", parallel.data, 0.001);
+  auto sync = dp::make_gradient_synchronizer("bucketed", groups.data, 0.001);
   sync->attach(*split);
-  const at::Tensor part = ids.narrow(0, layout.data_rank * 2, 2);
+  const at::Tensor part = ids.narrow(0, groups.data.rank * 2, 2);
   optimizer.zero_grad();
   lm_loss(split->forward(part.narrow(1, 0, 8)), part.narrow(1, 1, 8)).backward();
   sync->finalize();

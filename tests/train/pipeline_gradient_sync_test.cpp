@@ -16,7 +16,7 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/parallel/layout.h"
-#include "harness/tensor_parallel/parallel_context.h"
+#include "harness/parallel/process_groups.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/step_optimizer.h"
 #include "harness/train/train_step.h"
@@ -58,7 +58,7 @@ struct StageRun {
   std::map<std::string, at::Tensor> weights;
 };
 
-StageRun train_stage(const tensor_parallel::LayoutGroups& groups, const std::string& kind) {
+StageRun train_stage(const parallel::ProcessGroups& groups, const std::string& kind) {
   const model::GPT2Config config = tiny_config();
   torch::manual_seed(1234);
   model::GPT2LMHeadModel model(config);
@@ -124,8 +124,10 @@ void overlap_scenario(const dp::WorkerEnv& env) {
   dp::DistOptions options = dp::dist_options_for(env, "gloo");
   options.timeout = std::chrono::seconds(120);
   const dp::DistContext world = dp::init_process_group(options);
-  const parallel::Layout layout = parallel::Layout::create(env.world_size, 1, 2);
-  const tensor_parallel::LayoutGroups groups = tensor_parallel::make_layout_groups(world, options, layout);
+  parallel::LayoutSizes two_stages;
+  two_stages.pipeline = 2;
+  const parallel::Layout layout = parallel::Layout::create(env.world_size, two_stages);
+  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
   ASSERT_EQ(groups.data.world_size, 2);
   const StageRun overlapped = train_stage(groups, "bucketed");
   const StageRun after_schedule = train_stage(groups, "naive");

@@ -1,10 +1,9 @@
-// Pure pieces of tensor parallelism: the rank layout of the groups, shard arithmetic, and the
-// checks of a GPT-2 config against the tensor-parallel size.
+// Pure pieces of tensor parallelism: shard arithmetic, and the checks of a GPT-2 config against
+// the tensor-parallel size (the rank layout of the groups: tests/parallel/layout_test.cpp).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "harness/model/tensor_parallel.h"
-#include "harness/tensor_parallel/parallel_context.h"
 #include "test_support.h"
 
 namespace harness::tensor_parallel {
@@ -16,40 +15,6 @@ using model::ShardSpec;
 using model::unshard_tensor;
 using model::validate_tensor_parallel;
 using Kind = ShardSpec::Kind;
-
-TEST(ParallelLayout, GroupsOfEightRanksWithTensorParallelTwo) {
-  // DP x TP = 4 x 2: tensor groups {0,1} {2,3} {4,5} {6,7}, data groups {0,2,4,6} {1,3,5,7}.
-  const ParallelLayout l5 = parallel_layout(8, 2, 5);
-  EXPECT_EQ(l5.data_parallel_size, 4);
-  EXPECT_EQ(l5.tensor_rank, 1);
-  EXPECT_EQ(l5.data_rank, 2);
-  EXPECT_EQ(l5.tensor_group_ranks, (std::vector<int>{4, 5}));
-  EXPECT_EQ(l5.data_group_ranks, (std::vector<int>{1, 3, 5, 7}));
-  const ParallelLayout l6 = parallel_layout(8, 4, 6);
-  EXPECT_EQ(l6.tensor_group_ranks, (std::vector<int>{4, 5, 6, 7}));
-  EXPECT_EQ(l6.data_group_ranks, (std::vector<int>{2, 6}));
-  // Every rank is in exactly one tensor group and one data group, and the two meet only in it.
-  for (int r = 0; r < 8; ++r) {
-    const ParallelLayout l = parallel_layout(8, 2, r);
-    EXPECT_EQ(l.tensor_group_ranks[l.tensor_rank], r);
-    EXPECT_EQ(l.data_group_ranks[l.data_rank], r);
-  }
-  const ParallelLayout single = parallel_layout(3, 1, 2);
-  EXPECT_EQ(single.tensor_group_ranks, (std::vector<int>{2}));
-  EXPECT_EQ(single.data_group_ranks, (std::vector<int>{0, 1, 2}));
-}
-
-TEST(ParallelLayout, RejectsSizesThatDoNotDivide) {
-  try {
-    parallel_layout(6, 4, 0);
-    FAIL() << "expected an error";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--world_size 6 is not divisible by --tensor_parallel_size 4"),
-              std::string::npos) << e.what();
-  }
-  EXPECT_THROW(parallel_layout(4, 0, 0), std::invalid_argument);
-  EXPECT_THROW(parallel_layout(4, 2, 4), std::invalid_argument);
-}
 
 TEST(ShardTensor, ColumnsRowsAndFusedParts) {
   const at::Tensor full = torch::arange(4 * 12, torch::kFloat32).reshape({4, 12});
