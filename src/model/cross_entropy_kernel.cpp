@@ -51,6 +51,11 @@ void rows_logsumexp(const float* x, int64_t rows, int64_t V, float* lse) {
 }
 
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void rows_sum_exp(const float* x, int64_t rows, int64_t V, const float* shift, float* sums) {
+  for (int64_t r = 0; r < rows; ++r) sums[r] = row_sum_exp(x + r * V, shift[r], V);
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void rows_cross_entropy_backward(const float* x, const float* lse, const int64_t* labels, const float* scale,
                                  int64_t rows, int64_t V, float* d) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -8,6 +8,10 @@ namespace harness::model::detail {
 // lse[r] = log(sum_j exp(x[r, j])) for the rows [0, rows) of x [rows, V]; max-shifted.
 void rows_logsumexp(const float* x, int64_t rows, int64_t V, float* lse);
 
+// sums[r] = sum_j exp(x[r, j] - shift[r]) for the rows [0, rows) of x [rows, V], each shift at
+// least its row's maximum (a vocabulary slice's sum against the whole row's maximum).
+void rows_sum_exp(const float* x, int64_t rows, int64_t V, const float* shift, float* sums);
+
 // d[r, j] = scale[r] * (exp(x[r, j] - lse[r]) - (j == label[r])), for the rows [0, rows); a label
 // outside [0, V) subtracts nothing. Outputs must not overlap inputs.
 void rows_cross_entropy_backward(const float* x, const float* lse, const int64_t* labels, const float* scale,

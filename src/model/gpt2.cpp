@@ -12,6 +12,8 @@
 
 #include "harness/model/dropout.h"
 #include "harness/model/gelu.h"
+#include "harness/model/loss.h"
+#include "harness/model/vocab_parallel.h"
 #include "shape_text.h"
 
 namespace harness::model {
@@ -216,6 +218,13 @@ torch::Tensor GPT2BlockImpl::forward_cached(const torch::Tensor& x, LayerKVCache
 
 GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) {
   wte = register_module("wte", torch::nn::Embedding(config.vocab_size, config.n_embd));
+  if (tp) {
+    // Drawn whole, then sliced over the vocabulary (as Conv1D's weights): every group size
+    // consumes the same random numbers.
+    torch::NoGradGuard no_grad;
+    const ShardSpec rows{ShardSpec::Kind::kBalancedRows, 1};
+    wte->weight.set_data(shard_tensor(wte->weight, rows, tp->rank(), tp->size()).clone());
+  }
   wpe = register_module("wpe", torch::nn::Embedding(config.n_positions, config.n_embd));
   drop = register_module("drop", torch::nn::Dropout(config.embd_pdrop));
   h = register_module("h", torch::nn::ModuleList());
@@ -234,6 +243,7 @@ GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config, std::shared_p
     shards_[prefix + ".bias"] = {layer->bias_spec(), {out}};
   };
   const int64_t C = config_.n_embd, inner = config_.inner_dim();
+  if (tp_) shards_["transformer.wte.weight"] = {{ShardSpec::Kind::kBalancedRows, 1}, {config_.vocab_size, C}};
   for (size_t i = 0; i < transformer->h->size(); ++i) {
     auto block = transformer->h->ptr<GPT2BlockImpl>(i);
     const std::string prefix = "transformer.h." + std::to_string(i);
@@ -306,8 +316,9 @@ torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t
   auto positions = torch::arange(past_length, past_length + T,
                                  torch::TensorOptions().dtype(torch::kLong).device(ids.device()))
                        .unsqueeze(0);
-  return model::dropout(wte(ids) + transformer->wpe(positions.to(transformer->wpe->weight.device())),
-                        transformer->drop);
+  const torch::Tensor tokens =
+      tp_ ? vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_) : wte(ids);
+  return model::dropout(tokens + transformer->wpe(positions.to(transformer->wpe->weight.device())), transformer->drop);
 }
 
 torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit,
@@ -331,10 +342,49 @@ torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t f
   return hidden;
 }
 
-torch::Tensor GPT2LMHeadModelImpl::head_logits(const torch::Tensor& hidden, const torch::Tensor& head_weight) {
+torch::Tensor GPT2LMHeadModelImpl::head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight) {
   auto& ln_f = transformer->ln_f;
-  auto normed = ln_f(hidden.to(ln_f->weight.device()));
-  return vocabulary_logits(normed.to(head_weight.device()), head_weight);
+  torch::Tensor normed = ln_f(hidden.to(ln_f->weight.device())).to(head_weight.device());
+  // Split, the head is column-parallel over the vocabulary: its input's gradient is summed.
+  if (tp_) normed = tp_->copy_to_region(normed);
+  return vocabulary_logits(normed, head_weight);
+}
+
+torch::Tensor GPT2LMHeadModelImpl::head_logits(const torch::Tensor& hidden, const torch::Tensor& head_weight) {
+  const torch::Tensor logits = head_slice(hidden, head_weight);
+  return tp_ ? vocab_parallel_gather(logits, config_.vocab_size, *tp_) : logits;
+}
+
+torch::Tensor GPT2LMHeadModelImpl::head_loss(const torch::Tensor& hidden, const torch::Tensor& labels,
+                                             const torch::Tensor& weights, const torch::Tensor& weight_sum,
+                                             const torch::Tensor& head_weight) {
+  const torch::Tensor logits = head_slice(hidden, head_weight.defined() ? head_weight : transformer->wte->weight);
+  const torch::Tensor on_labels = labels.to(logits.device()), on_weights = weights.to(logits.device());
+  if (tp_) {
+    return vocab_parallel_weighted_cross_entropy(logits, on_labels, on_weights, weight_sum, config_.vocab_size, *tp_);
+  }
+  return weight_sum.defined() ? weighted_cross_entropy(logits, on_labels, on_weights, weight_sum)
+                              : weighted_cross_entropy(logits, on_labels, on_weights);
+}
+
+int64_t GPT2LMHeadModelImpl::head_next_token(const torch::Tensor& hidden, int64_t vocabulary,
+                                             const torch::Tensor& head_weight) {
+  if (vocabulary < 1 || vocabulary > config_.vocab_size) {
+    throw std::invalid_argument("head_next_token: " + std::to_string(vocabulary) +
+                                " competing ids do not fit the model's vocab_size " +
+                                std::to_string(config_.vocab_size));
+  }
+  const torch::Tensor logits = head_slice(hidden, head_weight.defined() ? head_weight : transformer->wte->weight);
+  const torch::Tensor last = logits.index({0, -1});
+  if (!tp_) return last.narrow(0, 0, vocabulary).argmax().item<int64_t>();
+  return vocab_parallel_argmax(last.unsqueeze(0), config_.vocab_size, vocabulary, *tp_)[0].item<int64_t>();
+}
+
+torch::Tensor GPT2LMHeadModelImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels,
+                                        const torch::Tensor& weights, const torch::Tensor& weight_sum) {
+  auto hidden = embed(input_ids, 0);
+  hidden = blocks_executor_ ? blocks_executor_(hidden) : forward_units(hidden, 0, n_units());
+  return head_loss(hidden, labels, weights, weight_sum);
 }
 
 torch::Tensor GPT2LMHeadModelImpl::forward(const torch::Tensor& input_ids) {
@@ -343,7 +393,7 @@ torch::Tensor GPT2LMHeadModelImpl::forward(const torch::Tensor& input_ids) {
   return head_logits(hidden, transformer->wte->weight);
 }
 
-torch::Tensor GPT2LMHeadModelImpl::forward_cached(const torch::Tensor& input_ids, KVCache& cache) {
+torch::Tensor GPT2LMHeadModelImpl::hidden_cached(const torch::Tensor& input_ids, KVCache& cache) {
   const size_t n_layer = transformer->h->size();
   if (cache.layers.empty()) cache.layers.resize(n_layer);
   if (cache.layers.size() != n_layer) {
@@ -356,7 +406,15 @@ torch::Tensor GPT2LMHeadModelImpl::forward_cached(const torch::Tensor& input_ids
     auto block = transformer->h->ptr<GPT2BlockImpl>(i);
     hidden = block->forward_cached(hidden.to(block->ln_1->weight.device()), cache.layers[i]);
   }
-  return head_logits(hidden, transformer->wte->weight);
+  return hidden;
+}
+
+torch::Tensor GPT2LMHeadModelImpl::forward_cached(const torch::Tensor& input_ids, KVCache& cache) {
+  return head_logits(hidden_cached(input_ids, cache), transformer->wte->weight);
+}
+
+int64_t GPT2LMHeadModelImpl::next_token(const torch::Tensor& input_ids, KVCache& cache, int64_t vocabulary) {
+  return head_next_token(hidden_cached(input_ids, cache), vocabulary);
 }
 
 void GPT2LMHeadModelImpl::parallelize(const std::vector<Device>& devices) {
@@ -425,7 +483,24 @@ torch::Tensor GPT2LMHeadModelImpl::unshard(const std::string& name, const torch:
   // The group's collectives run on the parameters' device.
   const auto params = named_parameters();
   const torch::Tensor here = local.detach().to(params.find(name)->device());
-  return unshard_tensor(tp_->all_gather(here), shard->second.spec).to(torch::kCPU).contiguous();
+  if (shard->second.spec.kind != ShardSpec::Kind::kBalancedRows) {
+    return unshard_tensor(tp_->all_gather(here), shard->second.spec).to(torch::kCPU).contiguous();
+  }
+  // Rows split unevenly: every rank sends as many as the widest (the all-gather wants one shape),
+  // and each rank's own are cut back out.
+  const int T = tp_->size();
+  const int64_t rows = shard->second.full_shape.front(), widest = vocabulary_range(rows, 0, T).size();
+  if (here.dim() < 1 || here.size(0) != vocabulary_range(rows, tp_->rank(), T).size()) {
+    throw std::invalid_argument("unshard: " + name + " on rank " + std::to_string(tp_->rank()) + " has shape " +
+                                shape_str(here.sizes()) + ", not this rank's rows of " +
+                                shape_str(shard->second.full_shape));
+  }
+  std::vector<torch::Tensor> parts =
+      tp_->all_gather(torch::constant_pad_nd(here, {0, 0, 0, widest - here.size(0)}).contiguous());
+  for (int t = 0; t < T; ++t) {
+    parts[static_cast<size_t>(t)] = parts[static_cast<size_t>(t)].narrow(0, 0, vocabulary_range(rows, t, T).size());
+  }
+  return unshard_tensor(parts, shard->second.spec).to(torch::kCPU).contiguous();
 }
 
 torch::Tensor GPT2LMHeadModelImpl::shard(const std::string& name, const torch::Tensor& full) const {

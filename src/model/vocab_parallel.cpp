@@ -2,12 +2,15 @@
 // vocab_parallel.h).
 #include "harness/model/vocab_parallel.h"
 
+#include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 #include <string>
 
+#include "cross_entropy_kernel.h"
 #include "shape_text.h"
 
 namespace harness::model {
@@ -18,6 +21,9 @@ using torch::autograd::variable_list;
 using ReduceOp = TensorParallelGroup::ReduceOp;
 
 constexpr int64_t kIgnoreIndex = -100;
+
+// Rows per parallel task: about 32k logits each (as the unsplit loss's).
+int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
 
 VocabularyRange checked_slice(const char* what, const at::Tensor& logits_slice, int64_t vocab_size,
                               const TensorParallelGroup& group) {
@@ -32,44 +38,131 @@ VocabularyRange checked_slice(const char* what, const at::Tensor& logits_slice, 
 }
 
 // The per-row loss; the group travels as a pointer (its owner, the model, outlives the graph).
+// On the CPU in fp32 the exponentials are those of the unsplit loss's row loops
+// (cross_entropy_kernel.h), so a split head's gradient is the unsplit one's up to the order of
+// the sum of exponentials; elsewhere torch's own. The backward recomputes the softmax slice from
+// the logits and the whole rows' logsumexp (nothing beyond the logits is kept).
 class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits_slice, const at::Tensor& labels,
                             int64_t start, TensorParallelGroup* group) {
-    const at::Tensor x = logits_slice.to(torch::kFloat32);
+    const at::Tensor x = logits_slice.to(torch::kFloat32).contiguous();
     const int64_t n = x.size(0), width = x.size(1);
     const at::Tensor max = group->all_reduce(std::get<0>(x.max(1)), ReduceOp::kMax);
-    at::Tensor softmax = (x - max.unsqueeze(1)).exp_();  // exps, then in place the softmax slice
-    const at::Tensor sum_exp = group->all_reduce(softmax.sum(1), ReduceOp::kSum);
+    at::Tensor sums;
+    if (x.is_cpu()) {
+      sums = at::empty({n}, x.options());
+      const float* rows = x.data_ptr<float>();
+      const float* shifts = max.data_ptr<float>();
+      float* out = sums.data_ptr<float>();
+      at::parallel_for(0, n, row_grain(width), [&](int64_t begin, int64_t end) {
+        detail::rows_sum_exp(rows + begin * width, end - begin, width, shifts + begin, out + begin);
+      });
+    } else {
+      sums = (x - max.unsqueeze(1)).exp().sum(1);
+    }
+    const at::Tensor lse = max + group->all_reduce(sums, ReduceOp::kSum).log();
+    // Labels in this rank's range as local columns; -1 (which the backward skips) elsewhere.
     const at::Tensor here = labels.ge(start).logical_and_(labels.lt(start + width));
-    const at::Tensor local_label = (labels - start).masked_fill_(here.logical_not(), 0);
+    const at::Tensor local_label = (labels - start).masked_fill_(here.logical_not(), -1);
     const at::Tensor label_logit_here =
-        n == 0 ? x.new_zeros({0}) : x.gather(1, local_label.unsqueeze(1)).squeeze(1).masked_fill_(here.logical_not(), 0.0);
+        n == 0 ? x.new_zeros({0})
+               : x.gather(1, local_label.clamp_min(0).unsqueeze(1)).squeeze(1).masked_fill_(here.logical_not(), 0.0);
     const at::Tensor label_logit = group->all_reduce(label_logit_here, ReduceOp::kSum);
     const at::Tensor ignored = labels.eq(kIgnoreIndex);
-    softmax.div_(sum_exp.unsqueeze(1));
-    ctx->save_for_backward({softmax, local_label, here, ignored});
+    ctx->save_for_backward({x, lse, local_label, ignored});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits_slice.scalar_type());
-    return (sum_exp.log() + max - label_logit).masked_fill_(ignored, 0.0);
+    return (lse - label_logit).masked_fill_(ignored, 0.0);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& softmax = saved[0];
-    const at::Tensor& local_label = saved[1];
-    const at::Tensor& here = saved[2];
-    const at::Tensor& ignored = saved[3];
-    const at::Tensor upstream = grads[0].to(torch::kFloat32).masked_fill(ignored, 0.0);
-    at::Tensor grad = softmax * upstream.unsqueeze(1);
-    if (grad.size(0) > 0) {
-      grad.scatter_add_(1, local_label.unsqueeze(1), (-upstream * here.to(torch::kFloat32)).unsqueeze(1));
+    const at::Tensor& x = saved[0];
+    const at::Tensor& lse = saved[1];
+    const at::Tensor local_label = saved[2].contiguous();
+    const at::Tensor scale = grads[0].to(torch::kFloat32).masked_fill(saved[3], 0.0).contiguous();
+    const int64_t n = x.size(0), width = x.size(1);
+    at::Tensor grad;
+    if (x.is_cpu()) {
+      grad = at::empty_like(x);
+      const float* rows = x.data_ptr<float>();
+      const float* shifts = lse.data_ptr<float>();
+      const int64_t* targets = local_label.data_ptr<int64_t>();
+      const float* scales = scale.data_ptr<float>();
+      float* out = grad.data_ptr<float>();
+      at::parallel_for(0, n, row_grain(width), [&](int64_t begin, int64_t end) {
+        detail::rows_cross_entropy_backward(rows + begin * width, shifts + begin, targets + begin, scales + begin,
+                                            end - begin, width, out + begin * width);
+      });
+    } else {
+      grad = (x - lse.unsqueeze(1)).exp_().mul_(scale.unsqueeze(1));
+      if (n > 0) {
+        const at::Tensor here = local_label.ge(0);
+        grad.scatter_add_(1, local_label.clamp_min(0).unsqueeze(1), (-scale * here.to(torch::kFloat32)).unsqueeze(1));
+      }
     }
     const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
     return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+// The join of the slices: padded to the widest slice for the all-gather, then cut to each
+// rank's width; backward, this rank's columns.
+class VocabParallelGather : public torch::autograd::Function<VocabParallelGather> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits_slice, int64_t vocab_size,
+                            TensorParallelGroup* group) {
+    const int T = group->size();
+    const VocabularyRange here = vocabulary_range(vocab_size, group->rank(), T);
+    ctx->saved_data["start"] = here.start;
+    ctx->saved_data["width"] = here.size();
+    const int64_t widest = vocabulary_range(vocab_size, 0, T).size();
+    at::Tensor padded = logits_slice;
+    if (here.size() < widest) {
+      std::vector<int64_t> pad_shape = logits_slice.sizes().vec();
+      pad_shape.back() = widest - here.size();
+      padded = torch::cat({logits_slice, logits_slice.new_zeros(pad_shape)}, -1);
+    }
+    std::vector<at::Tensor> parts = group->all_gather(padded.contiguous());
+    for (int t = 0; t < T; ++t) {
+      at::Tensor& part = parts[static_cast<size_t>(t)];
+      part = part.narrow(-1, 0, vocabulary_range(vocab_size, t, T).size());
+    }
+    return torch::cat(parts, -1);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t start = ctx->saved_data["start"].toInt(), width = ctx->saved_data["width"].toInt();
+    return {grads[0].narrow(-1, start, width).contiguous(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight_slice, int64_t vocab_size,
+                                    TensorParallelGroup& group) {
+  const VocabularyRange range = vocabulary_range(vocab_size, group.rank(), group.size());
+  if (weight_slice.dim() != 2 || weight_slice.size(0) != range.size()) {
+    throw std::invalid_argument("vocab_parallel_embedding: weight slice must be [" + std::to_string(range.size()) +
+                                ", C] (ids [" + std::to_string(range.start) + ", " + std::to_string(range.end) +
+                                ") of " + std::to_string(vocab_size) + " on rank " + std::to_string(group.rank()) +
+                                "), got " + shape_str(weight_slice.sizes()));
+  }
+  const at::Tensor elsewhere = ids.lt(range.start).logical_or_(ids.ge(range.end));
+  const at::Tensor local_ids = (ids - range.start).masked_fill_(elsewhere, 0);
+  const at::Tensor rows = torch::embedding(weight_slice, local_ids).masked_fill(elsewhere.unsqueeze(-1), 0.0);
+  return group.reduce_from_region(rows);
+}
+
+at::Tensor vocab_parallel_gather(const at::Tensor& logits_slice, int64_t vocab_size, TensorParallelGroup& group) {
+  const VocabularyRange range = vocabulary_range(vocab_size, group.rank(), group.size());
+  if (logits_slice.dim() < 1 || logits_slice.size(-1) != range.size()) {
+    throw std::invalid_argument("vocab_parallel_gather: logits slice must be [..., " + std::to_string(range.size()) +
+                                "] on rank " + std::to_string(group.rank()) + ", got " +
+                                shape_str(logits_slice.sizes()));
+  }
+  return VocabParallelGather::apply(logits_slice, vocab_size, &group);
+}
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits_slice, const at::Tensor& labels, int64_t vocab_size,
                                         TensorParallelGroup& group) {

@@ -8,7 +8,6 @@
 #include <functional>
 #include <stdexcept>
 
-#include "harness/model/loss.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/with_device.h"
 
@@ -93,7 +92,7 @@ std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Devic
   const double head = seconds_of([&] {
     at::Tensor x = torch::randn({rows, tokens, C}, floats).requires_grad_(true);
     const at::Tensor head_weight = gpt2.transformer->wte->weight.detach().requires_grad_(true);
-    model::weighted_cross_entropy(gpt2.head_logits(x, head_weight), ids, weights).backward();
+    gpt2.head_loss(x, ids, weights, at::Tensor(), head_weight).backward();
     return x.grad();
   });
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();

@@ -3,8 +3,6 @@
 
 #include <torch/torch.h>
 
-#include "harness/model/loss.h"
-
 namespace harness::train {
 namespace {
 
@@ -17,11 +15,7 @@ class WholeModel final : public ForwardBackward {
     at::Tensor loss;
     {
       model::AutocastScope autocast(precision, batch.input_ids.device().type());
-      const at::Tensor logits = model_->forward(batch.input_ids);
-      const at::Tensor labels = batch.labels.to(logits.device());
-      const at::Tensor weights = batch.label_token_weights.to(logits.device());
-      loss = weight_sum.defined() ? model::weighted_cross_entropy(logits, labels, weights, weight_sum)
-                                  : model::weighted_cross_entropy(logits, labels, weights);
+      loss = model_->loss(batch.input_ids, batch.labels, batch.label_token_weights, weight_sum);
     }
     loss.backward();
     return loss.detach();

@@ -7,7 +7,6 @@
 #include <iostream>
 #include <stdexcept>
 
-#include "harness/model/loss.h"
 #include "harness/pipeline/activation_meter.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
@@ -196,8 +195,7 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
     at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
     hidden = gpt2.forward_units(hidden, first_unit_of_stage_[s], first_unit_of_stage_[s + 1]);
     if (s < S - 1) return hidden;
-    return model::weighted_cross_entropy(gpt2.head_logits(hidden, head_weight), labels[i], weight_parts[i],
-                                         weight_sum);
+    return gpt2.head_loss(hidden, labels[i], weight_parts[i], weight_sum, head_weight);
   };
   // Micro-step k > 0 of an accumulated step draws from streams of its own.
   const uint64_t step_seed = pipeline::step_stream_seed(options_.seed, global_step_);
@@ -312,8 +310,7 @@ std::optional<double> PipelineForwardBackward::validation_loss(data::BatchLoader
   const BatchLoss loss = [&](const data::Batch& batch) {
     const at::Tensor hidden = forward_through_stages(batch.input_ids, nullptr);
     if (!hidden.defined()) return 0.0;
-    const at::Tensor logits = model_->head_logits(hidden, wte);
-    return model::weighted_cross_entropy(logits, batch.labels.to(device), batch.label_token_weights.to(device))
+    return model_->head_loss(hidden, batch.labels.to(device), batch.label_token_weights.to(device), at::Tensor(), wte)
         .item<double>();
   };
   const double mean = evaluate_loss_with(loss, loader);
@@ -334,7 +331,7 @@ std::optional<std::vector<std::string>> PipelineForwardBackward::generate(
     const at::Tensor hidden = forward_through_stages(new_ids, &cache);
     at::Tensor chosen = torch::zeros({1}, torch::kLong);
     if (hidden.defined()) {
-      chosen = torch::tensor({greedy_choice(model_->head_logits(hidden, wte), vocabulary)}, torch::kLong);
+      chosen = torch::tensor({model_->head_next_token(hidden, vocabulary, wte)}, torch::kLong);
     }
     return from_last_stage(chosen).item<int64_t>();
   };

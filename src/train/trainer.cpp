@@ -10,7 +10,6 @@
 #include <sstream>
 
 #include "harness/trace.h"
-#include "harness/model/loss.h"
 #include "harness/train/report.h"
 #include "harness/train/setup.h"
 
@@ -133,10 +132,7 @@ double evaluate_loss(model::GPT2LMHeadModel& model, data::BatchLoader& loader,
   model->eval();
   const BatchLoss loss = [&](const data::Batch& batch) {
     data::Batch on_device = batch.to(device);
-    torch::Tensor logits = model->forward(on_device.input_ids);
-    return harness::model::weighted_cross_entropy(logits, on_device.labels.to(logits.device()),
-                                                  on_device.label_token_weights.to(logits.device()))
-        .item<double>();
+    return model->loss(on_device.input_ids, on_device.labels, on_device.label_token_weights).item<double>();
   };
   return evaluate_loss_with(loss, loader, max_batches);
 }
@@ -149,10 +145,11 @@ int64_t greedy_choice(const torch::Tensor& logits, int64_t vocabulary) {
 
 namespace {
 
-// One model's next token: its cached forward, then greedy_choice.
+// One model's next token: its cached forward and greedy pick (over the vocabulary's slices when
+// the head is split).
 NextToken next_token_of(model::GPT2LMHeadModel& model, int64_t vocabulary) {
   return [&model, vocabulary](const torch::Tensor& new_ids, model::KVCache& cache) {
-    return greedy_choice(model->forward_cached(new_ids, cache), vocabulary);
+    return model->next_token(new_ids, cache, vocabulary);
   };
 }
 

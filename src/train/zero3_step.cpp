@@ -5,7 +5,6 @@
 
 #include <stdexcept>
 
-#include "harness/model/loss.h"
 #include "harness/model/precision.h"
 
 namespace harness::train {
@@ -36,11 +35,7 @@ class Zero3ForwardBackward final : public ForwardBackward {
         outputs.push_back(hidden);
       }
       use(++s);  // the head: unit 0 again
-      const at::Tensor logits = model_->head_logits(hidden, model_->transformer->wte->weight);
-      const at::Tensor labels = batch.labels.to(logits.device());
-      const at::Tensor weights = batch.label_token_weights.to(logits.device());
-      loss = weight_sum.defined() ? model::weighted_cross_entropy(logits, labels, weights, weight_sum)
-                                  : model::weighted_cross_entropy(logits, labels, weights);
+      loss = model_->head_loss(hidden, batch.labels, batch.label_token_weights, weight_sum);
       // Backward: block i's output gets its gradient right before block i's backward, which
       // needs the block's weights again (the last block's, once the head's backward is done,
       // which lets unit 0's weights go: its gradients keep accumulating).

@@ -91,5 +91,19 @@ TEST(VocabParallel, LossGradientAndArgmaxOverThreeRanksEqualTheWholeLogits) {
   expect_workers_pass(launch_vocab_scenario("vocab_loss", 3));
 }
 
+// GPT-2 split over 2 and 3 ranks (61 ids: uneven either way): loss, gradients and greedy tokens
+// equal the unsplit model's with no logits in any collective; what it saves loads unsplit and
+// the other way round.
+TEST(VocabParallel, GPT2WithItsHeadSplitOverTwoAndThreeRanksEqualsTheUnsplitModel) {
+  for (const int T : {2, 3}) {
+    const std::string dir = testing::make_temp_dir();
+    ASSERT_FALSE(dir.empty());
+    const testing::CapturedLaunch run = testing::launch_test_workers(
+        "tensor_parallel_tests", "VocabParallelWorker.Run", "vocab_gpt2", T, {{testing::kDirVariable, dir}});
+    EXPECT_EQ(run.result.exit_code, 0) << "T=" << T << ": " << run.result.failure << "\n" << run.joined();
+    testing::remove_tree(dir);
+  }
+}
+
 }  // namespace
 }  // namespace harness::tensor_parallel

@@ -13,7 +13,9 @@
 
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
+#include "harness/model/gpt2.h"
 #include "harness/model/loss.h"
+#include "harness/model/safetensors.h"
 #include "harness/model/vocab_parallel.h"
 #include "harness/tensor_parallel/group.h"
 #include "test_support.h"
@@ -131,7 +133,8 @@ void weighted_scenario(TensorParallelGroup& group) {
   valid[2][6] = 5;
   EXPECT_TRUE(close(model::vocab_parallel_weighted_cross_entropy(slice, valid, ones, at::Tensor(), V, group),
                     F::cross_entropy(whole.detach().reshape({B * S, V}), valid.reshape({B * S}))));
-  EXPECT_THROW(model::vocab_parallel_weighted_cross_entropy(slice, labels, torch::zeros({B, S}), at::Tensor(), V, group),
+  const at::Tensor no_weight = torch::zeros({B, S});
+  EXPECT_THROW(model::vocab_parallel_weighted_cross_entropy(slice, labels, no_weight, at::Tensor(), V, group),
                std::invalid_argument);
 }
 
@@ -158,6 +161,134 @@ void argmax_scenario(TensorParallelGroup& group) {
   EXPECT_THROW(model::vocab_parallel_argmax(slice_of(whole, group), V, V + 1, group), std::invalid_argument);
 }
 
+// Every rank here before any goes on (files written by rank 0 are complete).
+void dp_barrier(TensorParallelGroup& group) { group.all_reduce(torch::zeros({1}), ReduceOp::kSum); }
+
+// ----- GPT-2 with its tied wte and head split over the vocabulary -----------------------------
+
+// The real group, counting what its collectives carry: the loss and the greedy pick must move
+// per-row numbers, never logits.
+class CountingGroup final : public TensorParallelGroup {
+ public:
+  explicit CountingGroup(std::shared_ptr<TensorParallelGroup> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  at::Tensor copy_to_region(const at::Tensor& x) override { return inner_->copy_to_region(x); }
+  at::Tensor reduce_from_region(const at::Tensor& x) override { return inner_->reduce_from_region(x); }
+  std::vector<at::Tensor> all_gather(const at::Tensor& x) override {
+    largest_gathered = std::max(largest_gathered, x.numel());
+    return inner_->all_gather(x);
+  }
+  at::Tensor all_reduce(const at::Tensor& x, ReduceOp op) override {
+    largest_reduced = std::max(largest_reduced, x.numel());
+    return inner_->all_reduce(x, op);
+  }
+  at::Tensor run_in_rank_stream(const c10::Device& device, const std::function<at::Tensor()>& fn) override {
+    return inner_->run_in_rank_stream(device, fn);
+  }
+  std::map<std::string, at::Tensor> rank_stream_states() const override { return inner_->rank_stream_states(); }
+  void set_rank_stream_states(const std::map<std::string, at::Tensor>& states) override {
+    inner_->set_rank_stream_states(states);
+  }
+  void reset() { largest_gathered = largest_reduced = 0; }
+  int64_t largest_gathered = 0, largest_reduced = 0;
+
+ private:
+  std::shared_ptr<TensorParallelGroup> inner_;
+};
+
+// The split model's loss, gradients and greedy tokens equal the unsplit model's (V = 61, which
+// neither 2 nor 3 divides); its checkpoints load unsplit and unsplit ones load split.
+void gpt2_scenario(const std::shared_ptr<TensorParallelGroup>& real, const std::string& dir) {
+  model::GPT2Config config = testing::tiny_config();
+  config.n_embd = 36;  // 6 heads and an MLP of 144: 2 and 3 ranks divide both
+  config.n_head = 6;
+  const int64_t V = config.vocab_size;
+  const auto group = std::make_shared<CountingGroup>(real);
+  torch::manual_seed(5);
+  model::GPT2LMHeadModel full(config);
+  torch::manual_seed(5);
+  model::GPT2LMHeadModel split(config, group);
+  const model::VocabularyRange range = model::vocabulary_range(V, group->rank(), group->size());
+  EXPECT_EQ(split->transformer->wte->weight.sizes(), (at::IntArrayRef{range.size(), config.n_embd}));
+  EXPECT_EQ(split->shards().at("transformer.wte.weight").spec.kind, model::ShardSpec::Kind::kBalancedRows);
+  EXPECT_EQ(split->shards().at("transformer.wte.weight").full_shape, (std::vector<int64_t>{V, config.n_embd}));
+  EXPECT_TRUE(torch::equal(split->transformer->wte->weight,
+                           full->transformer->wte->weight.narrow(0, range.start, range.size())));
+  EXPECT_EQ(split->unsplit_parameter_count(), model::count_parameters(*full));
+
+  torch::manual_seed(21);
+  const int64_t B = 3, S = 9;
+  const at::Tensor ids = torch::randint(V, {B, S + 1}, torch::kLong);
+  const at::Tensor input = ids.narrow(1, 0, S), labels = ids.narrow(1, 1, S);
+  at::Tensor weights = torch::randint(0, 2, {B, S}).to(torch::kFloat32);
+  weights[0][0] = 1.0;
+  const at::Tensor weight_sum = weights.sum() * 2.0;
+  for (const bool with_sum : {false, true}) {
+    SCOPED_TRACE(with_sum ? "with weight_sum" : "own weights' sum");
+    full->zero_grad();
+    split->zero_grad();
+    const at::Tensor sum = with_sum ? weight_sum : at::Tensor();
+    const at::Tensor want = full->loss(input, labels, weights, sum);
+    group->reset();
+    const at::Tensor got = split->loss(input, labels, weights, sum);
+    EXPECT_EQ(group->largest_gathered, 0) << "the loss gathers nothing";
+    EXPECT_EQ(group->largest_reduced, B * S) << "the loss reduces one number per token at a time";
+    EXPECT_TRUE(close(got, want.detach())) << "loss";
+    want.backward();
+    got.backward();
+    auto full_params = full->named_parameters();
+    for (const auto& [name, grad] : split->full_gradients()) {
+      EXPECT_TRUE(close(grad, full_params[name].grad(), 1e-6)) << "gradient of " << name;
+    }
+    EXPECT_EQ(split->replicated_gradient_divergence(), 0.0);
+  }
+  // forward() still gives the whole logits, gathered.
+  EXPECT_TRUE(close(split->forward(input), full->forward(input).detach()));
+
+  // Greedy tokens through the KV cache: the same ids, the whole vocabulary or a tokenizer's 40.
+  {
+    torch::NoGradGuard no_grad;
+    for (const int64_t vocabulary : {V, int64_t{40}}) {
+      model::KVCache full_cache, split_cache;
+      at::Tensor step_full = input.narrow(0, 0, 1), step_split = step_full;
+      for (int i = 0; i < 5; ++i) {
+        const int64_t want = full->next_token(step_full, full_cache, vocabulary);
+        group->reset();
+        const int64_t got = split->next_token(step_split, split_cache, vocabulary);
+        EXPECT_EQ(group->largest_gathered, 2) << "one (value, id) pair per rank";
+        EXPECT_EQ(got, want) << "token " << i << " of " << vocabulary;
+        EXPECT_LT(got, vocabulary);
+        step_full = step_split = torch::full({1, 1}, want, torch::kLong);
+      }
+    }
+  }
+
+  // Written at T, read whole; written whole, read at T; the uneven split's rows where they belong.
+  const std::string split_dir = dir + "/split_" + std::to_string(group->size());
+  model::save_pretrained(*split, split_dir, group->rank() == 0);
+  dp_barrier(*group);
+  model::GPT2LMHeadModel whole = model::from_pretrained(split_dir);
+  auto whole_params = whole->named_parameters();
+  for (const auto& item : full->named_parameters()) {
+    EXPECT_TRUE(torch::equal(whole_params[item.key()], item.value())) << item.key();
+  }
+  const std::string whole_dir = dir + "/whole_" + std::to_string(group->size());
+  if (group->rank() == 0) model::save_pretrained(*full, whole_dir);
+  dp_barrier(*group);
+  torch::manual_seed(77);
+  model::GPT2LMHeadModel reloaded(config, group);
+  model::load_pretrained(*reloaded, whole_dir);
+  auto split_params = split->named_parameters();
+  for (const auto& item : reloaded->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), split_params[item.key()])) << item.key();
+  }
+  torch::manual_seed(78);
+  model::GPT2LMHeadModel from_state(config, group);
+  from_state->load_full_state(full->full_state());
+  EXPECT_TRUE(torch::equal(from_state->transformer->wte->weight, split->transformer->wte->weight));
+}
+
 TEST(VocabParallelWorker, Run) {
   const char* scenario_text = std::getenv(testing::kWorkerVariable);
   if (scenario_text == nullptr) GTEST_SKIP() << "only run as a worker by the vocabulary-parallel launcher tests";
@@ -174,6 +305,10 @@ TEST(VocabParallelWorker, Run) {
     per_token_scenario(*group);
     weighted_scenario(*group);
     argmax_scenario(*group);
+  } else if (scenario == "vocab_gpt2") {
+    const char* dir = std::getenv(testing::kDirVariable);
+    ASSERT_NE(dir, nullptr);
+    gpt2_scenario(group, dir);
   } else {
     FAIL() << "unknown scenario " << scenario;
   }

@@ -3,9 +3,10 @@
 // Hugging Face weights load unchanged. Placement over several devices (model parallel) and a
 // pluggable executor for the blocks (the pipeline) live here too; the pipeline itself does not.
 // Given a tensor-parallel group, the same model is split Megatron's way (tensor_parallel.h):
-// c_attn and c_fc are column-parallel (attention splits by heads), both c_proj row-parallel,
-// embeddings, layer norms and the tied head replicated; parameter names stay Hugging Face's,
-// the tensors are this rank's shards.
+// c_attn and c_fc are column-parallel (attention splits by heads), both c_proj row-parallel, the
+// tied wte and head split over the vocabulary (vocab_parallel.h: no rank holds all the logits),
+// wpe and the layer norms replicated; parameter names stay Hugging Face's, the tensors are this
+// rank's shards.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -115,6 +116,8 @@ class GPT2BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPT2Block);
 
+// With a group, wte's weight is this rank's rows of the vocabulary (vocabulary_range); the lookup
+// goes through vocab_parallel_embedding (GPT2LMHeadModel::embed), not wte's own forward.
 class GPT2ModelImpl : public torch::nn::Module {
  public:
   explicit GPT2ModelImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
@@ -139,11 +142,14 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
  public:
   // `tp`: the tensor-parallel group to split over (every rank of it constructs the model with
   // the same config and the same torch seed, and gets the same weights as the unsplit model's,
-  // sliced); null: the whole model here. Throws when n_head or the MLP does not divide.
+  // sliced); null: the whole model here. Throws when n_head or the MLP does not divide, or the
+  // vocabulary has fewer ids than the group has ranks.
   explicit GPT2LMHeadModelImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
 
   // input_ids [B, T] (int64, on the first device) -> logits [B, T, vocab_size] on the first device.
-  // Split over a group, every rank passes the same input_ids and gets the same logits.
+  // Split over a group, every rank passes the same input_ids and gets the same logits, gathered
+  // from every rank's vocabulary slice (for inspection: training, evaluation and generation use
+  // loss() and next_token(), which never build them).
   torch::Tensor forward(const torch::Tensor& input_ids);
   // Same, attending to and extending `cache` (generation); positions continue after the cache.
   torch::Tensor forward_cached(const torch::Tensor& input_ids, KVCache& cache);
@@ -158,10 +164,26 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   torch::Tensor forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit, KVCache* cache = nullptr);
   int64_t n_units() const { return 2 * config_.n_layer; }
   // ln_f, then the tied head's product with `head_weight` (wte's weight, or a pipeline's copy of it
-  // on the last stage) on that weight's device: logits [B, T, vocab_size]. With embed() and
-  // forward_units() the whole of forward(); model::weighted_cross_entropy (loss.h) takes it to the
-  // loss.
+  // on the last stage) on that weight's device: logits [B, T, vocab_size] (gathered over the
+  // vocabulary when split, like forward()). With embed() and forward_units() the whole of forward().
   torch::Tensor head_logits(const torch::Tensor& hidden, const torch::Tensor& head_weight);
+  // SPEC §3's weighted loss from the last block's hidden states [B, T, C]: ln_f, the tied head
+  // and weighted_cross_entropy against labels and weights [B, T] (moved to the head's device);
+  // weight_sum as there (undefined: the weights' own sum; a micro-batch's: the whole batch's).
+  // head_weight undefined: wte's. Split over a group, each rank forms its vocabulary slice of
+  // the logits alone and the loss is vocab_parallel_weighted_cross_entropy's; every rank gets it.
+  torch::Tensor head_loss(const torch::Tensor& hidden, const torch::Tensor& labels, const torch::Tensor& weights,
+                          const torch::Tensor& weight_sum = {}, const torch::Tensor& head_weight = {});
+  // The greedy next token after hidden [B, T, C] (row 0, last position): the arg-max of its
+  // logits over the first `vocabulary` ids (a tokenizer smaller than the head), the lowest on a
+  // tie. Split: vocab_parallel_argmax over the slices; the same id on every rank.
+  int64_t head_next_token(const torch::Tensor& hidden, int64_t vocabulary, const torch::Tensor& head_weight = {});
+  // embed, the blocks (or the installed executor) and head_loss: the training step's and the
+  // validation loss.
+  torch::Tensor loss(const torch::Tensor& input_ids, const torch::Tensor& labels, const torch::Tensor& weights,
+                     const torch::Tensor& weight_sum = {});
+  // forward_cached's walk, then head_next_token: one step of greedy generation.
+  int64_t next_token(const torch::Tensor& input_ids, KVCache& cache, int64_t vocabulary);
 
   const GPT2Config& config() const { return config_; }
   GPT2ModelImpl& transformer_module() { return *transformer; }
@@ -222,6 +244,10 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   GPT2Model transformer{nullptr};
 
  private:
+  // The last block's hidden states through the cached blocks (forward_cached, next_token).
+  torch::Tensor hidden_cached(const torch::Tensor& input_ids, KVCache& cache);
+  // ln_f and the tied head: the whole logits, or this rank's vocabulary slice of them when split.
+  torch::Tensor head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight);
 
   GPT2Config config_;
   std::shared_ptr<TensorParallelGroup> tp_;

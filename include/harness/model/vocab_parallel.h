@@ -26,4 +26,16 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits_slice, const at
 at::Tensor vocab_parallel_argmax(const at::Tensor& logits_slice, int64_t vocab_size, int64_t limit,
                                  TensorParallelGroup& group);
 
+// Megatron's VocabParallelEmbedding: the rows of `weight_slice` [V_t, C] (this rank's ids of a
+// `vocab_size` vocabulary) for the ids [...] that fall in this rank's range, zero for the others,
+// summed over the group (its reduce_from_region): [..., C], the whole embedding on every rank.
+// The slice's gradient is its own rows' alone.
+at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight_slice, int64_t vocab_size,
+                                    TensorParallelGroup& group);
+
+// Every rank's slice [..., V_t] joined into the whole logits [..., V] on every rank (forward(),
+// for callers that want the logits themselves; the loss and the greedy pick never build them).
+// Backward: this rank's slice of the upstream gradient, which must be the same on every rank.
+at::Tensor vocab_parallel_gather(const at::Tensor& logits_slice, int64_t vocab_size, TensorParallelGroup& group);
+
 }  // namespace harness::model

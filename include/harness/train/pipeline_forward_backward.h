@@ -4,7 +4,7 @@
 // micro-batches go through the schedule's actions. Stage 0 embeds; the last stage applies ln_f,
 // the tied head and SPEC §3's weighted cross entropy to its micro-batch, divided by the whole
 // step's label weight, so that the micro-batches' gradients add up to the whole batch's. All of it
-// is the model's own arithmetic (embed, forward_units, head_logits); this decides where it runs.
+// is the model's own arithmetic (embed, forward_units, head_loss); this decides where it runs.
 //
 // Two placements, one engine (executor.h):
 //   - in-process (run_pipeline): the D schedule devices are this process's devices, one worker
