@@ -34,7 +34,12 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Parameters of one rank's share of each piece, T tensor-parallel ranks splitting c_attn and c_fc
 // by columns (weights and biases) and the two c_proj by rows (weights; their biases replicated).
-int64_t embedding_parameters(const model::GPT2Config& c) { return (c.vocab_size + c.n_positions) * c.n_embd; }
+// The tied wte (and head) rows on the rank holding the most of them: the vocabulary is split over
+// the tensor-parallel group as evenly as it goes (model::vocabulary_range).
+int64_t vocabulary_rows(const model::GPT2Config& c, int T) { return model::vocabulary_range(c.vocab_size, 0, T).size(); }
+int64_t embedding_parameters(const model::GPT2Config& c, int T) {
+  return (vocabulary_rows(c, T) + c.n_positions) * c.n_embd;
+}
 int64_t attention_parameters(const model::GPT2Config& c, int T) {
   const int64_t C = c.n_embd;
   return 2 * C + (3 * C * C + 3 * C) / T + C * C / T + C;  // ln_1, c_attn, c_proj
@@ -64,7 +69,7 @@ ActivationCosts activation_costs(const MemoryPlanInput& in) {
                 (c.attn_pdrop > 0.0 ? (2 * b + 1) * heads * in.tokens : 4 * heads);
   a.mlp = 4 * C + b * C + 2 * b * I / T + residual_mask;
   a.embeddings = 4 * C + (c.embd_pdrop > 0.0 ? C : 0);
-  a.head = 4 * C + b * C + 8 * V;
+  a.head = 4 * C + b * C + 8 * model::vocabulary_range(V, 0, static_cast<int>(T)).size();
   a.stage_input = 4 * C;
   return a;
 }
@@ -227,7 +232,7 @@ const RankMemory& MemoryPlan::largest_model_state() const {
 }
 
 int64_t gpt2_parameter_count(const model::GPT2Config& config) {
-  return embedding_parameters(config) +
+  return embedding_parameters(config, 1) +
          config.n_layer * (attention_parameters(config, 1) + mlp_parameters(config, 1)) + 2 * config.n_embd;
 }
 
@@ -256,7 +261,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   plan.model_parameters = gpt2_parameter_count(c);
   const ActivationCosts cost = activation_costs(in);
   const int64_t block = attention_parameters(c, T) + mlp_parameters(c, T);
-  const int64_t largest_unit = std::max(block, embedding_parameters(c));
+  const int64_t largest_unit = std::max(block, embedding_parameters(c, T));
   const int group = in.data_parallel_size * T;  // ranks of one pipeline device (run_data_parallel)
 
   if (!in.pipeline) {
@@ -264,7 +269,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     for (int rank = 0; rank < group; ++rank) r.ranks.push_back(rank);
     r.who = rank_label(in, r.ranks);
     r.holds = T > 1 ? "whole model, 1/" + std::to_string(T) + " of each split layer" : "whole model";
-    r.parameters = embedding_parameters(c) + c.n_layer * block + 2 * c.n_embd;
+    r.parameters = embedding_parameters(c, T) + c.n_layer * block + 2 * c.n_embd;
     apply_zero(r, in, largest_unit);
     const int64_t per_token = cost.embeddings + c.n_layer * (cost.attention + cost.mlp) + cost.head;
     r.activation_bytes = in.rows_per_replica * in.tokens * per_token;
@@ -313,17 +318,17 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     const bool first = d == 0, last = (S - 1) % P == d;
     std::string extras;
     if (first) {
-      r.parameters += embedding_parameters(c);
+      r.parameters += embedding_parameters(c, T);
       extras += ", wte, wpe";
-      largest = std::max(largest, embedding_parameters(c));
+      largest = std::max(largest, embedding_parameters(c, T));
     }
     if (last) {
       r.parameters += 2 * c.n_embd;
       extras += ", ln_f";
       if (!first) {  // the tied head's own copy of wte
-        r.parameters += c.vocab_size * c.n_embd;
+        r.parameters += vocabulary_rows(c, T) * c.n_embd;
         extras += ", wte (tied head)";
-        largest = std::max(largest, c.vocab_size * c.n_embd);
+        largest = std::max(largest, vocabulary_rows(c, T) * c.n_embd);
       }
     }
     r.holds = std::string(stages.size() == 1 ? "stage " : "stages ") + numbers_text(stages) + ": block halves " +
