@@ -471,159 +471,212 @@ EpochEvaluation evaluate_epoch(TrainStep& step, data::BatchLoader& validation, c
   return out;
 }
 
-TrainingSummary run_training(TrainStep& step, const TrainingData& data, const TrainingOptions& o,
-                             const dp::DistContext* world) {
-  if (o.checkpoint.every < 0) throw std::invalid_argument("--checkpoint_every must be >= 0");
-  if (o.checkpoint.keep < 1) throw std::invalid_argument("--keep_checkpoints must be at least 1");
-  if (o.controls.max_steps < 0) throw std::invalid_argument("--max_steps must be >= 0");
-  if (o.controls.eval_every < 0) throw std::invalid_argument("--eval_every must be >= 0");
-  validate_lr_schedule(o.controls.lr_schedule, o.learning_rate);
-  RankProgress progress;
-  Position at;
-  TrainingSummary summary;
+namespace {
 
-  // Which checkpoint, if any: every rank decides alone, then all must agree before anything
-  // that depends on it (collectives included) happens. A rank that refuses to start (a --resume
-  // it cannot use, another run's checkpoints in the folder) refuses for all, with its reason, so
-  // that no rank is left waiting in a collective for a peer that is gone.
-  // What would otherwise fail after training (evaluation, the first checkpoint) fails now.
-  const model::GPT2Config config = step.model()->config();
-  const double load_start = now_seconds();
+// One call of run_training: the run's position and figures, the metrics log and the background
+// writer, and the steps from choosing a checkpoint to the closing line.
+class TrainingRun {
+ public:
+  TrainingRun(TrainStep& step, const TrainingData& data, const TrainingOptions& o, const dp::DistContext* world)
+      : step_(step), data_(data), o_(o), world_(world) {}
+
+  // Chooses the checkpoint to resume (agreed by every rank) and loads it; opens the metrics log.
+  void start();
+  void train();
+  // Waits for the last background write, prints the closing line and saves the model.
+  TrainingSummary finish();
+
+ private:
+  std::optional<Resumption> agreed_resumption();
+  void resume_from(const Resumption& resumption, double load_start);
+  // False when the step budget ended the run inside `epoch`.
+  bool train_epoch_at(int64_t epoch);
+  void after_step(int64_t epoch, int64_t total, const EpochTiming& so_far);
+  void end_epoch(int64_t epoch, const EpochTiming& timing);
+
+  TrainStep& step_;
+  const TrainingData& data_;
+  const TrainingOptions& o_;
+  const dp::DistContext* world_;
+  RankProgress progress_;
+  Position at_;
+  TrainingSummary summary_;
+  std::optional<MetricsLog> metrics_;
+  std::optional<AsyncCheckpoints> async_;
+};
+
+// Which checkpoint, if any: every rank decides alone, then all must agree before anything that
+// depends on it (collectives included) happens. A rank that refuses to start (a --resume it cannot
+// use, another run's checkpoints in the folder) refuses for all, with its reason, so that no rank
+// is left waiting in a collective for a peer that is gone. What would otherwise fail after
+// training (evaluation, the first checkpoint) fails now.
+std::optional<Resumption> TrainingRun::agreed_resumption() {
+  const model::GPT2Config config = step_.model()->config();
   std::optional<Resumption> resumption;
-  std::optional<MetricsLog> metrics;
   std::string refusal;
   try {
-    check_positions(config, o.model_max_length);
-    if (o.rank == 0) make_directories(checkpoint_root(o));
-    resumption = choose_checkpoint(o, config);
-    if (o.rank == 0 && o.checkpoint.resume != "auto") refuse_later_checkpoints(o, resumption);
-    if (o.reports && o.report_rank == 0 && !o.workdir.empty()) {
-      metrics.emplace((fs::path(o.workdir) / "metrics.jsonl").string(),
-                      resumption ? resumption->manifest.global_step : -1, o.controls.tensorboard_dir);
+    check_positions(config, o_.model_max_length);
+    if (o_.rank == 0) make_directories(checkpoint_root(o_));
+    resumption = choose_checkpoint(o_, config);
+    if (o_.rank == 0 && o_.checkpoint.resume != "auto") refuse_later_checkpoints(o_, resumption);
+    if (o_.reports && o_.report_rank == 0 && !o_.workdir.empty()) {
+      metrics_.emplace((fs::path(o_.workdir) / "metrics.jsonl").string(),
+                       resumption ? resumption->manifest.global_step : -1, o_.controls.tensorboard_dir);
     }
   } catch (const std::exception& e) {
-    if (world == nullptr || world->world_size == 1) throw;
+    if (world_ == nullptr || world_->world_size == 1) throw;
     refusal = e.what();
   }
-  agree_to_go_on(refusal, world);
-  const auto [lowest, highest] = min_max(resumption ? resumption->manifest.global_step : -1, world);
+  agree_to_go_on(refusal, world_);
+  const auto [lowest, highest] = min_max(resumption ? resumption->manifest.global_step : -1, world_);
   if (lowest != highest) {
     throw std::runtime_error("ranks disagree on the checkpoint to resume (steps " + std::to_string(lowest) +
-                             " and " + std::to_string(highest) + "): is " + checkpoint_root(o) +
+                             " and " + std::to_string(highest) + "): is " + checkpoint_root(o_) +
                              " the same folder on every machine?");
   }
-  if (resumption) {
-    apply_checkpoint(*resumption, step, o, progress, at);
-    summary.resumed_from = resumption->path;
-    if (o.rank == 0) {
-      uint64_t bytes = 0;
-      for (const auto& f : resumption->manifest.files) bytes += f.size;
-      std::cerr << "resume: verified and loaded " << std::fixed << std::setprecision(1) << bytes / 1e6
-                << " MB in " << std::setprecision(3) << now_seconds() - load_start << " s"
-                << std::defaultfloat << std::endl;
-    }
+  return resumption;
+}
+
+void TrainingRun::resume_from(const Resumption& resumption, double load_start) {
+  apply_checkpoint(resumption, step_, o_, progress_, at_);
+  summary_.resumed_from = resumption.path;
+  if (o_.rank != 0) return;
+  uint64_t bytes = 0;
+  for (const auto& f : resumption.manifest.files) bytes += f.size;
+  std::cerr << "resume: verified and loaded " << std::fixed << std::setprecision(1) << bytes / 1e6 << " MB in "
+            << std::setprecision(3) << now_seconds() - load_start << " s" << std::defaultfloat << std::endl;
+}
+
+void TrainingRun::start() {
+  if (o_.checkpoint.every < 0) throw std::invalid_argument("--checkpoint_every must be >= 0");
+  if (o_.checkpoint.keep < 1) throw std::invalid_argument("--keep_checkpoints must be at least 1");
+  if (o_.controls.max_steps < 0) throw std::invalid_argument("--max_steps must be >= 0");
+  if (o_.controls.eval_every < 0) throw std::invalid_argument("--eval_every must be >= 0");
+  validate_lr_schedule(o_.controls.lr_schedule, o_.learning_rate);
+  const double load_start = now_seconds();
+  if (const std::optional<Resumption> resumption = agreed_resumption()) resume_from(*resumption, load_start);
+  step_.set_global_step(at_.global_step);
+  summary_.training_steps = run_training_steps(data_.train(at_.epoch), o_);
+  if (o_.controls.async_checkpoint) async_.emplace();
+}
+
+void TrainingRun::train() {
+  for (int64_t epoch = at_.epoch; epoch < o_.n_epochs && at_.global_step < summary_.training_steps; ++epoch) {
+    if (!train_epoch_at(epoch)) break;
   }
+}
 
-  step.set_global_step(at.global_step);
-  const int64_t training_steps = run_training_steps(data.train(at.epoch), o);
-  summary.training_steps = training_steps;
-  const LrSchedule& schedule = o.controls.lr_schedule;
-  std::optional<AsyncCheckpoints> async;
-  if (o.controls.async_checkpoint) async.emplace();
-  AsyncCheckpoints* async_files = async ? &*async : nullptr;
-  for (int64_t epoch = at.epoch; epoch < o.n_epochs && at.global_step < training_steps; ++epoch) {
-    data::BatchLoader& loader = data.train(epoch);
-    TrainEpochOptions options;
-    options.first_batch = epoch == at.epoch ? at.batch_in_epoch : 0;
-    // The step budget may end the run inside this epoch.
-    const int64_t whole = batches_in_epoch(loader, o.max_batches);
-    const int64_t budget = options.first_batch + (training_steps - at.global_step) * o.gradient_accumulation_steps;
-    const bool cut = budget < whole;
-    const int64_t total = cut ? budget : whole;
-    options.max_batches = total;
-    options.accumulation_steps = o.gradient_accumulation_steps;
-    options.description = (o.style == ReportStyle::kDataParallel ? "rank " + std::to_string(o.rank) + " " : "") +
-                          "epoch " + std::to_string(epoch);
-    options.show_progress = o.show_progress;
-    options.tracer = o.tracer;
-    options.trace_track = o.trace_track;
-    options.before_step = [&] {
-      if (!schedule.constant()) {
-        step.set_learning_rate(scheduled_learning_rate(schedule, o.learning_rate, at.global_step, training_steps));
-      }
-    };
-    options.after_step = [&](const EpochTiming& so_far) {
-      ++at.global_step;
-      if (metrics) {
-        metrics->log(StepMetrics{at.global_step, epoch, so_far.last_loss, step.learning_rate(), step.last_grad_norm(),
-                                 so_far.last_step_tokens,
-                                 static_cast<double>(so_far.last_step_tokens) / so_far.last_step_seconds,
-                                 so_far.last_step_seconds, peak_memory_bytes(step.input_device())});
-      }
-      if (o.controls.eval_every > 0 && at.global_step % o.controls.eval_every == 0) {
-        evaluate_at_step(step, data, o, epoch, at.global_step, metrics ? &*metrics : nullptr);
-      }
-      // The last batch of an epoch is checkpointed after its evaluation, below.
-      if (o.checkpoint.every > 0 && at.global_step % o.checkpoint.every == 0 && so_far.batches < total) {
-        progress.partial = so_far;
-        save_checkpoint(step, o, {epoch, so_far.batches, at.global_step}, progress, world, async_files);
-      }
-    };
-    const EpochTiming resumed = epoch == at.epoch ? progress.partial : EpochTiming{};
-    const EpochTiming timing = train_epoch(step, loader, epoch, options, resumed);
-    progress.partial = EpochTiming{};
-    const double rate = o.style == ReportStyle::kDataParallel
-                            ? timing.mean_batch_token_rate()
-                            : static_cast<double>(timing.tokens) / timing.seconds;
-    progress.seconds.push_back(timing.seconds);
-    progress.rates.push_back(rate);
-    const std::string prefix = line_prefix(o, epoch);
-    if (o.reports) {
-      std::cout << prefix << "Training Time = " << format_number(timing.seconds)
-                << ", Tokens_per_sec = " << format_number(rate) << std::endl;
-    }
-
-    if (!o.benchmark_only) {
-      // Split over processes, every rank of the group takes part.
-      const EpochEvaluation eval = evaluate_epoch(step, *data.validation, *data.tokenizer, *data.test,
-                                                  o.model_max_length, o.show_progress);
-      if (o.reports) report_evaluation(o, epoch, eval, timing.seconds, rate, *data.test);
-      if (metrics) metrics->log(EvalMetrics{at.global_step, epoch, eval.validation_loss});
-    }
-    if (cut) {
-      // The budget ended the run inside the epoch: the checkpoint is a position in it, so that a
-      // run resumed with a larger budget finishes the epoch (and reports it whole).
-      RankProgress inside = progress;
-      inside.seconds.pop_back();
-      inside.rates.pop_back();
-      inside.partial = timing;
-      save_checkpoint(step, o, {epoch, timing.batches, at.global_step}, inside, world, async_files);
-      break;
-    }
-    save_checkpoint(step, o, {epoch + 1, 0, at.global_step}, progress, world, async_files);
+// After each optimizer step: the metrics line, --eval_every's evaluation and --checkpoint_every's
+// checkpoint (the last batch of an epoch is checkpointed after its evaluation, in end_epoch).
+void TrainingRun::after_step(int64_t epoch, int64_t total, const EpochTiming& so_far) {
+  ++at_.global_step;
+  if (metrics_) {
+    metrics_->log(StepMetrics{at_.global_step, epoch, so_far.last_loss, step_.learning_rate(), step_.last_grad_norm(),
+                              so_far.last_step_tokens,
+                              static_cast<double>(so_far.last_step_tokens) / so_far.last_step_seconds,
+                              so_far.last_step_seconds, peak_memory_bytes(step_.input_device())});
   }
+  if (o_.controls.eval_every > 0 && at_.global_step % o_.controls.eval_every == 0) {
+    evaluate_at_step(step_, data_, o_, epoch, at_.global_step, metrics_ ? &*metrics_ : nullptr);
+  }
+  if (o_.checkpoint.every > 0 && at_.global_step % o_.checkpoint.every == 0 && so_far.batches < total) {
+    progress_.partial = so_far;
+    save_checkpoint(step_, o_, {epoch, so_far.batches, at_.global_step}, progress_, world_, async_ ? &*async_ : nullptr);
+  }
+}
 
-  if (async) {
+bool TrainingRun::train_epoch_at(int64_t epoch) {
+  data::BatchLoader& loader = data_.train(epoch);
+  TrainEpochOptions options;
+  options.first_batch = epoch == at_.epoch ? at_.batch_in_epoch : 0;
+  // The step budget may end the run inside this epoch.
+  const int64_t whole = batches_in_epoch(loader, o_.max_batches);
+  const int64_t budget =
+      options.first_batch + (summary_.training_steps - at_.global_step) * o_.gradient_accumulation_steps;
+  const bool cut = budget < whole;
+  const int64_t total = cut ? budget : whole;
+  options.max_batches = total;
+  options.accumulation_steps = o_.gradient_accumulation_steps;
+  options.description = (o_.style == ReportStyle::kDataParallel ? "rank " + std::to_string(o_.rank) + " " : "") +
+                        "epoch " + std::to_string(epoch);
+  options.show_progress = o_.show_progress;
+  options.tracer = o_.tracer;
+  options.trace_track = o_.trace_track;
+  const LrSchedule& schedule = o_.controls.lr_schedule;
+  options.before_step = [&] {
+    if (!schedule.constant()) {
+      step_.set_learning_rate(
+          scheduled_learning_rate(schedule, o_.learning_rate, at_.global_step, summary_.training_steps));
+    }
+  };
+  options.after_step = [&](const EpochTiming& so_far) { after_step(epoch, total, so_far); };
+  const EpochTiming resumed = epoch == at_.epoch ? progress_.partial : EpochTiming{};
+  const EpochTiming timing = train_epoch(step_, loader, epoch, options, resumed);
+  progress_.partial = EpochTiming{};
+  end_epoch(epoch, timing);
+  AsyncCheckpoints* async_files = async_ ? &*async_ : nullptr;
+  if (cut) {
+    // The budget ended the run inside the epoch: the checkpoint is a position in it, so that a run
+    // resumed with a larger budget finishes the epoch (and reports it whole).
+    RankProgress inside = progress_;
+    inside.seconds.pop_back();
+    inside.rates.pop_back();
+    inside.partial = timing;
+    save_checkpoint(step_, o_, {epoch, timing.batches, at_.global_step}, inside, world_, async_files);
+    return false;
+  }
+  save_checkpoint(step_, o_, {epoch + 1, 0, at_.global_step}, progress_, world_, async_files);
+  return true;
+}
+
+// The epoch's figures and line, then its evaluation (every rank of the group takes part).
+void TrainingRun::end_epoch(int64_t epoch, const EpochTiming& timing) {
+  const double rate = o_.style == ReportStyle::kDataParallel ? timing.mean_batch_token_rate()
+                                                             : static_cast<double>(timing.tokens) / timing.seconds;
+  progress_.seconds.push_back(timing.seconds);
+  progress_.rates.push_back(rate);
+  if (o_.reports) {
+    std::cout << line_prefix(o_, epoch) << "Training Time = " << format_number(timing.seconds)
+              << ", Tokens_per_sec = " << format_number(rate) << std::endl;
+  }
+  if (o_.benchmark_only) return;
+  const EpochEvaluation eval =
+      evaluate_epoch(step_, *data_.validation, *data_.tokenizer, *data_.test, o_.model_max_length, o_.show_progress);
+  if (o_.reports) report_evaluation(o_, epoch, eval, timing.seconds, rate, *data_.test);
+  if (metrics_) metrics_->log(EvalMetrics{at_.global_step, epoch, eval.validation_loss});
+}
+
+TrainingSummary TrainingRun::finish() {
+  if (async_) {
     // The last checkpoint is complete before the run ends; the other ranks wait for it outside
     // any collective (a launcher must not see them exit while rank 0 still writes).
-    if (o.rank == 0) async->writer.wait();
-    wait_for_the_writer("background_writes_done", at.global_step, o.rank == 0, world);
+    if (o_.rank == 0) async_->writer.wait();
+    wait_for_the_writer("background_writes_done", at_.global_step, o_.rank == 0, world_);
   }
-  const MeanStd time_stats = mean_std(progress.seconds), rate_stats = mean_std(progress.rates);
-  if (o.reports) {
-    std::cout << (o.style == ReportStyle::kDataParallel ? "Rank " + std::to_string(o.report_rank) + " training time"
-                                                        : std::string("Training time"))
+  const MeanStd time_stats = mean_std(progress_.seconds), rate_stats = mean_std(progress_.rates);
+  if (o_.reports) {
+    std::cout << (o_.style == ReportStyle::kDataParallel ? "Rank " + std::to_string(o_.report_rank) + " training time"
+                                                         : std::string("Training time"))
               << ": avg:" << format_number(time_stats.mean) << ", std:" << format_number(time_stats.std)
               << ", tokens_per_second: avg: " << format_number(rate_stats.mean)
               << ", std:" << format_number(rate_stats.std) << std::endl;
   }
-
   // Split or sharded, every rank takes part in gathering the weights; the writer writes them.
-  step.save_model(o.save_dir, /*write=*/!o.save_dir.empty());
-  summary.epoch_seconds = progress.seconds;
-  summary.epoch_token_rates = progress.rates;
-  summary.global_step = at.global_step;
-  return summary;
+  step_.save_model(o_.save_dir, /*write=*/!o_.save_dir.empty());
+  summary_.epoch_seconds = progress_.seconds;
+  summary_.epoch_token_rates = progress_.rates;
+  summary_.global_step = at_.global_step;
+  return summary_;
+}
+
+}  // namespace
+
+TrainingSummary run_training(TrainStep& step, const TrainingData& data, const TrainingOptions& o,
+                             const dp::DistContext* world) {
+  TrainingRun run(step, data, o, world);
+  run.start();
+  run.train();
+  return run.finish();
 }
 
 void write_gradients_of_one_step(TrainStep& step, data::BatchLoader& loader, const std::string& path,
