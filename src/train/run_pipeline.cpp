@@ -36,38 +36,34 @@ TrainingOptions training_options(const RunConfig& f, const std::string& program,
   return o;
 }
 
-int run_pipeline(const PipelineConfig& pipeline) {
+namespace {
+
+// run_pipeline's devices (one for a single device: the first listed) and its threads per device.
+struct PipelineDevices {
+  std::vector<Device> devices;
+  int threads = 1;
+};
+
+PipelineDevices devices_of_run(const PipelineConfig& pipeline) {
   const RunConfig& f = pipeline.run;
-  check_writable_folder(f.workdir, "--workdir");
-  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
+  PipelineDevices out;
+  out.devices = f.devices.empty() ? default_devices() : parse_device_list(f.devices);
+  if (pipeline.mode.empty()) out.devices.resize(1);
+  out.threads = f.threads_per_device > 0 ? f.threads_per_device
+                                         : default_threads_per_device(static_cast<int>(out.devices.size()));
+  return out;
+}
 
-  std::vector<Device> devices = f.devices.empty() ? default_devices() : parse_device_list(f.devices);
-  if (pipeline.mode.empty()) devices.resize(1);  // one device: the first listed
-  const int threads = f.threads_per_device > 0
-                          ? f.threads_per_device
-                          : default_threads_per_device(static_cast<int>(devices.size()));
-  at::set_num_threads(threads);  // the main thread works for the first device
-
-  model::GPT2Config config = resolve_config(f.model);
-  data::Tokenizer tokenizer =
-      prepare_tokenizer(f.model, config, corpus.train, f.workdir + "/tokenizer.model");
-  if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
-  config.save_json_file(f.workdir + "/config.json");  // as the original, at start
-  // Each device's model state against the memory it has, before the model is built.
-  const MemoryPlan memory = plan_memory(memory_plan_input(pipeline, config, devices));
-  const AvailableMemory available = available_memory(devices, false, "device");
-  check_model_state_fits(memory, available, [](int) {
-    return std::string("run_pipeline trains one replica, and ZeRO shards over data-parallel replicas "
-                       "(run_data_parallel --zero_stage)");
-  });
-  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
-
-  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  const bool pipelined = pipeline.mode == "pipeline_parallel";
-  // Everything a schedule needs is checked before the model is placed or a batch is read.
+// The step of the mode: the model on one device, or its stages over the devices (model parallel is
+// the pipeline with one micro-batch: GPipe's order over the same stages). Everything a schedule
+// needs is checked before the model is placed or a batch is read. `stages` is set for the stages.
+std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, model::GPT2LMHeadModel& model,
+                                              const PipelineDevices& at, Tracer* tracer,
+                                              PipelineForwardBackward** stages) {
+  const RunConfig& f = pipeline.run;
   const PipelineScheduleConfig& pipe = pipeline.pipe;
-  const pipeline::ActivationCheckpointing checkpointing =
-      pipeline::parse_activation_checkpointing(pipe.activation_checkpointing);
+  const bool pipelined = pipeline.mode == "pipeline_parallel";
+  pipeline::parse_activation_checkpointing(pipe.activation_checkpointing);  // checked here, used by the stages
   const pipeline::BalanceSpec balance_spec = pipeline::parse_balance(pipe.balance);
   if (!pipelined && (pipe.schedule != "1f1b" || pipe.virtual_stages != 1)) {
     throw std::invalid_argument("--pipeline_schedule and --virtual_stages apply to --model_parallel_mode "
@@ -75,72 +71,73 @@ int run_pipeline(const PipelineConfig& pipeline) {
   }
   TrainStepSettings settings;
   settings.precision = model::parse_precision(f.precision);
-  std::unique_ptr<TrainStep> step;
-  PipelineForwardBackward* stages = nullptr;
+  *stages = nullptr;
   if (pipeline.mode.empty()) {
     if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
-    model->to(devices.front().torch_device());
-    step = std::make_unique<GPT2TrainStep>(model, f.optimizer_settings(), nullptr, settings);
-  } else {
-    // Model parallel is the pipeline with one micro-batch: GPipe's order over the same stages.
-    PipelineScheduleConfig flags = pipe;
-    if (!pipelined) {
-      flags.schedule = "gpipe";
-      flags.virtual_stages = 1;
-      flags.n_chunk = 1;
-    }
-    PipelineStepOptions options = pipeline_step_options(flags, static_cast<int>(devices.size()));
-    options.devices = devices;
-    options.threads_per_device = threads;
-    options.seed = f.seed;
-    options.tracer = tracer.get();
-    const int stages_wanted = static_cast<int>(devices.size()) * options.virtual_stages;
-    if (balance_spec.automatic) {
-      const int64_t rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
-      options.balance_halves =
-          pipeline::balance_gpt2_by_time(model, devices.front(), stages_wanted, rows, f.model_max_length);
-    }
-    auto made = std::make_unique<PipelineTrainStep>(model, f.optimizer_settings(), options, settings);
-    stages = &made->pipeline();
-    step = std::move(made);
+    model->to(at.devices.front().torch_device());
+    return std::make_unique<GPT2TrainStep>(model, f.optimizer_settings(), nullptr, settings);
   }
+  PipelineScheduleConfig flags = pipe;
+  if (!pipelined) {
+    flags.schedule = "gpipe";
+    flags.virtual_stages = 1;
+    flags.n_chunk = 1;
+  }
+  PipelineStepOptions options = pipeline_step_options(flags, static_cast<int>(at.devices.size()));
+  options.devices = at.devices;
+  options.threads_per_device = at.threads;
+  options.seed = f.seed;
+  options.tracer = tracer;
+  if (balance_spec.automatic) {
+    const int stages_wanted = static_cast<int>(at.devices.size()) * options.virtual_stages;
+    const int64_t rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
+    options.balance_halves =
+        pipeline::balance_gpt2_by_time(model, at.devices.front(), stages_wanted, rows, f.model_max_length);
+  }
+  auto made = std::make_unique<PipelineTrainStep>(model, f.optimizer_settings(), options, settings);
+  *stages = &made->pipeline();
+  return made;
+}
 
-  std::cerr << "run_pipeline: mode=" << (pipeline.mode.empty() ? "single_device" : pipeline.mode)
-            << " devices=";
-  for (size_t i = 0; i < devices.size(); ++i) std::cerr << (i ? "," : "") << devices[i].str();
-  std::cerr << " threads_per_device=" << threads << " model="
+// The run's lines on stderr: what trains where, the schedule of the stages, the memory plan.
+void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& at, const model::GPT2Config& config,
+                        int64_t parameters, const data::Tokenizer& tokenizer,
+                        const data::TranslationCorpus& corpus, const PipelineForwardBackward* stages,
+                        const std::string& memory_line) {
+  const RunConfig& f = pipeline.run;
+  const PipelineScheduleConfig& pipe = pipeline.pipe;
+  const bool pipelined = pipeline.mode == "pipeline_parallel";
+  std::cerr << "run_pipeline: mode=" << (pipeline.mode.empty() ? "single_device" : pipeline.mode) << " devices=";
+  for (size_t i = 0; i < at.devices.size(); ++i) std::cerr << (i ? "," : "") << at.devices[i].str();
+  std::cerr << " threads_per_device=" << at.threads << " model="
             << (f.model.path.empty() ? f.model.preset : f.model.path) << " (" << config.n_layer
-            << " layers, n_embd " << config.n_embd << ", "
-            << model::count_parameters(*model) << " parameters) vocab=" << tokenizer.vocab_size()
-            << " batch_size=" << f.batch_size << " n_chunk=" << pipe.n_chunk << " precision=" << f.precision
+            << " layers, n_embd " << config.n_embd << ", " << parameters
+            << " parameters) vocab=" << tokenizer.vocab_size() << " batch_size=" << f.batch_size
+            << " n_chunk=" << pipe.n_chunk << " precision=" << f.precision
             << (f.gradient_accumulation_steps > 1
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "")
-            << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size()
-            << "/" << corpus.test.size() << std::endl;
+            << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size() << "/"
+            << corpus.test.size() << std::endl;
   if (stages) {
+    const bool automatic = pipeline::parse_balance(pipe.balance).automatic;
     std::cerr << "run_pipeline: schedule=" << (pipelined ? pipe.schedule : "gpipe")
               << " micro_batches=" << (pipelined ? pipe.n_chunk : 1)
-              << " virtual_stages=" << (pipelined ? pipe.virtual_stages : 1)
-              << " stages=" << stages->stages()
+              << " virtual_stages=" << (pipelined ? pipe.virtual_stages : 1) << " stages=" << stages->stages()
               << " balance=" << stages->balance_text()
-              << (balance_spec.automatic ? " (auto, by time)" : pipe.balance.empty() ? " (default)" : "")
-              << " activation_checkpointing=" << pipeline::to_string(checkpointing) << std::endl;
+              << (automatic ? " (auto, by time)" : pipe.balance.empty() ? " (default)" : "")
+              << " activation_checkpointing="
+              << pipeline::to_string(pipeline::parse_activation_checkpointing(pipe.activation_checkpointing))
+              << std::endl;
   }
-  std::cerr << "run_pipeline: " << memory_plan_line(memory, available) << std::endl;
+  std::cerr << "run_pipeline: " << memory_line << std::endl;
+}
 
-  const int64_t max_length = f.model_max_length;
-  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
-    return data::collate(ex, tokenizer, max_length);
-  };
-  data::BatchLoader train_loader(corpus.train, collate,
-                                 {f.batch_size, pipeline.shuffle, f.seed, false, 2});
-  data::BatchLoader validation_loader(corpus.validation, collate,
-                                      {f.batch_size, false, 0, false, 2});
-
-  TrainingOptions options =
-      training_options(f, "run_pipeline", ReportStyle::kPipeline);
-  for (const Device& device : devices) {
+TrainingOptions pipeline_training_options(const PipelineConfig& pipeline, const PipelineDevices& at,
+                                          Tracer* tracer) {
+  const RunConfig& f = pipeline.run;
+  TrainingOptions options = training_options(f, "run_pipeline", ReportStyle::kPipeline);
+  for (const Device& device : at.devices) {
     if (!pipeline.mode.empty()) options.pipeline_devices.push_back(device.str());
     options.devices.push_back(device.torch_device());
   }
@@ -149,13 +146,49 @@ int run_pipeline(const PipelineConfig& pipeline) {
                            : "all training pairs in order";
   options.save_dir = f.workdir;
   options.tokenizer_path = f.workdir + "/tokenizer.model";
-  options.tracer = tracer.get();
+  options.tracer = tracer;
+  return options;
+}
+
+}  // namespace
+
+int run_pipeline(const PipelineConfig& pipeline) {
+  const RunConfig& f = pipeline.run;
+  check_writable_folder(f.workdir, "--workdir");
+  data::TranslationCorpus corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
+  const PipelineDevices at = devices_of_run(pipeline);
+  at::set_num_threads(at.threads);  // the main thread works for the first device
+
+  model::GPT2Config config = resolve_config(f.model);
+  data::Tokenizer tokenizer = prepare_tokenizer(f.model, config, corpus.train, f.workdir + "/tokenizer.model");
+  if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
+  config.save_json_file(f.workdir + "/config.json");  // as the original, at start
+  // Each device's model state against the memory it has, before the model is built.
+  const MemoryPlan memory = plan_memory(memory_plan_input(pipeline, config, at.devices));
+  const AvailableMemory available = available_memory(at.devices, false, "device");
+  check_model_state_fits(memory, available, [](int) {
+    return std::string("run_pipeline trains one replica, and ZeRO shards over data-parallel replicas "
+                       "(run_data_parallel --zero_stage)");
+  });
+  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
+
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  PipelineForwardBackward* stages = nullptr;
+  std::unique_ptr<TrainStep> step = pipeline_mode_step(pipeline, model, at, tracer.get(), &stages);
+  print_pipeline_run(pipeline, at, config, model::count_parameters(*model), tokenizer, corpus, stages, memory_plan_line(memory, available));
+
+  const int64_t max_length = f.model_max_length;
+  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, max_length);
+  };
+  data::BatchLoader train_loader(corpus.train, collate, {f.batch_size, pipeline.shuffle, f.seed, false, 2});
+  data::BatchLoader validation_loader(corpus.validation, collate, {f.batch_size, false, 0, false, 2});
   TrainingData data;
   data.train = [&train_loader](int64_t) -> data::BatchLoader& { return train_loader; };
   data.validation = &validation_loader;
   data.test = &corpus.test;
   data.tokenizer = &tokenizer;
-  run_training(*step, data, options);
+  run_training(*step, data, pipeline_training_options(pipeline, at, tracer.get()));
 
   if (tracer) tracer->write_chrome_json(f.trace);
   std::cerr << "run_pipeline: model, tokenizer and results are in " << f.workdir
