@@ -28,6 +28,7 @@
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/programs.h"
 #include "harness/train/rank_agreement.h"
+#include "harness/train/compose_step.h"
 #include "harness/train/zero3_step.h"
 
 namespace harness::train {
@@ -163,275 +164,263 @@ void apply_training_split_test_hook(int rank, std::vector<data::TranslationExamp
   if (hook != nullptr && *hook != '\0' && std::atoi(hook) == rank && !train.empty()) train.pop_back();
 }
 
-int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
-                    const Device& device, int threads, const dp::DistOptions& options, const dp::DistContext& world) {
-  const RunConfig& f = flags.run;
-  const int rank = env.rank;
-  const int T = flags.tensor_parallel_size;
-  const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
-  const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
+// A file removed when this goes out of scope (none when the path is empty).
+struct TemporaryFile {
+  std::string path;
+  TemporaryFile() = default;
+  TemporaryFile(const TemporaryFile&) = delete;
+  TemporaryFile& operator=(const TemporaryFile&) = delete;
+  ~TemporaryFile() {
+    if (!path.empty()) ::unlink(path.c_str());
+  }
+};
 
-  // Every rank trains its own tokenizer; only rank 0 keeps the file, so the ranks need no shared
-  // folder when they span machines. They must have trained the same one: checked below.
-  const std::string tokenizer_path =
-      rank == 0 ? f.workdir + "/tokenizer.model"
-                : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
+// What a rank trains on: the corpus, the model's config and the tokenizer, the same on every rank.
+struct RankInputs {
+  std::string tokenizer_path;
   // Rank r > 0 keeps its copy of the tokenizer until the driver has compared it with a checkpoint's.
-  struct RemoveOnExit {
-    std::string path;
-    ~RemoveOnExit() {
-      if (!path.empty()) ::unlink(path.c_str());
-    }
-  } temporary_tokenizer{rank != 0 ? tokenizer_path : std::string()};
+  TemporaryFile temporary_tokenizer;
   data::TranslationCorpus corpus;
   model::GPT2Config config;
-  std::optional<data::Tokenizer> prepared;
-  // What one rank may find wrong on its own machine (its folder, its copy of the dataset) stops
-  // every rank with the same reason.
+  std::optional<data::Tokenizer> tokenizer;
+};
+
+// Every rank trains its own tokenizer; only rank 0 keeps the file, so the ranks need no shared
+// folder when they span machines. They must have trained the same one: checked here. What one
+// rank may find wrong on its own machine (its folder, its copy of the dataset) stops every rank
+// with the same reason.
+void prepare_rank_inputs(const RunConfig& f, int rank, const dp::DistContext& world, RankInputs& in) {
+  in.tokenizer_path =
+      rank == 0 ? f.workdir + "/tokenizer.model"
+                : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
+  if (rank != 0) in.temporary_tokenizer.path = in.tokenizer_path;
   std::string refusal;
   try {
     check_writable_folder(f.workdir, "--workdir");
-    corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
-    apply_training_split_test_hook(rank, corpus.train);
-    config = resolve_config(f.model);
-    prepared.emplace(prepare_tokenizer(f.model, config, corpus.train, tokenizer_path));
+    in.corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
+    apply_training_split_test_hook(rank, in.corpus.train);
+    in.config = resolve_config(f.model);
+    in.tokenizer.emplace(prepare_tokenizer(f.model, in.config, in.corpus.train, in.tokenizer_path));
   } catch (const std::exception& e) {
     refusal = e.what();
   }
   agree_to_go_on(refusal, &world);
-  check_ranks_share_tokenizer(tokenizer_fingerprint(corpus.train, tokenizer_path), &world);
-  data::Tokenizer tokenizer = std::move(*prepared);
-  if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
-  if (rank == 0) config.save_json_file(f.workdir + "/config.json");  // as the original, at start
+  check_ranks_share_tokenizer(tokenizer_fingerprint(in.corpus.train, in.tokenizer_path), &world);
+  if (f.fit_vocab) fit_vocabulary(in.config, f.model, *in.tokenizer);
+  if (rank == 0) in.config.save_json_file(f.workdir + "/config.json");  // as the original, at start
+}
 
+// P > 1: this rank's stage options. --balance auto: every rank times GPT-2's pieces and rank 0's
+// balance is everyone's. Each data-parallel replica draws its own dropout masks, the same on
+// every stage of it.
+PipelineStepOptions agreed_stage_options(const DataParallelConfig& flags, const parallel::Layout& layout,
+                                         model::GPT2LMHeadModel& model, const Device& device, int rank,
+                                         const dp::DistContext& world) {
+  const RunConfig& f = flags.run;
+  PipelineStepOptions stage = stage_options(flags, layout, model->config());
+  stage.devices = {device};
+  stage.seed = f.seed + static_cast<uint64_t>(layout.coordinates_of(rank).data);
+  if (!pipeline::parse_balance(flags.pipe.balance).automatic) return stage;
   const int P = layout.pipeline_parallel_size();
-  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
-  // The ranks holding the same slice of the model: what the gradients are averaged over.
-  const dp::DistContext& ctx = groups.gradient;
+  const int64_t device_batch = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
+  const int64_t rows = std::max<int64_t>(1, device_batch / stage.micro_batches);
+  std::vector<int> halves =
+      pipeline::balance_gpt2_by_time(model, device, P * stage.virtual_stages, rows, f.model_max_length);
+  at::Tensor agreed =
+      torch::tensor(std::vector<int64_t>(halves.begin(), halves.end()), torch::kLong).to(device.torch_device());
+  std::vector<at::Tensor> tensors{agreed};
+  world.group->broadcast(tensors)->wait();
+  agreed = agreed.to(torch::kCPU);
+  stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
+  return stage;
+}
 
-  // T > 1: the model is split over the tensor-parallel group from the start (each rank builds
-  // and loads its own slices).
-  std::shared_ptr<model::TensorParallelGroup> split = T == 1 ? nullptr : tp::make_tensor_parallel_group(groups.tensor);
-  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed, split);
-  model->to(device.torch_device());
-  broadcast_parameters(ctx, *model);
-  // The step's parts, chosen once. How forward and backward run: the whole model here, or this
-  // rank's pipeline stages, the others' activations and gradients coming by send/recv.
-  std::unique_ptr<ForwardBackward> forward_backward;
-  PipelineForwardBackward* pipeline_stages = nullptr;
-  // --zero_stage 1 and 2: the gradient buckets are reduce-scattered over the data-parallel group (of the
-  // whole model, of each tensor-parallel shard, or of each pipeline stage), and each rank's AdamW
-  // steps its chunks. A stage holding the tied wte gives it a bucket of its own, so that the first
-  // and the last stage's chunks of it are the same elements, summed over the embedding group.
-  // --zero_stage 2: each rank keeps only its chunks of the gradients too (the full ones let go as
-  // they are reduce-scattered, a step's batches accumulated into the chunks).
-  std::unique_ptr<dp::BucketedAllReduce> zero_buckets;
-  if (flags.zero_stage == 1 || flags.zero_stage == 2) {
-    zero_buckets = std::make_unique<dp::BucketedAllReduce>(
-        ctx, flags.bucket_cap_mb, flags.allreduce,
-        flags.zero_stage == 2 ? dp::GradientReduction::kShardedGradients : dp::GradientReduction::kReduceScatter);
+DataParallelSettings data_parallel_settings(const DataParallelConfig& flags) {
+  DataParallelSettings s;
+  s.zero_stage = flags.zero_stage;
+  s.zero_prefetch = flags.zero_prefetch;
+  s.gradient_sync = flags.grad_sync;
+  s.bucket_cap_mb = flags.bucket_cap_mb;
+  s.allreduce = flags.allreduce;
+  s.reduce_dtype = flags.grad_reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  return s;
+}
+
+// Rank 0's lines before training: the run, the layout's table and the memory plan.
+void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
+               const Device& device, int threads, const std::string& backend, model::GPT2LMHeadModel& model,
+               const data::Tokenizer& tokenizer, const StepParts& parts) {
+  const RunConfig& f = flags.run;
+  const int T = layout.tensor_parallel_size(), P = layout.pipeline_parallel_size();
+  const int dp_size = layout.data_parallel_size();
+  std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << backend
+            << " device=" << device.str() << " threads_per_rank=" << threads << " model="
+            << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
+            << model->unsplit_parameter_count() << " parameters"
+            << (T > 1 && P == 1 ? ", " + std::to_string(model::count_parameters(*model)) + " on each rank"
+                : P > 1         ? ", " + std::to_string(model::count_parameters(*model)) + " held on rank 0"
+                                : std::string())
+            << ") vocab=" << tokenizer.vocab_size() << " batch_size=" << f.batch_size << " (per rank "
+            << dp::per_device_batch_size(f.batch_size, dp_size) << ")"
+            << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
+            << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
+            << " precision=" << f.precision << " grad_reduce_dtype=" << flags.grad_reduce_dtype
+            << " zero_stage=" << flags.zero_stage << (flags.debug_sync ? " debug_sync=true" : "")
+            << (f.gradient_accumulation_steps > 1
+                    ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
+                    : "");
+  if (T > 1) std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
+  if (parts.stages) {
+    std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
+              << " pipeline_schedule=" << flags.pipe.schedule << " n_chunk=" << flags.pipe.n_chunk
+              << " virtual_stages=" << flags.pipe.virtual_stages << " stages=" << parts.stages->stages()
+              << " balance=" << parts.stages->balance_text()
+              << " activation_checkpointing=" << flags.pipe.activation_checkpointing;
   }
-  if (P > 1) {
-    PipelineStepOptions stage = stage_options(flags, layout, config);
-    stage.devices = {device};
-    // Each data-parallel replica draws its own dropout masks, the same on every stage of it.
-    stage.seed = f.seed + static_cast<uint64_t>(dp_rank);
-    if (pipeline::parse_balance(flags.pipe.balance).automatic) {
-      // Every rank times GPT-2's pieces; rank 0's balance is everyone's.
-      const int64_t rows = std::max<int64_t>(1, device_batch / stage.micro_batches);
-      std::vector<int> halves = pipeline::balance_gpt2_by_time(model, device, P * stage.virtual_stages, rows,
-                                                               f.model_max_length);
-      at::Tensor agreed = torch::tensor(std::vector<int64_t>(halves.begin(), halves.end()), torch::kLong)
-                              .to(device.torch_device());
-      std::vector<at::Tensor> tensors{agreed};
-      world.group->broadcast(tensors)->wait();
-      agreed = agreed.to(torch::kCPU);
-      stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
-    }
-    PipelineProcesses processes{groups.pipeline, groups.embedding, flags.debug_sync, {}};
-    if (zero_buckets && groups.embedding) {
-      const at::Tensor wte = model->transformer->wte->weight;
-      zero_buckets->keep_apart(wte);
-      processes.tied_gradient = [buckets = zero_buckets.get(), wte] { return buckets->gradient_shard_of(wte); };
-    }
-    auto made = std::make_unique<PipelineForwardBackward>(model, stage, std::move(processes));
-    pipeline_stages = made.get();
-    forward_backward = std::move(made);
-  } else if (flags.zero_stage != 3) {
-    forward_backward = whole_model(model);
-  }
-  // How gradients are averaged and how the optimizer steps: ZeRO-1 shards AdamW over the buckets
-  // its reduce-scattering synchronizer hands it; a pipeline stage's AdamW steps its stage's
-  // parameters, averaged over the stage's data-parallel group (sharded over it with ZeRO-1);
-  // otherwise every rank's AdamW steps what its synchronizer averaged.
-  std::unique_ptr<dp::GradientSynchronizer> sync;
-  std::unique_ptr<StepOptimizer> optimizer;
-  if (pipeline_stages) {
-    PipelineStageParameters held;
-    held.held = pipeline_stages->held_parameters();
-    for (const auto& item : model->named_parameters()) held.owner[item.key()] = pipeline_stages->owner_of(item.key());
-    held.pipeline = groups.pipeline;
-    std::vector<at::Tensor> parameters;
-    for (const auto& item : model->named_parameters()) {
-      if (std::find(held.held.begin(), held.held.end(), item.key()) != held.held.end()) parameters.push_back(item.value());
-    }
-    if (zero_buckets) {
-      optimizer = stage_adamw(model, f.optimizer_settings(), std::move(held), zero_buckets.get());
-      sync = std::move(zero_buckets);
-    } else {
-      if (dp_size > 1) {  // a stage of the only replica has nothing to average with
-        sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
-        sync->attach(parameters);
-      }
-      optimizer = stage_adamw(model, f.optimizer_settings(), std::move(held));
-    }
-  } else if (zero_buckets) {
-    optimizer = sharded_adamw(model, f.optimizer_settings(), *zero_buckets);
-    sync = std::move(zero_buckets);
-  } else if (flags.zero_stage == 3) {
-    // ZeRO-3: the parameters too are sharded, in units gathered around their forward and backward
-    // (zero3_step.h); the units are the step's synchronizer.
-    Zero3Parts parts = make_zero3(model, ctx, f.optimizer_settings(), flags.zero_prefetch);
-    forward_backward = std::move(parts.forward_backward);
-    optimizer = std::move(parts.optimizer);
-    sync = std::move(parts.units);
-  } else {
-    sync = dp::make_gradient_synchronizer(flags.grad_sync, ctx, flags.bucket_cap_mb, flags.allreduce);
-    sync->attach(*model);
-    optimizer = replicated_adamw(model, f.optimizer_settings());
-  }
-  if (sync && flags.grad_reduce_dtype == "bf16") sync->set_reduce_dtype(at::kBFloat16);
-  if (flags.zero_stage >= 1 && rank == 0) {
-    int64_t replicated = 0;
-    for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
-    std::cerr << "run_data_parallel: --zero_stage " << flags.zero_stage << " keeps " << optimizer->state_bytes()
-              << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)"
-              << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(dp_size) + " of the gradients"
-                  : flags.zero_stage == 3 ? ", and 1/" + std::to_string(dp_size) + " of the gradients and of the parameters"
-                                          : std::string())
+  std::cerr << std::endl << layout.coordinates_table() << std::flush;
+  try {
+    const int ranks_here = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
+    const std::vector<Device> here = device.is_cuda() ? std::vector<Device>{device} : std::vector<Device>(ranks_here, device);
+    std::cerr << "run_data_parallel: "
+              << memory_plan_line(plan_memory(memory_plan_input(flags, model->config())), available_memory(here))
               << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "run_data_parallel: memory plan: not made: " << e.what() << std::endl;
   }
-  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  const std::string track = "rank " + std::to_string(rank);
-  TrainStepSettings settings;
-  settings.precision = model::parse_precision(f.precision);
-  settings.tracer = tracer.get();
-  settings.trace_track = track;
-  std::unique_ptr<TrainStep> step = std::make_unique<GPT2TrainStep>(model, std::move(forward_backward),
-                                                                    std::move(optimizer), sync.get(), settings);
-  // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
-  // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
-  // masks on the activations they all hold (Megatron does the same for its replicated regions;
-  // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
-  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank));
+}
 
-  if (rank == 0) {
-    std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << ctx.backend
-              << " device=" << device.str() << " threads_per_rank=" << threads << " model="
-              << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
-              << model->unsplit_parameter_count() << " parameters"
-              << (T > 1 && P == 1 ? ", " + std::to_string(model::count_parameters(*model)) + " on each rank"
-                  : P > 1         ? ", " + std::to_string(model::count_parameters(*model)) + " held on rank 0"
-                                  : std::string())
-              << ") vocab=" << tokenizer.vocab_size()
-              << " batch_size=" << f.batch_size << " (per rank " << device_batch << ")"
-              << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
-              << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
-              << " precision=" << f.precision << " grad_reduce_dtype=" << flags.grad_reduce_dtype
-              << " zero_stage=" << flags.zero_stage
-              << (flags.debug_sync ? " debug_sync=true" : "")
-              << (f.gradient_accumulation_steps > 1
-                      ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
-                      : "");
-    if (T > 1) {
-      std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
-    }
-    if (pipeline_stages) {
-      std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
-                << " pipeline_schedule=" << flags.pipe.schedule << " n_chunk=" << flags.pipe.n_chunk
-                << " virtual_stages=" << flags.pipe.virtual_stages << " stages=" << pipeline_stages->stages()
-                << " balance=" << pipeline_stages->balance_text()
-                << " activation_checkpointing=" << flags.pipe.activation_checkpointing;
-    }
-    std::cerr << std::endl << layout.coordinates_table() << std::flush;
-    try {
-      const int ranks_here = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
-      const std::vector<Device> here = device.is_cuda() ? std::vector<Device>{device} : std::vector<Device>(ranks_here, device);
-      std::cerr << "run_data_parallel: " << memory_plan_line(plan_memory(memory_plan_input(flags, config)), available_memory(here))
-                << std::endl;
-    } catch (const std::exception& e) {
-      std::cerr << "run_data_parallel: memory plan: not made: " << e.what() << std::endl;
-    }
-  }
+// Rank 0's line on what ZeRO keeps there, against what a replicated run keeps on every rank.
+void print_zero_state(const DataParallelConfig& flags, int dp_size, model::GPT2LMHeadModel& model,
+                      const StepOptimizer& optimizer) {
+  int64_t replicated = 0;
+  for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
+  std::cerr << "run_data_parallel: --zero_stage " << flags.zero_stage << " keeps " << optimizer.state_bytes()
+            << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)"
+            << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(dp_size) + " of the gradients"
+                : flags.zero_stage == 3 ? ", and 1/" + std::to_string(dp_size) + " of the gradients and of the parameters"
+                                        : std::string())
+            << std::endl;
+}
 
-  const int64_t max_length = f.model_max_length;
-  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
-    return data::collate(ex, tokenizer, max_length);
-  };
-  dp::ShardedLoader train_shards(dp_rank, dp_size, corpus.train, f.batch_size, collate,
-                                dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
-  // Validation in batches of the global --batch_size, as the original's validation loader.
-  data::BatchLoader validation_loader(corpus.validation, collate, {f.batch_size, false, 0, false, 2});
-
-  if (flags.pytest) {
-    // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
-    // gradients, written before any optimizer step.
-    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
-    write_gradients_of_one_step(*step, train_shards.set_epoch(0), path, f.gradient_accumulation_steps);
-    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
-    dp::barrier(world);
-    report_debug_sync(world);
-    return 0;
-  }
-
-  TrainingOptions training =
-      training_options(f, "run_data_parallel", ReportStyle::kDataParallel);
-  training.rank = rank;
-  training.world_size = env.world_size;
-  training.tensor_parallel_size = T;
-  training.data_parallel_size = dp_size;
-  // One report per model replica: its tensor rank 0 prints the lines, as its data-parallel rank.
-  training.reports = layout.reports(rank);
-  training.report_rank = dp_rank;
-  training.devices = {device.torch_device()};
-  training.show_progress = f.progress && rank == 0;
-  training.data_order = "partition of --batch_size over the data-parallel ranks from seed " +
-                       std::to_string(dp::kDefaultPartitionSeed) +
-                       (flags.reshuffle_each_epoch ? ", redrawn each epoch" : ", the same every epoch");
-  training.tokenizer_path = tokenizer_path;
-  training.save_dir = rank == 0 ? f.workdir
-                     : flags.save_every_rank ? f.workdir + "/rank" + std::to_string(rank)
-                                             : std::string();
-  training.tracer = tracer.get();
-  training.trace_track = track;
-  TrainingData data;
-  data.train = [&train_shards](int64_t epoch) -> data::BatchLoader& { return train_shards.set_epoch(epoch); };
-  data.validation = &validation_loader;
-  data.test = &corpus.test;
-  data.tokenizer = &tokenizer;
-  run_training(*step, data, training, &world);
-  if (const auto* units = dynamic_cast<const dp::ShardedUnits*>(sync.get()); units != nullptr && rank == 0) {
+// Rank 0's lines after training: what ZeRO-3 gathered at once and what the synchronizer sent.
+void print_after_training(const DataParallelConfig& flags, const dp::GradientSynchronizer* sync) {
+  if (const auto* units = dynamic_cast<const dp::ShardedUnits*>(sync); units != nullptr) {
     int64_t largest = 0;
     for (size_t u = 0; u < units->size(); ++u) largest = std::max(largest, units->full_bytes(u));
     std::cerr << "run_data_parallel: --zero_stage 3 held at most " << units->peak_bytes()
               << " bytes of gathered parameters at once while training on rank 0 (largest unit " << largest
               << " bytes, --zero_prefetch " << flags.zero_prefetch << ")" << std::endl;
   }
-  if (rank == 0 && sync && sync->finalized_steps() > 0) {
+  if (sync && sync->finalized_steps() > 0) {
     std::cerr << "run_data_parallel: gradient sync put " << sync->communicated_bytes() << " bytes into all-reduces in "
               << sync->finalized_steps() << " optimizer steps ("
               << sync->communicated_bytes() / sync->finalized_steps() << " per step) on rank 0" << std::endl;
   }
+}
 
-  if (tracer) {
-    fs::path trace(f.trace);
-    const std::string path = env.world_size == 1
-        ? f.trace
-        : (trace.parent_path() / (trace.stem().string() + ".rank" + std::to_string(rank) + trace.extension().string())).string();
-    tracer->write_chrome_json(path);
+TrainingOptions rank_training_options(const DataParallelConfig& flags, const parallel::Layout& layout,
+                                      const dp::WorkerEnv& env, const Device& device, const RankInputs& in) {
+  const RunConfig& f = flags.run;
+  const int rank = env.rank;
+  TrainingOptions training = training_options(f, "run_data_parallel", ReportStyle::kDataParallel);
+  training.rank = rank;
+  training.world_size = env.world_size;
+  training.tensor_parallel_size = layout.tensor_parallel_size();
+  training.data_parallel_size = layout.data_parallel_size();
+  // One report per model replica: its tensor rank 0 prints the lines, as its data-parallel rank.
+  training.reports = layout.reports(rank);
+  training.report_rank = layout.coordinates_of(rank).data;
+  training.devices = {device.torch_device()};
+  training.show_progress = f.progress && rank == 0;
+  training.data_order = "partition of --batch_size over the data-parallel ranks from seed " +
+                        std::to_string(dp::kDefaultPartitionSeed) +
+                        (flags.reshuffle_each_epoch ? ", redrawn each epoch" : ", the same every epoch");
+  training.tokenizer_path = in.tokenizer_path;
+  training.save_dir = rank == 0                ? f.workdir
+                      : flags.save_every_rank ? f.workdir + "/rank" + std::to_string(rank)
+                                              : std::string();
+  return training;
+}
+
+void write_trace(const Tracer& tracer, const std::string& trace, const dp::WorkerEnv& env) {
+  const fs::path file(trace);
+  const std::string path =
+      env.world_size == 1 ? trace
+                          : (file.parent_path() / (file.stem().string() + ".rank" + std::to_string(env.rank) +
+                                                   file.extension().string()))
+                                .string();
+  tracer.write_chrome_json(path);
+}
+
+int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
+                    const Device& device, int threads, const dp::DistOptions& options, const dp::DistContext& world) {
+  const RunConfig& f = flags.run;
+  const int rank = env.rank;
+  const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
+  RankInputs in;
+  prepare_rank_inputs(f, rank, world, in);
+  const data::Tokenizer& tokenizer = *in.tokenizer;
+
+  // The model, split over its tensor-parallel group from the start (each rank builds and loads its
+  // own slices), starts from rank 0's weights on every rank that holds the same slices.
+  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  std::shared_ptr<model::TensorParallelGroup> split =
+      layout.tensor_parallel_size() == 1 ? nullptr : tp::make_tensor_parallel_group(groups.tensor);
+  model::GPT2LMHeadModel model = build_model(f.model, in.config, f.seed, split);
+  model->to(device.torch_device());
+  broadcast_parameters(groups.gradient, *model);
+
+  StepComposition composition;
+  composition.optimizer = f.optimizer_settings();
+  composition.data_parallel = data_parallel_settings(flags);
+  composition.debug_sync = flags.debug_sync;
+  if (layout.pipeline_parallel_size() > 1) {
+    composition.stages = agreed_stage_options(flags, layout, model, device, rank, world);
   }
-  if (rank == 0) {
-    std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+  StepParts parts = compose_step(model, layout, groups, composition);
+  if (flags.zero_stage >= 1 && rank == 0) print_zero_state(flags, dp_size, model, *parts.optimizer);
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  const std::string track = "rank " + std::to_string(rank);
+  TrainStepSettings settings;
+  settings.precision = model::parse_precision(f.precision);
+  settings.tracer = tracer.get();
+  settings.trace_track = track;
+  if (rank == 0) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, tokenizer, parts);
+  GPT2TrainStep step(model, std::move(parts.forward_backward), std::move(parts.optimizer), parts.sync.get(), settings);
+  // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
+  // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
+  // masks on the activations they all hold (Megatron does the same for its replicated regions;
+  // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
+  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank));
+
+  const int64_t max_length = f.model_max_length;
+  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
+    return data::collate(ex, tokenizer, max_length);
+  };
+  dp::ShardedLoader train_shards(dp_rank, dp_size, in.corpus.train, f.batch_size, collate, dp::kDefaultPartitionSeed,
+                                 flags.reshuffle_each_epoch);
+  // Validation in batches of the global --batch_size, as the original's validation loader.
+  data::BatchLoader validation_loader(in.corpus.validation, collate, {f.batch_size, false, 0, false, 2});
+
+  if (flags.pytest) {
+    // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
+    // gradients, written before any optimizer step.
+    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
+    write_gradients_of_one_step(step, train_shards.set_epoch(0), path, f.gradient_accumulation_steps);
+    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
+  } else {
+    TrainingOptions training = rank_training_options(flags, layout, env, device, in);
+    training.tracer = tracer.get();
+    training.trace_track = track;
+    TrainingData data;
+    data.train = [&train_shards](int64_t epoch) -> data::BatchLoader& { return train_shards.set_epoch(epoch); };
+    data.validation = &validation_loader;
+    data.test = &in.corpus.test;
+    data.tokenizer = &tokenizer;
+    run_training(step, data, training, &world);
+    if (rank == 0) print_after_training(flags, parts.sync.get());
+    if (tracer) write_trace(*tracer, f.trace, env);
+    if (rank == 0) std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
   }
   dp::barrier(world);
   report_debug_sync(world);

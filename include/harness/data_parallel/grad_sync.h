@@ -75,6 +75,7 @@ class GradientSynchronizer {
   // every partial sum the collective forms (where values cancel, the relative error of the sum can
   // be large); the average is then taken and written back in the gradients' dtype.
   void set_reduce_dtype(std::optional<at::ScalarType> dtype) { reduce_dtype_ = dtype; }
+  std::optional<at::ScalarType> reduce_dtype() const { return reduce_dtype_; }
 
  protected:
   std::atomic<bool> no_sync_{false};

@@ -1,0 +1,54 @@
+// Where a training step is composed, for every layout: the model (already split over its
+// tensor-parallel group) is cut into this rank's pipeline stages where P > 1, then the data-parallel
+// choice is made (replicated gradients, ZeRO-1/2's buckets or ZeRO-3's units) over the ranks that
+// hold the same slice of it. Each part is chosen once, here, from the validated layout and typed
+// settings; the programs never reach inside.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "harness/data_parallel/grad_sync.h"
+#include "harness/model/gpt2.h"
+#include "harness/parallel/layout.h"
+#include "harness/parallel/process_groups.h"
+#include "harness/train/forward_backward.h"
+#include "harness/train/pipeline_forward_backward.h"
+#include "harness/train/step_optimizer.h"
+
+namespace harness::train {
+
+// How the ranks holding the same slice of the model keep its gradients and optimizer state.
+struct DataParallelSettings {
+  int zero_stage = 0;     // 0: replicated; 1: AdamW state sharded; 2: and the gradients; 3: and the parameters
+  int zero_prefetch = 1;  // ZeRO-3: units all-gathered ahead
+  std::string gradient_sync = "bucketed";  // naive | bucketed (make_gradient_synchronizer)
+  double bucket_cap_mb = 25.0;
+  data_parallel::AllReduceAlgorithm allreduce = data_parallel::AllReduceAlgorithm::kBuiltin;
+  at::ScalarType reduce_dtype = at::kFloat;  // of the gradients' all-reduce (kFloat or kBFloat16)
+};
+
+struct StepComposition {
+  OptimizerSettings optimizer;
+  DataParallelSettings data_parallel;
+  // P > 1: this rank's stages (the schedule, its micro-batches, the balance, this rank's device).
+  std::optional<PipelineStepOptions> stages;
+  bool debug_sync = false;  // the pipeline's exchanges recorded in its group's store
+};
+
+// The step's three parts. `sync` is null where there is nothing to average (one replica of a
+// stage); `stages` points into forward_backward for P > 1.
+struct StepParts {
+  std::unique_ptr<ForwardBackward> forward_backward;
+  std::unique_ptr<data_parallel::GradientSynchronizer> sync;
+  std::unique_ptr<StepOptimizer> optimizer;
+  PipelineForwardBackward* stages = nullptr;
+};
+
+// Throws std::invalid_argument when `settings` disagree with `layout` (stages without P > 1, or
+// P > 1 without them).
+StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& layout,
+                       const parallel::ProcessGroups& groups, const StepComposition& settings);
+
+}  // namespace harness::train

@@ -1,0 +1,111 @@
+// The composition point of a training step (see compose_step.h).
+#include "harness/train/compose_step.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "harness/data_parallel/bucketed_all_reduce.h"
+#include "harness/data_parallel/zero3.h"
+#include "harness/train/zero3_step.h"
+
+namespace harness::train {
+namespace {
+
+namespace dp = harness::data_parallel;
+
+// --zero_stage 1 and 2: the gradient buckets are reduce-scattered over the ranks holding the same
+// slice (of the whole model, of a tensor-parallel shard or of a pipeline stage), and each rank's
+// AdamW steps its chunks. ZeRO-2 keeps only its chunks of the gradients too (the full ones let go
+// as they are reduce-scattered, a step's batches accumulated into the chunks).
+std::unique_ptr<dp::BucketedAllReduce> zero_buckets(const DataParallelSettings& s, const dp::DistContext& gradient) {
+  if (s.zero_stage != 1 && s.zero_stage != 2) return nullptr;
+  return std::make_unique<dp::BucketedAllReduce>(
+      gradient, s.bucket_cap_mb, s.allreduce,
+      s.zero_stage == 2 ? dp::GradientReduction::kShardedGradients : dp::GradientReduction::kReduceScatter);
+}
+
+// P > 1: this rank's stages, the others' activations and gradients coming by send/recv, and an
+// AdamW on what the stages hold, averaged over the stage's replicas (sharded over them by ZeRO-1/2).
+// A stage holding the tied wte gives it a bucket of its own, so that the first and the last
+// stage's chunks of it are the same elements, summed over the embedding group.
+StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& layout,
+                       const parallel::ProcessGroups& groups, const StepComposition& settings) {
+  const DataParallelSettings& s = settings.data_parallel;
+  std::unique_ptr<dp::BucketedAllReduce> buckets = zero_buckets(s, groups.gradient);
+  PipelineProcesses processes{groups.pipeline, groups.embedding, settings.debug_sync, {}};
+  if (buckets && groups.embedding) {
+    const at::Tensor wte = model->transformer->wte->weight;
+    buckets->keep_apart(wte);
+    processes.tied_gradient = [zero = buckets.get(), wte] { return zero->gradient_shard_of(wte); };
+  }
+  StepParts parts;
+  auto stages = std::make_unique<PipelineForwardBackward>(model, *settings.stages, std::move(processes));
+  parts.stages = stages.get();
+  parts.forward_backward = std::move(stages);
+
+  PipelineStageParameters held;
+  held.held = parts.stages->held_parameters();
+  held.pipeline = groups.pipeline;
+  std::vector<at::Tensor> parameters;
+  for (const auto& item : model->named_parameters()) {
+    held.owner[item.key()] = parts.stages->owner_of(item.key());
+    if (std::find(held.held.begin(), held.held.end(), item.key()) != held.held.end()) parameters.push_back(item.value());
+  }
+  if (buckets) {
+    parts.optimizer = stage_adamw(model, settings.optimizer, std::move(held), buckets.get());
+    parts.sync = std::move(buckets);
+    return parts;
+  }
+  if (layout.gradient_group_size() > 1) {  // a stage of the only replica has nothing to average with
+    parts.sync = dp::make_gradient_synchronizer(s.gradient_sync, groups.gradient, s.bucket_cap_mb, s.allreduce);
+    parts.sync->attach(parameters);
+  }
+  parts.optimizer = stage_adamw(model, settings.optimizer, std::move(held));
+  return parts;
+}
+
+// P = 1: the whole model (or this rank's tensor-parallel slices of it) on this rank, its gradients
+// averaged over the replicas: replicated AdamW, ZeRO-1/2's over the buckets its reduce-scattering
+// synchronizer hands it, or ZeRO-3's units gathered around their forward and backward
+// (zero3_step.h), which are the step's synchronizer.
+StepParts whole_model_step(model::GPT2LMHeadModel model, const parallel::ProcessGroups& groups,
+                           const StepComposition& settings) {
+  const DataParallelSettings& s = settings.data_parallel;
+  StepParts parts;
+  if (s.zero_stage == 3) {
+    Zero3Parts zero3 = make_zero3(model, groups.gradient, settings.optimizer, s.zero_prefetch);
+    parts.forward_backward = std::move(zero3.forward_backward);
+    parts.optimizer = std::move(zero3.optimizer);
+    parts.sync = std::move(zero3.units);
+    return parts;
+  }
+  parts.forward_backward = whole_model(model);
+  if (std::unique_ptr<dp::BucketedAllReduce> buckets = zero_buckets(s, groups.gradient)) {
+    parts.optimizer = sharded_adamw(model, settings.optimizer, *buckets);
+    parts.sync = std::move(buckets);
+    return parts;
+  }
+  parts.sync = dp::make_gradient_synchronizer(s.gradient_sync, groups.gradient, s.bucket_cap_mb, s.allreduce);
+  parts.sync->attach(*model);
+  parts.optimizer = replicated_adamw(model, settings.optimizer);
+  return parts;
+}
+
+}  // namespace
+
+StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& layout,
+                       const parallel::ProcessGroups& groups, const StepComposition& settings) {
+  const bool pipelined = layout.pipeline_parallel_size() > 1;
+  if (pipelined != settings.stages.has_value()) {
+    throw std::invalid_argument(std::string("compose_step: ") +
+                                (pipelined ? "a layout of pipeline stages needs their options"
+                                           : "stage options given to a layout without pipeline stages"));
+  }
+  StepParts parts = pipelined ? cut_pipeline(model, layout, groups, settings) : whole_model_step(model, groups, settings);
+  if (parts.sync && settings.data_parallel.reduce_dtype != at::kFloat) {
+    parts.sync->set_reduce_dtype(settings.data_parallel.reduce_dtype);
+  }
+  return parts;
+}
+
+}  // namespace harness::train

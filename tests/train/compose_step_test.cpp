@@ -1,0 +1,80 @@
+// The composition point: which parts each data-parallel choice gives a layout without pipeline
+// stages, on a world of one rank, and the options it refuses. Multi-rank layouts compose through
+// it in every run_data_parallel test.
+#include "harness/train/compose_step.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "../data_parallel/test_support.h"
+#include "harness/data_parallel/bucketed_all_reduce.h"
+#include "harness/data_parallel/zero3.h"
+
+namespace harness::train {
+namespace {
+
+namespace dp = harness::data_parallel;
+
+model::GPT2LMHeadModel tiny_model() {
+  torch::manual_seed(3);
+  return model::GPT2LMHeadModel(model::GPT2Config::preset("gpt2-tiny"));
+}
+
+struct OneRank {
+  dp::DistContext world = dp::testing::one_rank();
+  dp::DistOptions options;  // unused: every group of a one-rank layout is the world itself
+  parallel::Layout layout(int zero_stage) const {
+    parallel::LayoutSizes sizes;
+    sizes.zero_stage = zero_stage;
+    return parallel::Layout::create(1, sizes);
+  }
+};
+
+TEST(ComposeStep, EachDataParallelChoiceGivesItsParts) {
+  OneRank one;
+  struct Case {
+    int zero_stage;
+    std::string gradient_sync;
+    std::string sync_kind;
+  };
+  for (const Case& c : {Case{0, "bucketed", "bucketed"}, Case{0, "naive", "naive"}, Case{1, "bucketed", "bucketed"},
+                        Case{2, "bucketed", "bucketed"}, Case{3, "bucketed", "units"}}) {
+    SCOPED_TRACE("zero_stage " + std::to_string(c.zero_stage) + ", " + c.gradient_sync);
+    const parallel::Layout layout = one.layout(c.zero_stage);
+    const parallel::ProcessGroups groups = parallel::make_process_groups(one.world, one.options, layout);
+    StepComposition settings;
+    settings.data_parallel.zero_stage = c.zero_stage;
+    settings.data_parallel.gradient_sync = c.gradient_sync;
+    settings.data_parallel.reduce_dtype = at::kBFloat16;
+    model::GPT2LMHeadModel model = tiny_model();
+    StepParts parts = compose_step(model, layout, groups, settings);
+    ASSERT_NE(parts.forward_backward, nullptr);
+    ASSERT_NE(parts.optimizer, nullptr);
+    ASSERT_NE(parts.sync, nullptr);
+    EXPECT_EQ(parts.stages, nullptr);
+    const bool bucketed = dynamic_cast<dp::BucketedAllReduce*>(parts.sync.get()) != nullptr;
+    const bool naive = dynamic_cast<dp::NaiveAllReduce*>(parts.sync.get()) != nullptr;
+    const bool units = dynamic_cast<dp::ShardedUnits*>(parts.sync.get()) != nullptr;
+    EXPECT_EQ(bucketed, c.sync_kind == "bucketed");
+    EXPECT_EQ(naive, c.sync_kind == "naive");
+    EXPECT_EQ(units, c.sync_kind == "units");
+    EXPECT_EQ(parts.sync->reduce_dtype(), std::optional<at::ScalarType>(at::kBFloat16));
+  }
+}
+
+TEST(ComposeStep, StageOptionsWithoutPipelineStagesAreRefused) {
+  OneRank one;
+  const parallel::Layout layout = one.layout(0);
+  const parallel::ProcessGroups groups = parallel::make_process_groups(one.world, one.options, layout);
+  StepComposition settings;
+  settings.stages = PipelineStepOptions{};
+  try {
+    compose_step(tiny_model(), layout, groups, settings);
+    FAIL() << "stage options on a layout without stages were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("without pipeline stages"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace harness::train
