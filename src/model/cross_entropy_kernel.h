@@ -5,12 +5,14 @@
 
 namespace harness::model::detail {
 
-// lse[r] = log(sum_j exp(x[r, j])) for the rows [0, rows) of x [rows, V]; max-shifted.
+// lse[r] = log(sum_j exp(x[r, j])) for the rows [0, rows) of x [rows, V]; max-shifted, the sum
+// and its log in double, rounded once.
 void rows_logsumexp(const float* x, int64_t rows, int64_t V, float* lse);
 
 // sums[r] = sum_j exp(x[r, j] - shift[r]) for the rows [0, rows) of x [rows, V], each shift at
-// least its row's maximum (a vocabulary slice's sum against the whole row's maximum).
-void rows_sum_exp(const float* x, int64_t rows, int64_t V, const float* shift, float* sums);
+// least its row's maximum (a vocabulary slice's sum against the whole row's maximum), in double
+// like rows_logsumexp's, so that the slices' sums add up to the unsplit row's.
+void rows_sum_exp(const float* x, int64_t rows, int64_t V, const float* shift, double* sums);
 
 // d[r, j] = scale[r] * (exp(x[r, j] - lse[r]) - (j == label[r])), for the rows [0, rows); a label
 // outside [0, V) subtracts nothing. Outputs must not overlap inputs.

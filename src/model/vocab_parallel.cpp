@@ -39,8 +39,9 @@ VocabularyRange checked_slice(const char* what, const at::Tensor& logits_slice, 
 
 // The per-row loss; the group travels as a pointer (its owner, the model, outlives the graph).
 // On the CPU in fp32 the exponentials are those of the unsplit loss's row loops
-// (cross_entropy_kernel.h), so a split head's gradient is the unsplit one's up to the order of
-// the sum of exponentials; elsewhere torch's own. The backward recomputes the softmax slice from
+// (cross_entropy_kernel.h), summed in double as there, so a split head's loss and gradient are the
+// unsplit one's (unless a row's logsumexp lies within a rounding of a float boundary); elsewhere
+// torch's own exponentials. The backward recomputes the softmax slice from
 // the logits and the whole rows' logsumexp (nothing beyond the logits is kept).
 class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
  public:
@@ -49,19 +50,22 @@ class VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallel
     const at::Tensor x = logits_slice.to(torch::kFloat32).contiguous();
     const int64_t n = x.size(0), width = x.size(1);
     const at::Tensor max = group->all_reduce(std::get<0>(x.max(1)), ReduceOp::kMax);
+    // The sums of exponentials in double (as the unsplit loss's), added over the group, so that
+    // the whole rows' logsumexp is the unsplit one's to float's precision.
     at::Tensor sums;
     if (x.is_cpu()) {
-      sums = at::empty({n}, x.options());
+      sums = at::empty({n}, x.options().dtype(torch::kFloat64));
       const float* rows = x.data_ptr<float>();
       const float* shifts = max.data_ptr<float>();
-      float* out = sums.data_ptr<float>();
+      double* out = sums.data_ptr<double>();
       at::parallel_for(0, n, row_grain(width), [&](int64_t begin, int64_t end) {
         detail::rows_sum_exp(rows + begin * width, end - begin, width, shifts + begin, out + begin);
       });
     } else {
-      sums = (x - max.unsqueeze(1)).exp().sum(1);
+      sums = (x - max.unsqueeze(1)).exp().sum(1, /*keepdim=*/false, torch::kFloat64);
     }
-    const at::Tensor lse = max + group->all_reduce(sums, ReduceOp::kSum).log();
+    const at::Tensor lse =
+        (max.to(torch::kFloat64) + group->all_reduce(sums, ReduceOp::kSum).log()).to(torch::kFloat32);
     // Labels in this rank's range as local columns; -1 (which the backward skips) elsewhere.
     const at::Tensor here = labels.ge(start).logical_and_(labels.lt(start + width));
     const at::Tensor local_label = (labels - start).masked_fill_(here.logical_not(), -1);
