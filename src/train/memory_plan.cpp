@@ -594,6 +594,7 @@ int print_memory_plan(const DataParallelConfig& flags) {
   // build cannot run it yet, and said so below.
   parallel::LayoutSizes sizes;
   sizes.tensor = flags.tensor_parallel_size;
+  sizes.context = flags.context_parallel_size;
   sizes.pipeline = flags.pipeline_parallel_size;
   (void)parallel::Layout::create(flags.world_size, sizes);
   const MemoryPlan plan = plan_memory(memory_plan_input(flags, resolve_config(flags.run.model)));

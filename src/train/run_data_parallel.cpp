@@ -17,6 +17,7 @@
 #include "harness/data_parallel/sharded_loader.h"
 #include "harness/data_parallel/zero.h"
 #include "harness/data_parallel/zero3.h"
+#include "harness/context_parallel/group.h"
 #include "harness/model/safetensors.h"
 #include "harness/parallel/layout.h"
 #include "harness/parallel/process_groups.h"
@@ -24,6 +25,7 @@
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/tensor_parallel/group.h"
 #include "harness/trace.h"
+#include "harness/train/context_parallel_step.h"
 #include "harness/train/memory_plan.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/programs.h"
@@ -75,13 +77,37 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
   }
 }
 
-// The run's data x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags named).
+// The run's data x context x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags
+// named). Context parallelism does not run through pipeline stages: refused here, before launch.
 parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   parallel::LayoutSizes sizes;
   sizes.tensor = flags.tensor_parallel_size;
+  sizes.context = flags.context_parallel_size;
   sizes.pipeline = flags.pipeline_parallel_size;
   sizes.zero_stage = flags.zero_stage;
-  return parallel::Layout::create(world_size, sizes);
+  const parallel::Layout layout = parallel::Layout::create(world_size, sizes);
+  if (layout.context_parallel_size() > 1 && layout.pipeline_parallel_size() > 1) {
+    throw std::invalid_argument("--context_parallel_size " + std::to_string(layout.context_parallel_size()) +
+                                " cannot be combined with --pipeline_parallel_size " +
+                                std::to_string(layout.pipeline_parallel_size()) +
+                                ": the pipeline stages do not run ring attention; use one of the two");
+  }
+  return layout;
+}
+
+// With C > 1 each sequence is padded to a multiple of 2C positions, which must still fit the
+// model's position table.
+void check_context_parallel_length(const DataParallelConfig& flags, const model::GPT2Config& config) {
+  const int C = flags.context_parallel_size;
+  if (C <= 1) return;
+  const int64_t padded = context_parallel_length(flags.run.model_max_length, C);
+  if (padded > config.n_positions) {
+    throw std::invalid_argument("--context_parallel_size " + std::to_string(C) + " pads --model_max_length " +
+                                std::to_string(flags.run.model_max_length) + " to " + std::to_string(padded) +
+                                " positions (a multiple of 2C = " + std::to_string(2 * C) +
+                                "), more than the model's n_positions " + std::to_string(config.n_positions) +
+                                ": lower --model_max_length to a multiple of " + std::to_string(2 * C));
+  }
 }
 
 // The stages' options from the pipeline flags (checked, the flags named), for P > 1; the balance
@@ -133,6 +159,7 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   const model::GPT2Config config = resolve_config(f.model);
   shipped_tokenizer(f.model, config);
   check_positions(config, f.model_max_length);
+  check_context_parallel_length(flags, config);
   if (layout.pipeline_parallel_size() > 1) (void)stage_options(flags, layout, config);
   if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
   // Each rank's model state against the memory each has on this machine, before any weight is read.
@@ -168,6 +195,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   const RunConfig& f = flags.run;
   const int rank = env.rank;
   const int T = flags.tensor_parallel_size;
+  const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
   const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
   const int64_t device_batch = dp::per_device_batch_size(f.batch_size, dp_size);
 
@@ -195,6 +223,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     apply_training_split_test_hook(rank, corpus.train);
     config = resolve_config(f.model);
     prepared.emplace(prepare_tokenizer(f.model, config, corpus.train, tokenizer_path));
+    check_context_parallel_length(flags, config);
   } catch (const std::exception& e) {
     refusal = e.what();
   }
@@ -215,6 +244,9 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   model::GPT2LMHeadModel model = build_model(f.model, config, f.seed, split);
   model->to(device.torch_device());
   broadcast_parameters(ctx, *model);
+  // C > 1: every rank of a context group holds the whole replica (its tensor-parallel slices) and
+  // runs its zigzag shard of each sequence, attention passing keys and values round the group.
+  if (C > 1) model->set_context_parallel(context_parallel::make_context_parallel_group(groups.context));
   // The step's parts, chosen once. How forward and backward run: the whole model here, or this
   // rank's pipeline stages, the others' activations and gradients coming by send/recv.
   std::unique_ptr<ForwardBackward> forward_backward;
@@ -317,13 +349,15 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   settings.precision = model::parse_precision(f.precision);
   settings.tracer = tracer.get();
   settings.trace_track = track;
+  if (C > 1) forward_backward = context_parallel(std::move(forward_backward), C, cp_rank);
   std::unique_ptr<TrainStep> step = std::make_unique<GPT2TrainStep>(model, std::move(forward_backward),
                                                                     std::move(optimizer), sync.get(), settings);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
   // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
-  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank));
+  // The ranks of a context group hold different positions: each draws its own masks.
+  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank * C + cp_rank));
 
   if (rank == 0) {
     std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << ctx.backend
@@ -345,6 +379,11 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
                       : "");
     if (T > 1) {
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
+    }
+    if (C > 1) {
+      std::cerr << " context_parallel_size=" << C << " data_parallel_size=" << dp_size << " sequence_length="
+                << context_parallel_length(f.model_max_length, C) << " (" << context_parallel_length(f.model_max_length, C) / C
+                << " positions per rank)";
     }
     if (pipeline_stages) {
       std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
@@ -370,8 +409,15 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   };
   dp::ShardedLoader train_shards(dp_rank, dp_size, corpus.train, f.batch_size, collate,
                                 dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
-  // Validation in batches of the global --batch_size, as the original's validation loader.
-  data::BatchLoader validation_loader(corpus.validation, collate, {f.batch_size, false, 0, false, 2});
+  // Validation in batches of the global --batch_size, as the original's validation loader; with
+  // C > 1 each context rank evaluates its shard of them (the model sums the loss over the group).
+  data::CollateFn validation_collate = collate;
+  if (C > 1) {
+    validation_collate = [collate, C, cp_rank](const std::vector<data::TranslationExample>& ex) {
+      return context_shard(collate(ex), C, cp_rank);
+    };
+  }
+  data::BatchLoader validation_loader(corpus.validation, validation_collate, {f.batch_size, false, 0, false, 2});
 
   if (flags.pytest) {
     // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
