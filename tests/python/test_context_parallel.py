@@ -1,7 +1,8 @@
 """run_data_parallel --context_parallel_size C: each sequence of a replica's batch split over C
 ranks (zigzag chunks, ring attention). After three AdamW steps with dropout 0 the weights equal
 one device's (data parallelism alone's when D > 1) by the rule of after_adamw.py, for (D,C,T,P) =
-(1,2,1,1), (2,2,1,1) and (1,2,2,1), and under ZeRO-2 and ZeRO-3; the validation loss is one
+(1,2,1,1), (2,2,1,1) and (1,2,2,1), under ZeRO-2 and ZeRO-3, and with two batches a step
+(--gradient_accumulation_steps 2); the validation loss is one
 device's; only c = 0 prints; --model_max_length 38 is padded to a multiple of 2C. The refusals
 name the flags. gpt2-tiny, a few batches, at most 4 processes."""
 import json
@@ -25,15 +26,15 @@ def weights(work):
 
 
 class ContextParallel(unittest.TestCase):
-    def train(self, tmp, name, world, extra=()):
+    def train(self, tmp, name, world, extra=(), batches=STEPS):
         work = os.path.join(tmp, name)
-        proc = run([DP, "--world_size", str(world), "--batch_size", "16", "--max_batches", str(STEPS),
+        proc = run([DP, "--world_size", str(world), "--batch_size", "16", "--max_batches", str(batches),
                     "--n_epochs", "1", "--dropout", "0", "--learning_rate", "1e-3", "--workdir", work,
                     "--master_port", str(free_port())] + SMALL + list(extra), timeout=600)
         return work, proc
 
-    def same_weights(self, actual, expected, label):
-        problems = weight_problems(weights(actual), weights(expected), n_embd=64, lr=1e-3, steps=STEPS)
+    def same_weights(self, actual, expected, label, steps=STEPS):
+        problems = weight_problems(weights(actual), weights(expected), n_embd=64, lr=1e-3, steps=steps)
         self.assertEqual(problems, [], label)
 
     def validation_losses(self, proc):
@@ -73,6 +74,14 @@ class ContextParallel(unittest.TestCase):
                                        ("c2z3", 2, ["--zero_stage", "3"])):
                 work, _ = self.train(tmp, name, world, ["--context_parallel_size", "2", "--benchmark_only"] + extra)
                 self.same_weights(work, alone, name + " against one device")
+
+    def test_accumulated_batches_weigh_as_on_one_device(self):
+        # Two batches a step: each rank's loss is divided by both whole batches' label weight.
+        with tempfile.TemporaryDirectory() as tmp:
+            accumulation = ["--gradient_accumulation_steps", "2", "--benchmark_only"]
+            alone, _ = self.train(tmp, "alone", 1, accumulation, batches=4)
+            split, _ = self.train(tmp, "c2", 2, ["--context_parallel_size", "2"] + accumulation, batches=4)
+            self.same_weights(split, alone, "(1,2,1,1) accumulating against one device", steps=2)
 
     def test_refusals_name_the_flags(self):
         unsized = [a for a in TINY if a not in ("--model_max_length", "40")]
