@@ -1,9 +1,9 @@
 """run_data_parallel --context_parallel_size C: each sequence of a replica's batch split over C
 ranks (zigzag chunks, ring attention). After three AdamW steps with dropout 0 the weights equal
 one device's (data parallelism alone's when D > 1) by the rule of after_adamw.py, for (D,C,T,P) =
-(1,2,1,1), (2,2,1,1) and (1,2,2,1), under ZeRO-2 and ZeRO-3, and with two batches a step
+(1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, and with two batches a step
 (--gradient_accumulation_steps 2); the validation loss is one
-device's; only c = 0 prints; --model_max_length 38 is padded to a multiple of 2C. The refusals
+device's; only c = 0 prints; --model_max_length 38 is padded to a multiple of 2C (40, 42). The refusals
 name the flags. gpt2-tiny, a few batches, at most 4 processes."""
 import json
 import os
@@ -69,10 +69,11 @@ class ContextParallel(unittest.TestCase):
     def test_context_inside_tensor_parallelism_and_zero_train_like_one_device(self):
         with tempfile.TemporaryDirectory() as tmp:
             alone, _ = self.train(tmp, "alone", 1, ["--benchmark_only"])
-            for name, world, extra in (("t2c2", 4, ["--tensor_parallel_size", "2"]),
-                                       ("c2z2", 2, ["--zero_stage", "2"]),
-                                       ("c2z3", 2, ["--zero_stage", "3"])):
-                work, _ = self.train(tmp, name, world, ["--context_parallel_size", "2", "--benchmark_only"] + extra)
+            for name, world, extra in (("t2c2", 4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2"]),
+                                       ("c2z2", 2, ["--context_parallel_size", "2", "--zero_stage", "2"]),
+                                       ("c2z3", 2, ["--context_parallel_size", "2", "--zero_stage", "3"]),
+                                       ("c3", 3, ["--context_parallel_size", "3"])):  # 38 padded to 42
+                work, _ = self.train(tmp, name, world, ["--benchmark_only"] + extra)
                 self.same_weights(work, alone, name + " against one device")
 
     def test_accumulated_batches_weigh_as_on_one_device(self):
@@ -82,6 +83,12 @@ class ContextParallel(unittest.TestCase):
             alone, _ = self.train(tmp, "alone", 1, accumulation, batches=4)
             split, _ = self.train(tmp, "c2", 2, ["--context_parallel_size", "2"] + accumulation, batches=4)
             self.same_weights(split, alone, "(1,2,1,1) accumulating against one device", steps=2)
+
+    def test_memory_plan_counts_a_ranks_rows_and_positions(self):
+        proc = run([DP, "--memory_plan", "--world_size", "4", "--context_parallel_size", "2", "--batch_size", "16"]
+                   + SMALL)
+        self.assertIn("layout: data 2 x context 2 x tensor 1 x pipeline 1 = world 4", proc.stdout)
+        self.assertIn("8 rows x 20 tokens", proc.stdout)  # 16 rows over D = 2; 38 padded to 40, over C = 2
 
     def test_refusals_name_the_flags(self):
         unsized = [a for a in TINY if a not in ("--model_max_length", "40")]
