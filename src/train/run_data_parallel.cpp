@@ -338,8 +338,8 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
     std::cerr << "run_data_parallel: --zero_stage " << flags.zero_stage << " keeps " << optimizer->state_bytes()
               << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)"
-              << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(dp_size) + " of the gradients"
-                  : flags.zero_stage == 3 ? ", and 1/" + std::to_string(dp_size) + " of the gradients and of the parameters"
+              << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(ctx.world_size) + " of the gradients"
+                  : flags.zero_stage == 3 ? ", and 1/" + std::to_string(ctx.world_size) + " of the gradients and of the parameters"
                                           : std::string())
               << std::endl;
   }
@@ -381,7 +381,8 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
       std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
     }
     if (C > 1) {
-      std::cerr << " context_parallel_size=" << C << " data_parallel_size=" << dp_size << " sequence_length="
+      std::cerr << " context_parallel_size=" << C << (T > 1 ? "" : " data_parallel_size=" + std::to_string(dp_size))
+                << " sequence_length="
                 << context_parallel_length(f.model_max_length, C) << " (" << context_parallel_length(f.model_max_length, C) / C
                 << " positions per rank)";
     }
