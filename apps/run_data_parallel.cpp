@@ -3,6 +3,8 @@
 // started by torchrun or Slurm (RANK/WORLD_SIZE/... set) it is one of those workers. SPEC §5, §7.
 // --tensor_parallel_size T > 1 splits each model replica over T ranks (Megatron style): the world
 // is data-parallel size x T ranks, the data is partitioned over the data-parallel ranks only.
+// --context_parallel_size C > 1 splits each sequence of a replica's batch over C ranks (ring
+// attention on zigzag chunks).
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -26,13 +28,15 @@ struct DataParallelFlags {
 };
 
 DataParallelFlags parse(int argc, char** argv) {
-  const std::string what = "Train GPT-2 (German->English) with data, tensor and pipeline parallelism over processes.";
+  const std::string what =
+      "Train GPT-2 (German->English) with data, context, tensor and pipeline parallelism over processes.";
   cxxopts::Options options("run_data_parallel", what);
   add_common_options(options, /*default_batch_size=*/128, /*default_epochs=*/10);
   options.add_options()
-      ("world_size", "processes in all: data x tensor x pipeline", cxxopts::value<int>()->default_value("2"), "N")
+      ("world_size", "processes in all: data x context x tensor x pipeline", cxxopts::value<int>()->default_value("2"), "N")
       ("tensor_parallel_size", "ranks that split each layer of a replica", cxxopts::value<int>()->default_value("1"), "T")
       ("pipeline_parallel_size", "pipeline stages, each its own processes", cxxopts::value<int>()->default_value("1"), "P")
+      ("context_parallel_size", "ranks that split each sequence (ring attention)", cxxopts::value<int>()->default_value("1"), "C")
       ("backend", "auto | gloo | nccl; auto: nccl on GPUs, gloo on CPUs", cxxopts::value<std::string>()->default_value("auto"), "NAME")
       ("device", "auto | cpu | cuda; auto: GPU local_rank if there is one", cxxopts::value<std::string>()->default_value("auto"), "KIND")
       ("master_addr", "rendezvous host (default: $MASTER_ADDR, else localhost)", cxxopts::value<std::string>()->default_value(""), "HOST")
@@ -79,6 +83,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.zero_stage = result["zero_stage"].as<int>();
     c.zero_prefetch = result["zero_prefetch"].as<int>();
     c.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
+    c.context_parallel_size = result["context_parallel_size"].as<int>();
     c.pipe = read_pipeline_flags(result);
     c.run.memory_plan = result.count("memory_plan") > 0;
     if (c.grad_reduce_dtype != "fp32" && c.grad_reduce_dtype != "bf16") {

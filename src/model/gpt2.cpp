@@ -66,6 +66,23 @@ class PaddedVocabularyProjection : public torch::autograd::Function<PaddedVocabu
   }
 };
 
+// The whole sequences' loss from each context rank's part of it: the sum over the group forward;
+// backward, each rank's part gets the loss's gradient unchanged (d total / d part = 1), so each
+// rank's backward carries its own tokens' share of the gradient.
+class ContextSum : public torch::autograd::Function<ContextSum> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& part,
+                               ContextParallelGroup* group) {
+    torch::Tensor total = part.detach().clone();
+    group->all_reduce_sum(total);
+    return total;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 // ----- Conv1D -------------------------------------------------------------------------------
@@ -169,8 +186,10 @@ torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* c
   }
   const double dropout_p = attn_dropout->is_training() ? attn_dropout->options.p() : 0.0;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  const bool ring = cp_ && cache == nullptr;
   auto attend = [&] {
     std::optional<at::Generator> generator = dropout_p > 0.0 ? mask_generator(x.device()) : std::nullopt;
+    if (ring) return ring_attention(q, k, v, *cp_, scale, dropout_p, generator);
     return generator ? attention_with_dropout(q, k, v, mask, is_causal, dropout_p, scale, *generator)
                      : at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale);
   };
@@ -291,13 +310,31 @@ void GPT2LMHeadModelImpl::reset_parameters() {
   }
 }
 
+void GPT2LMHeadModelImpl::set_context_parallel(std::shared_ptr<ContextParallelGroup> cp) {
+  cp_ = std::move(cp);
+  for (size_t i = 0; i < transformer->h->size(); ++i) transformer->h->ptr<GPT2BlockImpl>(i)->attn->set_context_parallel(cp_);
+}
+
 torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t past_length) {
+  return embed_at(input_ids, past_length, cp_ && past_length == 0);
+}
+
+torch::Tensor GPT2LMHeadModelImpl::embed_at(const torch::Tensor& input_ids, int64_t past_length, bool context_shard) {
   if (input_ids.dim() != 2) {
     throw std::invalid_argument("GPT2LMHeadModel: input_ids must be [B, T], got shape " +
                                 shape_str(input_ids.sizes()));
   }
   const int64_t T = input_ids.size(1);
-  if (past_length + T > config_.n_positions) {
+  if (context_shard) {
+    const int C = cp_->size();
+    const int64_t S = T * C;
+    if (S > config_.n_positions) {
+      throw std::invalid_argument("GPT2LMHeadModel: a shard of " + std::to_string(T) + " positions on each of " +
+                                  std::to_string(C) + " context ranks is a sequence of " + std::to_string(S) +
+                                  ", which exceeds n_positions " + std::to_string(config_.n_positions));
+    }
+    check_zigzag_split(S, C);
+  } else if (past_length + T > config_.n_positions) {
     throw std::invalid_argument("GPT2LMHeadModel: sequence of " + std::to_string(past_length + T) +
                                 " positions (" + std::to_string(past_length) + " cached + " +
                                 std::to_string(T) + " new) exceeds n_positions " +
@@ -313,9 +350,12 @@ torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t
                                   std::to_string(config_.vocab_size) + ")");
     }
   }
-  auto positions = torch::arange(past_length, past_length + T,
-                                 torch::TensorOptions().dtype(torch::kLong).device(ids.device()))
-                       .unsqueeze(0);
+  const torch::Tensor positions =
+      (context_shard ? torch::tensor(zigzag_positions(T * cp_->size(), cp_->size(), cp_->rank()), torch::kLong)
+                           .to(ids.device())
+                     : torch::arange(past_length, past_length + T,
+                                     torch::TensorOptions().dtype(torch::kLong).device(ids.device())))
+          .unsqueeze(0);
   const torch::Tensor tokens =
       tp_ ? vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_) : wte(ids);
   return model::dropout(tokens + transformer->wpe(positions.to(transformer->wpe->weight.device())), transformer->drop);
@@ -360,6 +400,22 @@ torch::Tensor GPT2LMHeadModelImpl::head_loss(const torch::Tensor& hidden, const 
                                              const torch::Tensor& head_weight) {
   const torch::Tensor logits = head_slice(hidden, head_weight.defined() ? head_weight : transformer->wte->weight);
   const torch::Tensor on_labels = labels.to(logits.device()), on_weights = weights.to(logits.device());
+  if (cp_) {
+    // The divisor is the whole sequences' label weight: given, or every rank's part of it summed.
+    torch::Tensor total = weight_sum;
+    if (!total.defined()) {
+      total = on_weights.to(torch::kFloat32).sum();
+      cp_->all_reduce_sum(total);
+    }
+    if (!weight_sum.defined() && total.item<float>() == 0.0f) {
+      throw std::invalid_argument("weighted_cross_entropy: label_token_weights of the " + std::to_string(cp_->size()) +
+                                  " context ranks' shards sum to 0 (no target token to learn from)");
+    }
+    const torch::Tensor part =
+        tp_ ? vocab_parallel_weighted_cross_entropy(logits, on_labels, on_weights, total, config_.vocab_size, *tp_)
+            : weighted_cross_entropy(logits, on_labels, on_weights, total);
+    return ContextSum::apply(part, cp_.get());
+  }
   if (tp_) {
     return vocab_parallel_weighted_cross_entropy(logits, on_labels, on_weights, weight_sum, config_.vocab_size, *tp_);
   }
@@ -401,7 +457,7 @@ torch::Tensor GPT2LMHeadModelImpl::hidden_cached(const torch::Tensor& input_ids,
                                 std::to_string(cache.layers.size()) + " layers, the model " +
                                 std::to_string(n_layer));
   }
-  auto hidden = embed(input_ids, cache.length());
+  auto hidden = embed_at(input_ids, cache.length(), /*context_shard=*/false);
   for (size_t i = 0; i < n_layer; ++i) {
     auto block = transformer->h->ptr<GPT2BlockImpl>(i);
     hidden = block->forward_cached(hidden.to(block->ln_1->weight.device()), cache.layers[i]);

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "harness/context_parallel/group.h"
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/zero3.h"
+#include "harness/train/context_parallel_step.h"
 #include "harness/train/zero3_step.h"
 
 namespace harness::train {
@@ -96,12 +98,22 @@ StepParts whole_model_step(model::GPT2LMHeadModel model, const parallel::Process
 StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& layout,
                        const parallel::ProcessGroups& groups, const StepComposition& settings) {
   const bool pipelined = layout.pipeline_parallel_size() > 1;
+  const int C = layout.context_parallel_size();
   if (pipelined != settings.stages.has_value()) {
     throw std::invalid_argument(std::string("compose_step: ") +
                                 (pipelined ? "a layout of pipeline stages needs their options"
                                            : "stage options given to a layout without pipeline stages"));
   }
+  if (pipelined && C > 1) {
+    throw std::invalid_argument("compose_step: pipeline stages do not run ring attention (context-parallel size " +
+                                std::to_string(C) + ")");
+  }
+  // Context parallelism: every rank of a context group holds the whole replica (its
+  // tensor-parallel slices) and runs its zigzag shard of each sequence, attention passing keys
+  // and values round the group.
+  if (C > 1) model->set_context_parallel(context_parallel::make_context_parallel_group(groups.context));
   StepParts parts = pipelined ? cut_pipeline(model, layout, groups, settings) : whole_model_step(model, groups, settings);
+  if (C > 1) parts.forward_backward = context_parallel(std::move(parts.forward_backward), C, groups.context.rank);
   if (parts.sync && settings.data_parallel.reduce_dtype != at::kFloat) {
     parts.sync->set_reduce_dtype(settings.data_parallel.reduce_dtype);
   }

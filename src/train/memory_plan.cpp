@@ -20,6 +20,7 @@
 #include "harness/parallel/layout.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/training_schedule.h"
+#include "harness/train/context_parallel_step.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/programs.h"
 
@@ -353,9 +354,18 @@ MemoryPlanInput memory_plan_input(const DataParallelConfig& flags, const model::
     throw std::invalid_argument("--world_size " + std::to_string(flags.world_size) + " is not a multiple of " +
                                 "--tensor_parallel_size x --pipeline_parallel_size = " + std::to_string(model_ranks));
   }
+  // With C > 1 the D x C ranks of a slice share its state (ZeRO shards over them), while each
+  // replica's D rows are split along the sequence: S / C positions (padded to 2C chunks) a rank.
+  const int C = std::max(1, flags.context_parallel_size);
   in.data_parallel_size = flags.world_size / model_ranks;
-  in.rows_per_replica = data_parallel::per_device_batch_size(f.batch_size, in.data_parallel_size);
-  in.tokens = f.model_max_length;
+  if (in.data_parallel_size % C != 0) {
+    throw std::invalid_argument("--world_size " + std::to_string(flags.world_size) + " is not a multiple of " +
+                                "--context_parallel_size x --tensor_parallel_size x --pipeline_parallel_size = " +
+                                std::to_string(C * model_ranks));
+  }
+  in.context_parallel_size = C;
+  in.rows_per_replica = data_parallel::per_device_batch_size(f.batch_size, in.data_parallel_size / C);
+  in.tokens = context_parallel_length(f.model_max_length, C) / C;
   in.bf16 = f.precision == "bf16";
   in.zero_stage = flags.zero_stage;
   in.zero_prefetch = flags.zero_prefetch;
@@ -459,8 +469,13 @@ std::string format_memory_plan(const MemoryPlan& plan, const AvailableMemory& av
       << " parameters)\n";
   out << "layout: ";
   if (in.device_names.empty()) {
-    out << "data " << in.data_parallel_size << " x tensor " << in.tensor_parallel_size << " x pipeline "
-        << (in.pipeline ? in.pipeline_devices : 1) << " = world "
+    if (in.context_parallel_size > 1) {
+      out << "data " << in.data_parallel_size / in.context_parallel_size << " x context " << in.context_parallel_size
+          << " x tensor " << in.tensor_parallel_size << " x pipeline ";
+    } else {
+      out << "data " << in.data_parallel_size << " x tensor " << in.tensor_parallel_size << " x pipeline ";
+    }
+    out << (in.pipeline ? in.pipeline_devices : 1) << " = world "
         << in.data_parallel_size * in.tensor_parallel_size * (in.pipeline ? in.pipeline_devices : 1)
         << ", --zero_stage " << in.zero_stage;
     if (in.zero_stage == 2) out << " (bucket " << in.bucket_cap_mb << " MB)";
@@ -594,6 +609,7 @@ int print_memory_plan(const DataParallelConfig& flags) {
   // build cannot run it yet, and said so below.
   parallel::LayoutSizes sizes;
   sizes.tensor = flags.tensor_parallel_size;
+  sizes.context = flags.context_parallel_size;
   sizes.pipeline = flags.pipeline_parallel_size;
   (void)parallel::Layout::create(flags.world_size, sizes);
   const MemoryPlan plan = plan_memory(memory_plan_input(flags, resolve_config(flags.run.model)));
@@ -607,6 +623,11 @@ int print_memory_plan(const DataParallelConfig& flags) {
     (void)parallel::Layout::create(flags.world_size, sizes);
   } catch (const std::invalid_argument& e) {
     std::cout << "note: planned as asked, but this build cannot run it: " << e.what() << std::endl;
+  }
+  if (flags.context_parallel_size > 1 && flags.pipeline_parallel_size > 1) {
+    std::cout << "note: planned as asked, but this build cannot run it: --context_parallel_size "
+              << flags.context_parallel_size << " with --pipeline_parallel_size " << flags.pipeline_parallel_size
+              << " (the pipeline stages do not run ring attention)" << std::endl;
   }
   return 0;
 }

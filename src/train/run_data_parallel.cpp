@@ -24,6 +24,7 @@
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/tensor_parallel/group.h"
 #include "harness/trace.h"
+#include "harness/train/context_parallel_step.h"
 #include "harness/train/memory_plan.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/programs.h"
@@ -76,13 +77,37 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
   }
 }
 
-// The run's data x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags named).
+// The run's data x context x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags
+// named). Context parallelism does not run through pipeline stages: refused here, before launch.
 parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   parallel::LayoutSizes sizes;
   sizes.tensor = flags.tensor_parallel_size;
+  sizes.context = flags.context_parallel_size;
   sizes.pipeline = flags.pipeline_parallel_size;
   sizes.zero_stage = flags.zero_stage;
-  return parallel::Layout::create(world_size, sizes);
+  const parallel::Layout layout = parallel::Layout::create(world_size, sizes);
+  if (layout.context_parallel_size() > 1 && layout.pipeline_parallel_size() > 1) {
+    throw std::invalid_argument("--context_parallel_size " + std::to_string(layout.context_parallel_size()) +
+                                " cannot be combined with --pipeline_parallel_size " +
+                                std::to_string(layout.pipeline_parallel_size()) +
+                                ": the pipeline stages do not run ring attention; use one of the two");
+  }
+  return layout;
+}
+
+// With C > 1 each sequence is padded to a multiple of 2C positions, which must still fit the
+// model's position table.
+void check_context_parallel_length(const DataParallelConfig& flags, const model::GPT2Config& config) {
+  const int C = flags.context_parallel_size;
+  if (C <= 1) return;
+  const int64_t padded = context_parallel_length(flags.run.model_max_length, C);
+  if (padded > config.n_positions) {
+    throw std::invalid_argument("--context_parallel_size " + std::to_string(C) + " pads --model_max_length " +
+                                std::to_string(flags.run.model_max_length) + " to " + std::to_string(padded) +
+                                " positions (a multiple of 2C = " + std::to_string(2 * C) +
+                                "), more than the model's n_positions " + std::to_string(config.n_positions) +
+                                ": lower --model_max_length to a multiple of " + std::to_string(2 * C));
+  }
 }
 
 // The stages' options from the pipeline flags (checked, the flags named), for P > 1; the balance
@@ -134,6 +159,7 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   const model::GPT2Config config = resolve_config(f.model);
   shipped_tokenizer(f.model, config);
   check_positions(config, f.model_max_length);
+  check_context_parallel_length(flags, config);
   if (layout.pipeline_parallel_size() > 1) (void)stage_options(flags, layout, config);
   if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
   // Each rank's model state against the memory each has on this machine, before any weight is read.
@@ -189,7 +215,8 @@ struct RankInputs {
 // folder when they span machines. They must have trained the same one: checked here. What one
 // rank may find wrong on its own machine (its folder, its copy of the dataset) stops every rank
 // with the same reason.
-void prepare_rank_inputs(const RunConfig& f, int rank, const dp::DistContext& world, RankInputs& in) {
+void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::DistContext& world, RankInputs& in) {
+  const RunConfig& f = flags.run;
   in.tokenizer_path =
       rank == 0 ? f.workdir + "/tokenizer.model"
                 : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
@@ -201,6 +228,7 @@ void prepare_rank_inputs(const RunConfig& f, int rank, const dp::DistContext& wo
     apply_training_split_test_hook(rank, in.corpus.train);
     in.config = resolve_config(f.model);
     in.tokenizer.emplace(prepare_tokenizer(f.model, in.config, in.corpus.train, in.tokenizer_path));
+    check_context_parallel_length(flags, in.config);
   } catch (const std::exception& e) {
     refusal = e.what();
   }
@@ -270,6 +298,11 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "");
   if (T > 1) std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
+  if (const int C = layout.context_parallel_size(); C > 1) {
+    const int64_t length = context_parallel_length(f.model_max_length, C);
+    std::cerr << " context_parallel_size=" << C << (T > 1 ? "" : " data_parallel_size=" + std::to_string(dp_size))
+              << " sequence_length=" << length << " (" << length / C << " positions per rank)";
+  }
   if (parts.stages) {
     std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
               << " pipeline_schedule=" << flags.pipe.schedule << " n_chunk=" << flags.pipe.n_chunk
@@ -290,14 +323,14 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
 }
 
 // Rank 0's line on what ZeRO keeps there, against what a replicated run keeps on every rank.
-void print_zero_state(const DataParallelConfig& flags, int dp_size, model::GPT2LMHeadModel& model,
+void print_zero_state(const DataParallelConfig& flags, int shards, model::GPT2LMHeadModel& model,
                       const StepOptimizer& optimizer) {
   int64_t replicated = 0;
   for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
   std::cerr << "run_data_parallel: --zero_stage " << flags.zero_stage << " keeps " << optimizer.state_bytes()
             << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)"
-            << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(dp_size) + " of the gradients"
-                : flags.zero_stage == 3 ? ", and 1/" + std::to_string(dp_size) + " of the gradients and of the parameters"
+            << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(shards) + " of the gradients"
+                : flags.zero_stage == 3 ? ", and 1/" + std::to_string(shards) + " of the gradients and of the parameters"
                                         : std::string())
             << std::endl;
 }
@@ -358,7 +391,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   const int rank = env.rank;
   const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
   RankInputs in;
-  prepare_rank_inputs(f, rank, world, in);
+  prepare_rank_inputs(flags, rank, world, in);
   const data::Tokenizer& tokenizer = *in.tokenizer;
 
   // The model, split over its tensor-parallel group from the start (each rank builds and loads its
@@ -378,7 +411,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     composition.stages = agreed_stage_options(flags, layout, model, device, rank, world);
   }
   StepParts parts = compose_step(model, layout, groups, composition);
-  if (flags.zero_stage >= 1 && rank == 0) print_zero_state(flags, dp_size, model, *parts.optimizer);
+  if (flags.zero_stage >= 1 && rank == 0) print_zero_state(flags, layout.gradient_group_size(), model, *parts.optimizer);
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const std::string track = "rank " + std::to_string(rank);
   TrainStepSettings settings;
@@ -391,7 +424,9 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
   // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
-  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank));
+  // The ranks of a context group hold different positions: each draws its own masks.
+  const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
+  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank * C + cp_rank));
 
   const int64_t max_length = f.model_max_length;
   data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
@@ -399,8 +434,15 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   };
   dp::ShardedLoader train_shards(dp_rank, dp_size, in.corpus.train, f.batch_size, collate, dp::kDefaultPartitionSeed,
                                  flags.reshuffle_each_epoch);
-  // Validation in batches of the global --batch_size, as the original's validation loader.
-  data::BatchLoader validation_loader(in.corpus.validation, collate, {f.batch_size, false, 0, false, 2});
+  // Validation in batches of the global --batch_size, as the original's validation loader; with
+  // C > 1 each context rank evaluates its shard of them (the model sums the loss over the group).
+  data::CollateFn validation_collate = collate;
+  if (C > 1) {
+    validation_collate = [collate, C, cp_rank](const std::vector<data::TranslationExample>& ex) {
+      return context_shard(collate(ex), C, cp_rank);
+    };
+  }
+  data::BatchLoader validation_loader(in.corpus.validation, validation_collate, {f.batch_size, false, 0, false, 2});
 
   if (flags.pytest) {
     // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged

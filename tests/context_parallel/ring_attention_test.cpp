@@ -27,10 +27,6 @@ std::string error_of(Fn fn) {
   return "(no std::invalid_argument)";
 }
 
-void expect_workers_pass(const CapturedLaunch& run) {
-  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
-}
-
 // ----- One rank, in this process -------------------------------------------------------------------
 
 TEST(RingAttention, OneRankIsCausalAttentionOverItsChunksInOrderWithoutCommunication) {

@@ -23,6 +23,11 @@ inline CapturedLaunch launch_scenario(const std::string& scenario, int world_siz
   return launch_test_workers("context_parallel_tests", "CpWorker.Run", scenario, world_size);
 }
 
+// Every worker of `run` passed its scenario.
+inline void expect_workers_pass(const CapturedLaunch& run) {
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+}
+
 // Full-sequence q, k, v [B, H, S, D] and the weights of the loss sum(out * weights).
 struct AttentionProblem {
   at::Tensor q, k, v, weights;

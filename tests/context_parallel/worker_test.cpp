@@ -15,6 +15,7 @@
 #include "harness/context_parallel/group.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
+#include "gpt2_check.h"
 #include "test_support.h"
 
 namespace harness::context_parallel {
@@ -110,6 +111,8 @@ TEST(CpWorker, Run) {
     dropout_scenario(*group);
   } else if (scenario == "group") {
     group_scenario(*group);
+  } else if (scenario == "gpt2") {
+    expect_gpt2_matches_plain(group);
   } else {
     FAIL() << "unknown scenario " << scenario;
   }

@@ -6,7 +6,9 @@
 // c_attn and c_fc are column-parallel (attention splits by heads), both c_proj row-parallel, the
 // tied wte and head split over the vocabulary (vocab_parallel.h: no rank holds all the logits),
 // wpe and the layer norms replicated; parameter names stay Hugging Face's, the tensors are this
-// rank's shards.
+// rank's shards. Given a context-parallel group (set_context_parallel), each rank holds its zigzag
+// shard of every sequence (context_parallel.h): attention is ring attention over the group, the
+// position embeddings are the shard's true positions, and the loss is the whole sequence's.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -25,6 +27,7 @@
 
 #include "harness/device.h"
 #include "harness/model/config.h"
+#include "harness/model/context_parallel.h"
 #include "harness/model/tensor_parallel.h"
 
 namespace harness::model {
@@ -78,13 +81,17 @@ struct KVCache {
 class GPT2AttentionImpl : public torch::nn::Module {
  public:
   explicit GPT2AttentionImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
+  // With a context group and no cache, x is this rank's zigzag shard and attention is
+  // ring_attention over the group (a collective); with a cache, plain attention as without one.
   torch::Tensor forward(const torch::Tensor& x, LayerKVCache* cache = nullptr);
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> cp) { cp_ = std::move(cp); }
   Conv1D c_attn{nullptr}, c_proj{nullptr};
   torch::nn::Dropout attn_dropout{nullptr}, resid_dropout{nullptr};
 
  private:
   int64_t n_head_, head_dim_;  // n_head_: the heads on this rank
   std::shared_ptr<TensorParallelGroup> tp_;
+  std::shared_ptr<ContextParallelGroup> cp_;
 };
 TORCH_MODULE(GPT2Attention);
 
@@ -154,7 +161,9 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // Same, attending to and extending `cache` (generation); positions continue after the cache.
   torch::Tensor forward_cached(const torch::Tensor& input_ids, KVCache& cache);
   // input_ids [B, T] -> token plus position embeddings after dropout, [B, T, C] on the
-  // embeddings' device, positions starting at past_length (a pipeline's first stage).
+  // embeddings' device, positions starting at past_length (a pipeline's first stage). With a
+  // context group and past_length 0, input_ids is this rank's zigzag shard of sequences of
+  // T * C positions, and each token gets its position in the whole sequence.
   torch::Tensor embed(const torch::Tensor& input_ids, int64_t past_length = 0);
   // Block halves [first_unit, end_unit) on hidden states [B, T, C]: unit 2i is block i's attention
   // half, x + attn(ln_1(x)), unit 2i + 1 its MLP half, h + mlp(ln_2(h)), each run where its
@@ -172,6 +181,10 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // weight_sum as there (undefined: the weights' own sum; a micro-batch's: the whole batch's).
   // head_weight undefined: wte's. Split over a group, each rank forms its vocabulary slice of
   // the logits alone and the loss is vocab_parallel_weighted_cross_entropy's; every rank gets it.
+  // With a context group, hidden, labels and weights are this rank's zigzag shard; weight_sum is
+  // the whole sequences' (undefined: the shards' weights summed over the group), and the loss
+  // returned is the whole sequences' on every rank (each rank's backward carries its own tokens'
+  // part of the gradient, so the group's gradients sum to the whole one).
   torch::Tensor head_loss(const torch::Tensor& hidden, const torch::Tensor& labels, const torch::Tensor& weights,
                           const torch::Tensor& weight_sum = {}, const torch::Tensor& head_weight = {});
   // The greedy next token after hidden [B, T, C] (row 0, last position): the arg-max of its
@@ -187,6 +200,15 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
 
   const GPT2Config& config() const { return config_; }
   GPT2ModelImpl& transformer_module() { return *transformer; }
+
+  // Context parallelism: from now on loss(), forward(), embed(), forward_units() and head_loss()
+  // take this rank's zigzag shard of each sequence (zigzag_shard along dimension 1) and are
+  // collectives over `cp` (every rank of it calls them in the same order); the cached path
+  // (generation) stays plain attention on whole sequences. The weights are not split: every rank
+  // of the group holds them all. Null restores the plain model; a group of one computes the same
+  // numbers as no group, through ring attention.
+  void set_context_parallel(std::shared_ptr<ContextParallelGroup> cp);
+  ContextParallelGroup* context_parallel() const { return cp_.get(); }
 
   // Hugging Face's initialisation: normal(0, initializer_range) weights, zero biases, unit
   // LayerNorms, c_proj weights scaled by 1/sqrt(2 * n_layer). Deterministic given torch's seed.
@@ -244,6 +266,8 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   GPT2Model transformer{nullptr};
 
  private:
+  // embed(): positions from past_length on, or (context_shard) the zigzag shard's positions.
+  torch::Tensor embed_at(const torch::Tensor& input_ids, int64_t past_length, bool context_shard);
   // The last block's hidden states through the cached blocks (forward_cached, next_token).
   torch::Tensor hidden_cached(const torch::Tensor& input_ids, KVCache& cache);
   // ln_f and the tied head: the whole logits, or this rank's vocabulary slice of them when split.
@@ -251,6 +275,7 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
 
   GPT2Config config_;
   std::shared_ptr<TensorParallelGroup> tp_;
+  std::shared_ptr<ContextParallelGroup> cp_;
   std::map<std::string, ParameterShard> shards_;
   std::vector<Device> block_devices_;
   Device first_device_ = Device::cpu(0), last_device_ = Device::cpu(0);

@@ -1,7 +1,7 @@
 // Where a training step is composed, for every layout: the model (already split over its
-// tensor-parallel group) is cut into this rank's pipeline stages where P > 1, then the data-parallel
-// choice is made (replicated gradients, ZeRO-1/2's buckets or ZeRO-3's units) over the ranks that
-// hold the same slice of it. Each part is chosen once, here, from the validated layout and typed
+// tensor-parallel group) is given its context-parallel group where C > 1, cut into this rank's
+// pipeline stages where P > 1, then the data-parallel choice is made (replicated gradients,
+// ZeRO-1/2's buckets or ZeRO-3's units) over the ranks that hold the same slice of it (D x C). Each part is chosen once, here, from the validated layout and typed
 // settings; the programs never reach inside.
 #pragma once
 
@@ -47,7 +47,7 @@ struct StepParts {
 };
 
 // Throws std::invalid_argument when `settings` disagree with `layout` (stages without P > 1, or
-// P > 1 without them).
+// P > 1 without them), or for pipeline stages with C > 1.
 StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& layout,
                        const parallel::ProcessGroups& groups, const StepComposition& settings);
 

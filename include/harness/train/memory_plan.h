@@ -60,7 +60,8 @@ struct MemoryPlanInput {
   std::string program = "run_data_parallel";  // whose plan: names the ranks ("rank" or the devices)
   std::string model_name;                     // --model or --model_path, for the header
   model::GPT2Config config;
-  int data_parallel_size = 1;    // D
+  int data_parallel_size = 1;    // D x C: the ranks that share each slice's state (ZeRO shards over them)
+  int context_parallel_size = 1;  // C: of those, the ranks that split each sequence (`tokens` is a rank's)
   int tensor_parallel_size = 1;  // T
   // Pipeline: `pipeline_devices` stage processes (run_data_parallel's P) or devices (run_pipeline),
   // each running virtual_stages stages (stage s on device s % devices).

@@ -79,6 +79,7 @@ struct DataParallelConfig {
   std::string grad_sync = "bucketed";
   double bucket_cap_mb = 25.0;
   int tensor_parallel_size = 1;
+  int context_parallel_size = 1;  // C: ranks that split each sequence (ring attention)
   int max_restarts = 0;
   int dist_timeout_s = 300;  // rendezvous and collectives
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)

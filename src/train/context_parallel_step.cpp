@@ -1,0 +1,87 @@
+// The context-parallel forward-backward and the batch shards it runs on (see context_parallel_step.h).
+#include "harness/train/context_parallel_step.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "harness/model/context_parallel.h"
+
+namespace harness::train {
+
+int64_t context_parallel_length(int64_t sequence_length, int context_parallel_size) {
+  if (context_parallel_size < 1) {
+    throw std::invalid_argument("--context_parallel_size must be at least 1, got " +
+                                std::to_string(context_parallel_size));
+  }
+  const int64_t chunks = 2 * static_cast<int64_t>(context_parallel_size);
+  return (sequence_length + chunks - 1) / chunks * chunks;
+}
+
+data::Batch context_shard(const data::Batch& batch, int context_parallel_size, int rank) {
+  const int64_t length = batch.input_ids.size(1);
+  const int64_t padding = context_parallel_length(length, context_parallel_size) - length;
+  auto shard = [&](const at::Tensor& x) {
+    const at::Tensor padded = padding == 0 ? x : torch::constant_pad_nd(x, {0, padding}, 0);
+    return model::zigzag_shard(padded, /*dim=*/1, context_parallel_size, rank);
+  };
+  data::Batch out;
+  out.input_ids = shard(batch.input_ids);
+  out.labels = shard(batch.labels);
+  out.label_token_weights = shard(batch.label_token_weights);
+  out.examples = batch.examples;
+  return out;
+}
+
+namespace {
+
+class ContextParallelForwardBackward final : public ForwardBackward {
+ public:
+  ContextParallelForwardBackward(std::unique_ptr<ForwardBackward> inner, int context_parallel_size, int rank)
+      : inner_(std::move(inner)), size_(context_parallel_size), rank_(rank) {
+    if (!inner_) throw std::invalid_argument("context_parallel: no forward-backward given");
+  }
+
+  at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
+                 model::Precision precision) override {
+    // Every context rank holds the whole batch, so the replica's label weight needs no collective.
+    at::Tensor whole = weight_sum;
+    if (!whole.defined()) {
+      whole = batch.label_token_weights.to(inner_->loss_device(), torch::kFloat32).sum();
+      if (whole.item<float>() == 0.0f) {
+        throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
+      }
+    }
+    const at::Tensor loss = inner_->run(context_shard(batch, size_, rank_), whole / size_, k, precision);
+    return loss.defined() ? loss / size_ : loss;
+  }
+  void finish_gradients() override { inner_->finish_gradients(); }
+  double step_loss(const at::Tensor& local) override { return inner_->step_loss(local); }
+  int64_t gradient_accumulations(const data::Batch& batch) const override {
+    return inner_->gradient_accumulations(batch);
+  }
+  c10::Device input_device() const override { return inner_->input_device(); }
+  c10::Device loss_device() const override { return inner_->loss_device(); }
+  void set_global_step(int64_t global_step) override { inner_->set_global_step(global_step); }
+  std::optional<double> validation_loss(data::BatchLoader& loader) override { return inner_->validation_loss(loader); }
+  std::optional<std::vector<std::string>> generate(const data::Tokenizer& tokenizer,
+                                                   const std::vector<data::TranslationExample>& examples,
+                                                   int64_t model_max_length, bool show_progress) override {
+    return inner_->generate(tokenizer, examples, model_max_length, show_progress);
+  }
+
+ private:
+  std::unique_ptr<ForwardBackward> inner_;
+  int size_;
+  int rank_;
+};
+
+}  // namespace
+
+std::unique_ptr<ForwardBackward> context_parallel(std::unique_ptr<ForwardBackward> inner, int context_parallel_size,
+                                                  int rank) {
+  return std::make_unique<ContextParallelForwardBackward>(std::move(inner), context_parallel_size, rank);
+}
+
+}  // namespace harness::train

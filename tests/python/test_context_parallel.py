@@ -1,0 +1,108 @@
+"""run_data_parallel --context_parallel_size C: each sequence of a replica's batch split over C
+ranks (zigzag chunks, ring attention). After three AdamW steps with dropout 0 the weights equal
+one device's (data parallelism alone's when D > 1) by the rule of after_adamw.py, for (D,C,T,P) =
+(1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, and with two batches a step
+(--gradient_accumulation_steps 2); the validation loss is one
+device's; only c = 0 prints; --model_max_length 38 is padded to a multiple of 2C (40, 42). The refusals
+name the flags. gpt2-tiny, a few batches, at most 4 processes."""
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from after_adamw import weight_problems  # noqa: E402
+from test_programs import DP, DP_LOSS, DP_TRAIN, TINY, free_port, matching, run  # noqa: E402
+
+# 38 tokens: not a multiple of 2C = 4, so every context run pads its sequences.
+SMALL = [a if a != "40" else "38" for a in TINY]
+STEPS = 3
+
+
+def weights(work):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(work, "model.safetensors"))
+
+
+class ContextParallel(unittest.TestCase):
+    def train(self, tmp, name, world, extra=(), batches=STEPS):
+        work = os.path.join(tmp, name)
+        proc = run([DP, "--world_size", str(world), "--batch_size", "16", "--max_batches", str(batches),
+                    "--n_epochs", "1", "--dropout", "0", "--learning_rate", "1e-3", "--workdir", work,
+                    "--master_port", str(free_port())] + SMALL + list(extra), timeout=600)
+        return work, proc
+
+    def same_weights(self, actual, expected, label, steps=STEPS):
+        problems = weight_problems(weights(actual), weights(expected), n_embd=64, lr=1e-3, steps=steps)
+        self.assertEqual(problems, [], label)
+
+    def validation_losses(self, proc):
+        return {int(m[2]): float(m[3]) for m in matching(DP_LOSS, proc.stdout)}
+
+    def test_one_replica_over_two_context_ranks_trains_like_one_device(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            alone, alone_proc = self.train(tmp, "alone", 1)
+            split, proc = self.train(tmp, "c2", 2, ["--context_parallel_size", "2"])
+            self.same_weights(split, alone, "(1,2,1,1) against one device")
+            # One replica: one rank (c = 0) prints its lines, with the replica's tokens.
+            self.assertEqual([(int(m[1]), int(m[2])) for m in matching(DP_TRAIN, proc.stdout)], [(0, 0)])
+            self.assertFalse(os.path.exists(os.path.join(split, "rank1_results_epoch0.json")))
+            losses, expected = self.validation_losses(proc), self.validation_losses(alone_proc)
+            self.assertEqual(list(losses), [0])
+            self.assertAlmostEqual(losses[0], expected[0], delta=1e-4 * abs(expected[0]))
+            self.assertIn("context_parallel_size=2", proc.stderr)
+            with open(os.path.join(split, "rank0_gen_epoch0.json")) as f:
+                self.assertEqual(len(json.load(f)), 4)
+
+    def test_two_replicas_of_two_context_ranks_train_like_data_parallelism(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            data, data_proc = self.train(tmp, "d2", 2)
+            both, proc = self.train(tmp, "d2c2", 4, ["--context_parallel_size", "2"])
+            self.same_weights(both, data, "(2,2,1,1) against D = 2")
+            self.assertEqual(sorted(int(m[2]) for m in matching(DP_TRAIN, proc.stdout)), [0, 1])
+            losses, expected = self.validation_losses(proc), self.validation_losses(data_proc)
+            self.assertEqual(sorted(losses), [0, 1])
+            for d in (0, 1):
+                self.assertAlmostEqual(losses[d], expected[d], delta=1e-4 * abs(expected[d]))
+
+    def test_context_inside_tensor_parallelism_and_zero_train_like_one_device(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            alone, _ = self.train(tmp, "alone", 1, ["--benchmark_only"])
+            for name, world, extra in (("t2c2", 4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2"]),
+                                       ("c2z2", 2, ["--context_parallel_size", "2", "--zero_stage", "2"]),
+                                       ("c2z3", 2, ["--context_parallel_size", "2", "--zero_stage", "3"]),
+                                       ("c3", 3, ["--context_parallel_size", "3"])):  # 38 padded to 42
+                work, _ = self.train(tmp, name, world, ["--benchmark_only"] + extra)
+                self.same_weights(work, alone, name + " against one device")
+
+    def test_accumulated_batches_weigh_as_on_one_device(self):
+        # Two batches a step: each rank's loss is divided by both whole batches' label weight.
+        with tempfile.TemporaryDirectory() as tmp:
+            accumulation = ["--gradient_accumulation_steps", "2", "--benchmark_only"]
+            alone, _ = self.train(tmp, "alone", 1, accumulation, batches=4)
+            split, _ = self.train(tmp, "c2", 2, ["--context_parallel_size", "2"] + accumulation, batches=4)
+            self.same_weights(split, alone, "(1,2,1,1) accumulating against one device", steps=2)
+
+    def test_memory_plan_counts_a_ranks_rows_and_positions(self):
+        proc = run([DP, "--memory_plan", "--world_size", "4", "--context_parallel_size", "2", "--batch_size", "16"]
+                   + SMALL)
+        self.assertIn("layout: data 2 x context 2 x tensor 1 x pipeline 1 = world 4", proc.stdout)
+        self.assertIn("8 rows x 20 tokens", proc.stdout)  # 16 rows over D = 2; 38 padded to 40, over C = 2
+
+    def test_refusals_name_the_flags(self):
+        unsized = [a for a in TINY if a not in ("--model_max_length", "40")]
+        for extra, needle in (
+                (["--context_parallel_size", "2", "--world_size", "4", "--pipeline_parallel_size", "2",
+                  "--model_max_length", "40"],
+                 "--context_parallel_size 2 cannot be combined with --pipeline_parallel_size 2"),
+                (["--context_parallel_size", "2", "--world_size", "3", "--model_max_length", "40"],
+                 "--context_parallel_size 2"),
+                (["--context_parallel_size", "3", "--world_size", "3", "--model_max_length", "127"],
+                 "--context_parallel_size 3 pads --model_max_length 127 to 132 positions")):
+            proc = run([DP] + unsized + extra, check=False)
+            self.assertNotEqual(proc.returncode, 0, proc.stderr)
+            self.assertIn(needle, proc.stderr)
+
+if __name__ == "__main__":
+    unittest.main()
