@@ -58,11 +58,12 @@ def tensor_problem(actual, expected, lr, steps, update_fraction):
     return "; ".join(why) or None
 
 
-def weight_problems(actual, expected, n_embd, lr, steps, update_fraction=1e-3):
+def weight_problems(actual, expected, lr, steps, update_fraction=1e-3):
     """Every weight of `expected` against `actual`'s. The key third of each c_attn.bias (a zero
     gradient in exact arithmetic: softmax ignores what it adds to a query's scores) holds
     AdamW-scaled rounding noise that differs between runs: it is held to the element-wise bound
-    only; its query and value thirds compare as any weight."""
+    only; its query and value thirds compare as any weight. The thirds are read off the bias's
+    own length (3 n_embd), whatever the model."""
     import torch
     problems = [f"{name}: missing" for name in expected if name not in actual]
     problems += [f"{name}: not expected" for name in actual if name not in expected]
@@ -71,8 +72,8 @@ def weight_problems(actual, expected, n_embd, lr, steps, update_fraction=1e-3):
             continue
         a = actual[name]
         checks = [(name, a, w, update_fraction)]
-        if name.endswith("attn.c_attn.bias") and w.dim() == 1 and w.shape[0] == 3 * n_embd:
-            C = n_embd
+        if name.endswith("attn.c_attn.bias") and w.dim() == 1 and w.shape[0] % 3 == 0:
+            C = w.shape[0] // 3
             checks = [(name + " key third", a[C:2 * C], w[C:2 * C], None),
                       (name + " query and value thirds", torch.cat([a[:C], a[2 * C:]]), torch.cat([w[:C], w[2 * C:]]),
                        update_fraction)]

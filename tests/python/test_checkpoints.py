@@ -373,7 +373,7 @@ class AnotherLayout(unittest.TestCase):
             # softmax ignores), so it holds AdamW-scaled rounding noise, different split and
             # unsplit: it must stay noise in both runs.
             a, b = weights(plain), weights(work)
-            self.assertEqual(weight_problems(b, a, n_embd=64, lr=3e-3, steps=8), [])
+            self.assertEqual(weight_problems(b, a, lr=3e-3, steps=8), [])
             for key in (k for k in a if k.endswith("attn.c_attn.bias")):
                 for noise in (a[key][64:128], b[key][64:128]):
                     self.assertLess(float(noise.abs().max()), 1e-4, key)

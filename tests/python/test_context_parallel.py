@@ -34,7 +34,7 @@ class ContextParallel(unittest.TestCase):
         return work, proc
 
     def same_weights(self, actual, expected, label, steps=STEPS):
-        problems = weight_problems(weights(actual), weights(expected), n_embd=64, lr=1e-3, steps=steps)
+        problems = weight_problems(weights(actual), weights(expected), lr=1e-3, steps=steps)
         self.assertEqual(problems, [], label)
 
     def validation_losses(self, proc):

@@ -25,7 +25,7 @@ STATE = re.compile(r"--zero_stage 1 keeps (\d+) bytes of AdamW state on rank 0 \
 
 class ShardedStages(unittest.TestCase):
     def same(self, actual, expected, label, fraction):
-        problems = weight_problems(weights(actual), weights(expected), 64, LR, STEPS, update_fraction=fraction)
+        problems = weight_problems(weights(actual), weights(expected), LR, STEPS, update_fraction=fraction)
         self.assertEqual(problems, [], label)
 
     def test_sharded_stages_train_like_unsharded_stages_and_like_data_parallelism(self):
@@ -94,7 +94,7 @@ class ShardedStageCheckpoints(unittest.TestCase):
             proc = run([DP, "--master_port", str(free_port()), "--workdir", work, "--resume", "auto"] + sharded +
                        CHECKPOINTED, timeout=600)
             self.assertIn("continuing from", proc.stderr)
-            self.assertEqual(weight_problems(weights(work), weights(plain), n_embd=64, lr=3e-3, steps=8), [])
+            self.assertEqual(weight_problems(weights(work), weights(plain), lr=3e-3, steps=8), [])
 
 
 if __name__ == "__main__":

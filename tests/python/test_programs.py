@@ -194,7 +194,7 @@ class DataParallelProgram(unittest.TestCase):
                 # 4 AdamW steps of lr 1e-3 (2 epochs of 2), compared as AdamW guarantees: each
                 # tensor's difference within 1e-5 of the steps' update (the two sum the same
                 # gradients in other orders), every element within what 4 steps can move it.
-                self.assertEqual(weight_problems(actual, expected, n_embd=64, lr=1e-3, steps=4, update_fraction=1e-5), [])
+                self.assertEqual(weight_problems(actual, expected, lr=1e-3, steps=4, update_fraction=1e-5), [])
 
             for world in (2, 4):
                 replicated, _ = train(f"replicated{world}", world, 0, 2)
@@ -301,7 +301,7 @@ class DataParallelProgram(unittest.TestCase):
             self.assertEqual(set(g1), set(g2))
             self.assertEqual(gradient_problems(g2, g1, floor=1e-8), [])
             # After one AdamW step of the default lr 1e-4, as AdamW guarantees (after_adamw.py).
-            self.assertEqual(weight_problems(w2, w1, n_embd=64, lr=1e-4, steps=1), [])
+            self.assertEqual(weight_problems(w2, w1, lr=1e-4, steps=1), [])
 
     def test_after_three_steps_both_ranks_hold_bit_identical_parameters(self):
         torch = torch_module()

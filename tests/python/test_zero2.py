@@ -35,7 +35,7 @@ class ZeroStageTwo(unittest.TestCase):
         return work, proc
 
     def same(self, actual, expected, label, fraction=1e-5):
-        problems = weight_problems(weights(actual), weights(expected), n_embd=64, lr=1e-3, steps=4,
+        problems = weight_problems(weights(actual), weights(expected), lr=1e-3, steps=4,
                                    update_fraction=fraction)
         self.assertEqual(problems, [], label)
 
