@@ -260,7 +260,13 @@ class GlobalGradientNorm(unittest.TestCase):
     """Two steps of batch 16, clipped at 0.5 (the norms are near 3, so every step clips). In each
     layout the first step's norm is torch.nn.utils.clip_grad_norm_'s on that layout's averaged,
     unsplit gradients (its --pytest file); layouts that train the same examples (the same
-    data-parallel size) measure the same norms at every step and end with the same weights."""
+    data-parallel size) measure the same norms at every step and end with the same weights.
+
+    The same norms: to 1e-6 at the first step, whose gradients are of the same weights and differ
+    by rounding alone; to 1e-5 after it, where the weights themselves differ by what AdamW makes
+    of that rounding (tests/python/after_adamw.py: an element whose gradient is near zero moves by
+    a sizeable fraction of lr either way), so the second step's gradients are of other weights.
+    Measured: the tensor-parallel run's second norm is 1.05e-6 from one rank's on an Intel Xeon."""
 
     ARGS = ["--batch_size", "16", "--max_batches", "2", "--n_epochs", "1", "--learning_rate", "1e-3",
             "--max_grad_norm", "0.5"] + TINY
@@ -288,8 +294,8 @@ class GlobalGradientNorm(unittest.TestCase):
         expected = [r["grad_norm"] for r in records(reference, "train")]
         self.assertEqual(len(norms), len(expected), label)
         for k, (n, e) in enumerate(zip(norms, expected)):
-            self.assertLess(abs(n - e), 1e-6 * e, f"{label}: step {k + 1}: {n} against {e}")
-        self.assertEqual(weight_problems(ck.weights(work), ck.weights(reference), n_embd=64, lr=1e-3, steps=2), [],
+            self.assertLess(abs(n - e), (1e-6 if k == 0 else 1e-5) * e, f"{label}: step {k + 1}: {n} against {e}")
+        self.assertEqual(weight_problems(ck.weights(work), ck.weights(reference), lr=1e-3, steps=2), [],
                          label)
 
     def test_every_layout_measures_and_clips_by_one_devices_norm(self):
