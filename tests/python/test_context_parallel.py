@@ -7,13 +7,17 @@ device's; only c = 0 prints; --model_max_length 38 is padded to a multiple of 2C
 name the flags. gpt2-tiny, a few batches, at most 4 processes."""
 import json
 import os
+import signal
 import sys
 import tempfile
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from after_adamw import weight_problems  # noqa: E402
 from test_programs import DP, DP_LOSS, DP_TRAIN, TINY, free_port, matching, run  # noqa: E402
+from test_checkpoints import TINY as CHECKPOINTED, Watched, environ_of, saved_step_at_least  # noqa: E402
+from fault_injection import descendants  # noqa: E402  (scripts/, on the path test_checkpoints sets)
 
 # 38 tokens: not a multiple of 2C = 4, so every context run pads its sequences.
 SMALL = [a if a != "40" else "38" for a in TINY]
@@ -103,6 +107,56 @@ class ContextParallel(unittest.TestCase):
             proc = run([DP] + unsized + extra, check=False)
             self.assertNotEqual(proc.returncode, 0, proc.stderr)
             self.assertIn(needle, proc.stderr)
+
+class ContextParallelCheckpoints(unittest.TestCase):
+    """Checkpoints hold the unsplit state whatever C is: a (1,2,2,1) checkpoint resumes on one rank,
+    and that rank's resumes as (2,2,1,1), each resumed at learning rate 0 for one more epoch, so
+    that the weights it ends with are the checkpoint's bit for bit. A killed context rank ends the
+    run promptly, named."""
+
+    def resume_without_learning(self, layout, checkpoint, tmp, name, epochs):
+        torch = __import__("torch")
+        work = os.path.join(tmp, name)
+        proc = run([DP, "--master_port", str(free_port()), "--workdir", work, "--resume", checkpoint] + layout +
+                   CHECKPOINTED + ["--learning_rate", "0", "--n_epochs", str(epochs)], timeout=600)
+        self.assertIn("continuing from " + checkpoint, proc.stderr)
+        a, b = weights(checkpoint), weights(work)
+        self.assertEqual(sorted(a), sorted(b), name)
+        for key in a:
+            self.assertTrue(torch.equal(a[key], b[key]), f"{name}: {key}")
+        return os.path.join(work, "checkpoints", "step-%08d" % (4 * epochs))
+
+    def test_a_context_checkpoint_reshards_to_one_rank_and_back_to_context_ranks(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "c2t2")
+            run([DP, "--world_size", "4", "--context_parallel_size", "2", "--tensor_parallel_size", "2",
+                 "--master_port", str(free_port()), "--workdir", src] + CHECKPOINTED + ["--n_epochs", "1"],
+                timeout=600)
+            checkpoint = os.path.join(src, "checkpoints", "step-00000004")
+            checkpoint = self.resume_without_learning(["--world_size", "1"], checkpoint, tmp, "one", epochs=2)
+            self.resume_without_learning(["--world_size", "4", "--context_parallel_size", "2"], checkpoint, tmp,
+                                         "d2c2", epochs=3)
+
+    def test_a_killed_context_rank_ends_the_run_promptly_naming_it(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            watched = Watched([DP, "--world_size", "2", "--context_parallel_size", "2", "--master_port",
+                               str(free_port()), "--workdir", os.path.join(tmp, "w")] + CHECKPOINTED +
+                              ["--n_epochs", "50"])
+            try:
+                watched.wait_for(saved_step_at_least(2))
+                workers = [p for p in descendants(watched.proc.pid) if environ_of(p).get(b"RANK") == b"1"]
+                self.assertTrue(workers, "no rank 1 worker found")
+                start = time.time()
+                os.kill(workers[0], signal.SIGKILL)
+                code = watched.finish(timeout=120)
+            finally:
+                if watched.proc.poll() is None:
+                    watched.kill_all()
+            self.assertNotEqual(code, 0)
+            self.assertLess(time.time() - start, 30)
+            self.assertTrue(any("rank 1" in line and "SIGKILL" in line for line in watched.err),
+                            "\n".join(watched.err[-20:]))
+
 
 if __name__ == "__main__":
     unittest.main()
