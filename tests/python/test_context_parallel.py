@@ -1,10 +1,11 @@
 """run_data_parallel --context_parallel_size C: each sequence of a replica's batch split over C
 ranks (zigzag chunks, ring attention). After three AdamW steps with dropout 0 the weights equal
 one device's (data parallelism alone's when D > 1) by the rule of after_adamw.py, for (D,C,T,P) =
-(1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, and with two batches a step
-(--gradient_accumulation_steps 2); the validation loss is one
-device's; only c = 0 prints; --model_max_length 38 is padded to a multiple of 2C (40, 42). The refusals
-name the flags. gpt2-tiny, a few batches, at most 4 processes."""
+(1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, (2,2,2,1) under ZeRO-2, and with
+two batches a step (--gradient_accumulation_steps 2); the validation loss is one device's; only c = 0
+prints; --model_max_length 38 is padded to a multiple of 2C (40, 42). The refusals name the flags.
+Checkpoints reshard to and from context ranks; a killed context rank is named. gpt2-tiny, a few
+batches, at most 8 processes."""
 import json
 import os
 import signal
@@ -69,6 +70,10 @@ class ContextParallel(unittest.TestCase):
             self.assertEqual(sorted(losses), [0, 1])
             for d in (0, 1):
                 self.assertAlmostEqual(losses[d], expected[d], delta=1e-4 * abs(expected[d]))
+            # All four dimensions but the pipeline's, ZeRO-2 sharding over the D·C = 4 ranks of each slice.
+            four, _ = self.train(tmp, "d2c2t2z2", 8, ["--context_parallel_size", "2", "--tensor_parallel_size", "2",
+                                                      "--zero_stage", "2", "--benchmark_only"])
+            self.same_weights(four, data, "(2,2,2,1) with ZeRO-2 against D = 2")
 
     def test_context_inside_tensor_parallelism_and_zero_train_like_one_device(self):
         with tempfile.TemporaryDirectory() as tmp:
