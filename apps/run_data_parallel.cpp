@@ -73,7 +73,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.device = result["device"].as<std::string>();
     c.master_addr = result["master_addr"].as<std::string>();
     c.master_port = result["master_port"].as<int>();
-    c.grad_sync = result["grad_sync"].as<std::string>();
+    c.grad_sync = dp::parse_gradient_sync(result["grad_sync"].as<std::string>());
     c.bucket_cap_mb = result["bucket_cap_mb"].as<double>();
     c.tensor_parallel_size = result["tensor_parallel_size"].as<int>();
     c.max_restarts = result["max_restarts"].as<int>();

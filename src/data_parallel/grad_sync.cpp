@@ -68,13 +68,18 @@ void average_gradients(torch::nn::Module& module, const DistContext& ctx) {
   average_in_place(ctx, module.parameters(/*recurse=*/true), AllReduceAlgorithm::kBuiltin);
 }
 
-std::unique_ptr<GradientSynchronizer> make_gradient_synchronizer(const std::string& kind,
-                                                                 const DistContext& ctx,
-                                                                 double bucket_cap_mb,
-                                                                 AllReduceAlgorithm allreduce) {
-  if (kind == "naive") return std::make_unique<NaiveAllReduce>(ctx, allreduce);
-  if (kind == "bucketed") return std::make_unique<BucketedAllReduce>(ctx, bucket_cap_mb, allreduce);
-  throw std::invalid_argument("--grad_sync " + kind + " is unknown: use naive or bucketed");
+GradientSyncKind parse_gradient_sync(const std::string& name) {
+  if (name == "naive") return GradientSyncKind::kNaive;
+  if (name == "bucketed") return GradientSyncKind::kBucketed;
+  throw std::invalid_argument("--grad_sync " + name + " is unknown: use naive or bucketed");
+}
+
+std::string to_string(GradientSyncKind kind) { return kind == GradientSyncKind::kNaive ? "naive" : "bucketed"; }
+
+std::unique_ptr<GradientSynchronizer> make_gradient_synchronizer(GradientSyncKind kind, const DistContext& ctx,
+                                                                 double bucket_cap_mb, AllReduceAlgorithm allreduce) {
+  if (kind == GradientSyncKind::kNaive) return std::make_unique<NaiveAllReduce>(ctx, allreduce);
+  return std::make_unique<BucketedAllReduce>(ctx, bucket_cap_mb, allreduce);
 }
 
 }  // namespace harness::data_parallel

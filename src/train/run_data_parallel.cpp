@@ -137,9 +137,10 @@ void check_zero_stage(const DataParallelConfig& flags) {
     throw std::invalid_argument("--zero_prefetch " + std::to_string(flags.zero_prefetch) + " must be >= 0");
   }
   if (flags.zero_stage == 0) return;
-  if (flags.grad_sync != "bucketed") {
+  if (flags.grad_sync != dp::GradientSyncKind::kBucketed) {
     throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) +
-                                " reduce-scatters gradient buckets: it needs --grad_sync bucketed, not " + flags.grad_sync);
+                                " reduce-scatters gradient buckets: it needs --grad_sync bucketed, not " +
+                                dp::to_string(flags.grad_sync));
   }
   if (flags.allreduce != dp::AllReduceAlgorithm::kBuiltin) {
     throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) +
@@ -290,7 +291,7 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
                                 : std::string())
             << ") vocab=" << tokenizer.vocab_size() << " batch_size=" << f.batch_size << " (per rank "
             << dp::per_device_batch_size(f.batch_size, dp_size) << ")"
-            << " grad_sync=" << flags.grad_sync << " allreduce=" << dp::to_string(flags.allreduce)
+            << " grad_sync=" << dp::to_string(flags.grad_sync) << " allreduce=" << dp::to_string(flags.allreduce)
             << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
             << " precision=" << f.precision << " grad_reduce_dtype=" << flags.grad_reduce_dtype
             << " zero_stage=" << flags.zero_stage << (flags.debug_sync ? " debug_sync=true" : "")

@@ -72,7 +72,7 @@ void check_gpt2_step(const DistContext& ctx) {
 
   for (const std::string kind : {"naive", "bucketed"}) {
     // A small bucket cap: several buckets, reduced as backward produces them.
-    std::unique_ptr<GradientSynchronizer> sync = make_gradient_synchronizer(kind, ctx, /*bucket_cap_mb=*/0.1);
+    std::unique_ptr<GradientSynchronizer> sync = make_gradient_synchronizer(parse_gradient_sync(kind), ctx, /*bucket_cap_mb=*/0.1);
     model::GPT2LMHeadModel model = cuda_testing::make_model(config);
     model->to(device);
     train::GPT2TrainStep step(model, 1e-3, sync.get());

@@ -61,7 +61,7 @@ TEST(BucketedAllReduce, HooksLaunchBucketsDuringBackwardOnOneRank) {
   const DistContext ctx = one_rank();
   torch::manual_seed(3);
   torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
-  auto sync = make_gradient_synchronizer("bucketed", ctx, 64.0 / (1024 * 1024));
+  auto sync = make_gradient_synchronizer(GradientSyncKind::kBucketed, ctx, 64.0 / (1024 * 1024));
   sync->attach(*model);
   const auto* bucketed = dynamic_cast<const BucketedAllReduce*>(sync.get());
   ASSERT_NE(bucketed, nullptr);
@@ -120,7 +120,7 @@ TEST(GradSync, NoSyncAccumulatesLocallyAndReducesOnce) {
     SCOPED_TRACE(kind);
     torch::manual_seed(3);
     torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
-    auto sync = make_gradient_synchronizer(kind, ctx, 64.0 / (1024 * 1024));
+    auto sync = make_gradient_synchronizer(parse_gradient_sync(kind), ctx, 64.0 / (1024 * 1024));
     sync->attach(*model);
     model->forward(torch::randn({5, 4})).sum().backward();
     sync->finalize();
@@ -155,7 +155,7 @@ TEST(GradSync, Bf16ReductionHalvesTheBytesAndRoundsToBf16) {
     for (const bool bf16 : {false, true}) {
       torch::manual_seed(3);
       torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
-      auto sync = make_gradient_synchronizer(kind, ctx);
+      auto sync = make_gradient_synchronizer(parse_gradient_sync(kind), ctx);
       if (bf16) sync->set_reduce_dtype(at::kBFloat16);
       sync->attach(*model);
       model->forward(torch::randn({5, 4})).pow(2).sum().backward();

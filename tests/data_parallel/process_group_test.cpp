@@ -158,7 +158,10 @@ TEST(ProcessGroup, SingleRankGlooGroupWorksInProcess) {
   sync.attach(*unused);
   sync.finalize();
   EXPECT_FALSE(unused->weight.grad().defined());
-  EXPECT_THROW(make_gradient_synchronizer("fancy", ctx), std::invalid_argument);
+  EXPECT_THROW(parse_gradient_sync("fancy"), std::invalid_argument);
+  for (const GradientSyncKind kind : {GradientSyncKind::kNaive, GradientSyncKind::kBucketed}) {
+    EXPECT_EQ(parse_gradient_sync(to_string(kind)), kind);
+  }
 }
 
 TEST(ProcessGroup, TwoProcessGlooAllReduce) {

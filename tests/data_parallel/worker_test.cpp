@@ -158,7 +158,7 @@ void ring_grad_sync_scenario(const DistContext& ctx) {
     params.push_back(models.back()->parameters());
     for (const auto& p : unused.back()->parameters()) params.back().push_back(p);
     // 400-byte buckets: several buckets, so the ring thread runs more than one per step.
-    syncs.push_back(make_gradient_synchronizer(v.grad_sync, ctx, 400.0 / (1024 * 1024), v.allreduce));
+    syncs.push_back(make_gradient_synchronizer(parse_gradient_sync(v.grad_sync), ctx, 400.0 / (1024 * 1024), v.allreduce));
     syncs.back()->attach(params.back());
   }
   EXPECT_EQ(syncs[3]->name(), "bucketed+ring");
@@ -203,7 +203,7 @@ void unused_on_one_rank_scenario(const DistContext& ctx, const std::string& kind
   for (auto* m : {&a, &b, &c}) {
     for (const auto& p : (*m)->parameters()) params.push_back(p);
   }
-  auto sync = make_gradient_synchronizer(kind, ctx, /*bucket_cap_mb=*/64.0 / (1024 * 1024));
+  auto sync = make_gradient_synchronizer(parse_gradient_sync(kind), ctx, /*bucket_cap_mb=*/64.0 / (1024 * 1024));
   sync->attach(params);
   if (const auto* bucketed = dynamic_cast<const BucketedAllReduce*>(sync.get())) {
     EXPECT_GE(bucketed->bucket_plan().size(), 3u);  // several buckets
@@ -461,7 +461,7 @@ TEST(DpWorker, Run) {
     DistContext ctx = connect(*env);
     auto model = make_model();
     model->forward(rank_input(rank)).pow(2).sum().backward();
-    const auto sync = make_gradient_synchronizer("naive", ctx);
+    const auto sync = make_gradient_synchronizer(GradientSyncKind::kNaive, ctx);
     sync->attach(*model);
     sync->finalize();
     // Expected: the mean of every rank's gradients, computed here without communication.

@@ -341,7 +341,7 @@ void training_step_scenario(const dp::DistContext& world, const dp::DistOptions&
   torch::manual_seed(5);  // reference_step's seed: the same weights, split
   model::GPT2LMHeadModel split(config, make_tensor_parallel_group(groups.tensor));
   torch::optim::AdamW optimizer(split->parameters(), torch::optim::AdamWOptions(kLearningRate));
-  auto sync = dp::make_gradient_synchronizer("bucketed", groups.data, 0.001);
+  auto sync = dp::make_gradient_synchronizer(dp::GradientSyncKind::kBucketed, groups.data, 0.001);
   sync->attach(*split);
   const at::Tensor part = ids.narrow(0, groups.data.rank * 2, 2);
   optimizer.zero_grad();

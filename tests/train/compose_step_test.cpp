@@ -44,7 +44,7 @@ TEST(ComposeStep, EachDataParallelChoiceGivesItsParts) {
     const parallel::ProcessGroups groups = parallel::make_process_groups(one.world, one.options, layout);
     StepComposition settings;
     settings.data_parallel.zero_stage = c.zero_stage;
-    settings.data_parallel.gradient_sync = c.gradient_sync;
+    settings.data_parallel.gradient_sync = dp::parse_gradient_sync(c.gradient_sync);
     settings.data_parallel.reduce_dtype = at::kBFloat16;
     model::GPT2LMHeadModel model = tiny_model();
     StepParts parts = compose_step(model, layout, groups, settings);

@@ -79,7 +79,7 @@ StageRun train_stage(const parallel::ProcessGroups& groups, const std::string& k
   // A 2 KiB cap: several buckets per stage, so that launching in order during backward is seen.
   std::unique_ptr<dp::GradientSynchronizer> sync =
       kind == "bucketed" ? std::make_unique<dp::BucketedAllReduce>(groups.data, 2.0 / 1024)
-                         : dp::make_gradient_synchronizer(kind, groups.data);
+                         : dp::make_gradient_synchronizer(dp::parse_gradient_sync(kind), groups.data);
   sync->attach(parameters);
   const auto* bucketed = dynamic_cast<const dp::BucketedAllReduce*>(sync.get());
   GPT2TrainStep step(model, std::move(forward_backward), stage_adamw(model, 1e-3, held), sync.get());

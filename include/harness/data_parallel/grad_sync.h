@@ -108,11 +108,17 @@ class NaiveAllReduce : public GradientSynchronizer {
 // The same in one call, as the original's function of that name.
 void average_gradients(torch::nn::Module& module, const DistContext& ctx);
 
-// --grad_sync: "naive" (NaiveAllReduce) or "bucketed" (BucketedAllReduce with --bucket_cap_mb,
-// bucketed_all_reduce.h), either reducing with --allreduce (builtin or ring). Throws
-// std::invalid_argument naming the flag for an unknown kind.
+// --grad_sync: naive (NaiveAllReduce, per parameter after the backward) or bucketed
+// (BucketedAllReduce with --bucket_cap_mb, bucketed_all_reduce.h, overlapped with the backward).
+enum class GradientSyncKind { kNaive, kBucketed };
+
+// "naive" / "bucketed"; anything else throws std::invalid_argument naming --grad_sync.
+GradientSyncKind parse_gradient_sync(const std::string& name);
+std::string to_string(GradientSyncKind kind);
+
+// The synchronizer of `kind`, reducing with --allreduce (builtin or ring).
 std::unique_ptr<GradientSynchronizer> make_gradient_synchronizer(
-    const std::string& kind, const DistContext& ctx, double bucket_cap_mb = 25.0,
+    GradientSyncKind kind, const DistContext& ctx, double bucket_cap_mb = 25.0,
     AllReduceAlgorithm allreduce = AllReduceAlgorithm::kBuiltin);
 
 }  // namespace harness::data_parallel

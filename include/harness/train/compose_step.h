@@ -23,7 +23,7 @@ namespace harness::train {
 struct DataParallelSettings {
   int zero_stage = 0;     // 0: replicated; 1: AdamW state sharded; 2: and the gradients; 3: and the parameters
   int zero_prefetch = 1;  // ZeRO-3: units all-gathered ahead
-  std::string gradient_sync = "bucketed";  // naive | bucketed (make_gradient_synchronizer)
+  data_parallel::GradientSyncKind gradient_sync = data_parallel::GradientSyncKind::kBucketed;
   double bucket_cap_mb = 25.0;
   data_parallel::AllReduceAlgorithm allreduce = data_parallel::AllReduceAlgorithm::kBuiltin;
   at::ScalarType reduce_dtype = at::kFloat;  // of the gradients' all-reduce (kFloat or kBFloat16)

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "harness/data/dataset.h"
+#include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/ring_all_reduce.h"
 #include "harness/train/driver.h"
@@ -76,7 +77,7 @@ struct DataParallelConfig {
   std::string device = "auto";
   std::string master_addr;
   int master_port = 0;
-  std::string grad_sync = "bucketed";
+  data_parallel::GradientSyncKind grad_sync = data_parallel::GradientSyncKind::kBucketed;
   double bucket_cap_mb = 25.0;
   int tensor_parallel_size = 1;
   int context_parallel_size = 1;  // C: ranks that split each sequence (ring attention)
