@@ -74,8 +74,7 @@ inline CommonFlags read_common(const cxxopts::ParseResult& r) {
   f.benchmark_only = r.count("benchmark_only") > 0;
   f.max_batches = r["max_batches"].as<int64_t>();
   f.gradient_accumulation_steps = r["gradient_accumulation_steps"].as<int64_t>();
-  f.precision = r["precision"].as<std::string>();
-  model::parse_precision(f.precision);  // an unknown value fails here, naming --precision
+  f.precision = model::parse_precision(r["precision"].as<std::string>());
   f.model.preset = r["model"].as<std::string>();
   f.model.path = r["model_path"].as<std::string>();
   if (r.count("dropout")) f.model.dropout = r["dropout"].as<double>();

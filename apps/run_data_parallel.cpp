@@ -79,16 +79,17 @@ DataParallelFlags parse(int argc, char** argv) {
     c.max_restarts = result["max_restarts"].as<int>();
     c.dist_timeout_s = result["dist_timeout_s"].as<int>();
     c.debug_sync = result.count("debug_sync") > 0;
-    c.grad_reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
+    const std::string reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
+    if (reduce_dtype != "fp32" && reduce_dtype != "bf16") {
+      throw std::invalid_argument("--grad_reduce_dtype '" + reduce_dtype + "': expected fp32 or bf16");
+    }
+    c.grad_reduce_dtype = reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
     c.zero_stage = result["zero_stage"].as<int>();
     c.zero_prefetch = result["zero_prefetch"].as<int>();
     c.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
     c.context_parallel_size = result["context_parallel_size"].as<int>();
     c.pipe = read_pipeline_flags(result);
     c.run.memory_plan = result.count("memory_plan") > 0;
-    if (c.grad_reduce_dtype != "fp32" && c.grad_reduce_dtype != "bf16") {
-      throw std::invalid_argument("--grad_reduce_dtype '" + c.grad_reduce_dtype + "': expected fp32 or bf16");
-    }
     if (c.dist_timeout_s < 1) {
       throw std::invalid_argument("--dist_timeout_s must be at least 1, got " + std::to_string(c.dist_timeout_s));
     }

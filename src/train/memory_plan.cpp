@@ -366,7 +366,7 @@ MemoryPlanInput memory_plan_input(const DataParallelConfig& flags, const model::
   in.context_parallel_size = C;
   in.rows_per_replica = data_parallel::per_device_batch_size(f.batch_size, in.data_parallel_size / C);
   in.tokens = context_parallel_length(f.model_max_length, C) / C;
-  in.bf16 = f.precision == "bf16";
+  in.bf16 = f.precision == model::Precision::kBf16;
   in.zero_stage = flags.zero_stage;
   in.zero_prefetch = flags.zero_prefetch;
   in.bucket_cap_mb = flags.bucket_cap_mb;
@@ -395,7 +395,7 @@ MemoryPlanInput memory_plan_input(const PipelineConfig& flags, const model::GPT2
   in.config = config;
   in.rows_per_replica = f.batch_size;
   in.tokens = f.model_max_length;
-  in.bf16 = f.precision == "bf16";
+  in.bf16 = f.precision == model::Precision::kBf16;
   for (const Device& d : devices) in.device_names.push_back(d.str());
   if (flags.mode.empty()) {
     in.device_names.resize(1);

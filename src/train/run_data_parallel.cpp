@@ -271,7 +271,7 @@ DataParallelSettings data_parallel_settings(const DataParallelConfig& flags) {
   s.gradient_sync = flags.grad_sync;
   s.bucket_cap_mb = flags.bucket_cap_mb;
   s.allreduce = flags.allreduce;
-  s.reduce_dtype = flags.grad_reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  s.reduce_dtype = flags.grad_reduce_dtype;
   return s;
 }
 
@@ -293,7 +293,7 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
             << dp::per_device_batch_size(f.batch_size, dp_size) << ")"
             << " grad_sync=" << dp::to_string(flags.grad_sync) << " allreduce=" << dp::to_string(flags.allreduce)
             << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
-            << " precision=" << f.precision << " grad_reduce_dtype=" << flags.grad_reduce_dtype
+            << " precision=" << model::to_string(f.precision) << " grad_reduce_dtype=" << (flags.grad_reduce_dtype == at::kBFloat16 ? "bf16" : "fp32")
             << " zero_stage=" << flags.zero_stage << (flags.debug_sync ? " debug_sync=true" : "")
             << (f.gradient_accumulation_steps > 1
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
@@ -416,7 +416,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const std::string track = "rank " + std::to_string(rank);
   TrainStepSettings settings;
-  settings.precision = model::parse_precision(f.precision);
+  settings.precision = f.precision;
   settings.tracer = tracer.get();
   settings.trace_track = track;
   if (rank == 0) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, tokenizer, parts);

@@ -70,7 +70,7 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
                                 "pipeline_parallel only");
   }
   TrainStepSettings settings;
-  settings.precision = model::parse_precision(f.precision);
+  settings.precision = f.precision;
   *stages = nullptr;
   if (pipeline.mode.empty()) {
     if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
@@ -113,7 +113,7 @@ void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& a
             << (f.model.path.empty() ? f.model.preset : f.model.path) << " (" << config.n_layer
             << " layers, n_embd " << config.n_embd << ", " << parameters
             << " parameters) vocab=" << tokenizer.vocab_size() << " batch_size=" << f.batch_size
-            << " n_chunk=" << pipe.n_chunk << " precision=" << f.precision
+            << " n_chunk=" << pipe.n_chunk << " precision=" << model::to_string(f.precision)
             << (f.gradient_accumulation_steps > 1
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "")

@@ -11,6 +11,7 @@
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/ring_all_reduce.h"
+#include "harness/model/precision.h"
 #include "harness/train/driver.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/setup.h"
@@ -27,7 +28,7 @@ struct RunConfig {
   bool benchmark_only = false;
   int64_t max_batches = 0;
   int64_t gradient_accumulation_steps = 1;  // batches per optimizer step
-  std::string precision = "fp32";           // --precision: fp32 | bf16 (model/precision.h)
+  model::Precision precision = model::Precision::kFp32;  // --precision (model/precision.h)
   ModelSource model;
   std::string workdir = "./workdir";
   uint64_t seed = 1234;
@@ -84,7 +85,7 @@ struct DataParallelConfig {
   int max_restarts = 0;
   int dist_timeout_s = 300;  // rendezvous and collectives
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
-  std::string grad_reduce_dtype = "fp32";  // dtype of the gradient all-reduce: fp32 | bf16
+  at::ScalarType grad_reduce_dtype = at::kFloat;  // --grad_reduce_dtype: the gradient all-reduce's, fp32 | bf16
   int zero_stage = 0;                      // 1: AdamW state sharded over the data-parallel ranks
   int zero_prefetch = 1;                   // --zero_stage 3: units all-gathered ahead
   int pipeline_parallel_size = 1;          // P: pipeline stages as processes (SPEC §7.2)
