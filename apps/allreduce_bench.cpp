@@ -103,7 +103,7 @@ double max_over_ranks(const dp::DistContext& ctx, double value) {
 
 int run_worker(const BenchFlags& flags, const dp::WorkerEnv& env) {
   at::set_num_threads(1);  // one core per rank; the ranks share the machine
-  const dp::DistOptions options = dp::dist_options_for(env, "gloo");
+  const dp::DistOptions options = dp::dist_options_for(env, dp::Backend::kGloo);
   const dp::DistContext ctx = dp::init_process_group(options);
   const int n = ctx.world_size;
   const double bus_factor = 2.0 * (n - 1) / n;
@@ -159,7 +159,7 @@ int run_worker(const BenchFlags& flags, const dp::WorkerEnv& env) {
     char host[256] = {0};
     ::gethostname(host, sizeof(host) - 1);
     const nlohmann::json doc = {{"world_size", n},
-                                {"backend", ctx.backend},
+                                {"backend", dp::to_string(ctx.backend)},
                                 {"device", "cpu"},
                                 {"dtype", "float32"},
                                 {"host", host},

@@ -69,7 +69,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.allreduce = dp::parse_allreduce_algorithm(result["allreduce"].as<std::string>());
     c.reshuffle_each_epoch = result.count("reshuffle_each_epoch") > 0;
     c.grad_dir = result["grad_dir"].as<std::string>();
-    c.backend = result["backend"].as<std::string>();
+    c.backend = dp::parse_backend(result["backend"].as<std::string>());
     c.device = result["device"].as<std::string>();
     c.master_addr = result["master_addr"].as<std::string>();
     c.master_port = result["master_port"].as<int>();

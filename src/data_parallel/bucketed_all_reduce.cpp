@@ -210,7 +210,7 @@ void BucketedAllReduce::launch_locked(Bucket& bucket) {
     if (chunk * ctx_.world_size > n) {
       bucket.buffer = torch::cat({bucket.buffer, torch::zeros({chunk * ctx_.world_size - n}, bucket.buffer.options())});
     }
-    if (ctx_.backend == "gloo") {
+    if (ctx_.backend == Backend::kGloo) {
       // Gloo's reduce-scatter all-reduces a copy of the whole buffer and keeps a slice: twice the
       // bytes of a reduce-scatter, and with the parameter all-gather 1.5x an all-reduce's. An
       // all-to-all hands each rank every rank's copy of its chunk ((N-1)/N of the buffer sent, as
@@ -390,7 +390,7 @@ BucketedAllReduce::BucketGather BucketedAllReduce::start_gather(size_t b, const 
   BucketGather gather;
   gather.bucket = b;
   gather.all = torch::empty({mine.numel() * ctx_.world_size}, mine.options());
-  if (ctx_.backend == "gloo") {
+  if (ctx_.backend == Backend::kGloo) {
     // Gloo's all-gather took 7-16 ms for 7 MB per rank between two CPU processes here, an
     // all-to-all of the same bytes 4-6 ms: every rank sends its chunk to every rank as one.
     gather.send = mine.repeat({ctx_.world_size});

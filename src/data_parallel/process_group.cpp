@@ -135,24 +135,35 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
 
 }  // namespace
 
-std::string resolve_backend(const std::string& backend, const Device& device) {
-  std::string resolved = backend;
-  if (backend == "auto") {
-    resolved = device.is_cuda() ? "nccl" : "gloo";
-  } else if (backend != "gloo" && backend != "nccl") {
-    throw std::invalid_argument("--backend " + backend + " is unknown: use auto, gloo or nccl");
+Backend parse_backend(const std::string& name) {
+  if (name == "auto") return Backend::kAuto;
+  if (name == "gloo") return Backend::kGloo;
+  if (name == "nccl") return Backend::kNccl;
+  throw std::invalid_argument("--backend " + name + " is unknown: use auto, gloo or nccl");
+}
+
+std::string to_string(Backend backend) {
+  switch (backend) {
+    case Backend::kAuto: return "auto";
+    case Backend::kGloo: return "gloo";
+    case Backend::kNccl: return "nccl";
   }
-  if (resolved == "nccl" && !device.is_cuda()) {
+  return "?";
+}
+
+Backend resolve_backend(Backend backend, const Device& device) {
+  const Backend resolved = backend != Backend::kAuto ? backend : device.is_cuda() ? Backend::kNccl : Backend::kGloo;
+  if (resolved == Backend::kNccl && !device.is_cuda()) {
     throw std::invalid_argument("--backend nccl needs a CUDA device, but --device is " +
                                 device.str() + ": use --backend gloo (or auto) for CPU devices");
   }
 #ifndef HARNESS_WITH_NCCL
-  if (resolved == "nccl") {
+  if (resolved == Backend::kNccl) {
     throw std::invalid_argument("--backend nccl: this build has no NCCL support; use --backend gloo");
   }
 #endif
 #ifndef HARNESS_WITH_GLOO
-  if (resolved == "gloo") {
+  if (resolved == Backend::kGloo) {
     throw std::invalid_argument("--backend gloo: this build has no Gloo headers (libgloo-dev)");
   }
 #endif
@@ -161,11 +172,11 @@ std::string resolve_backend(const std::string& backend, const Device& device) {
 
 namespace {
 
-c10::intrusive_ptr<c10d::Backend> create_plain_backend(const std::string& backend,
+c10::intrusive_ptr<c10d::Backend> create_plain_backend(Backend backend,
                                                        const c10::intrusive_ptr<c10d::Store>& store,
                                                        int rank, int world_size,
                                                        const DistOptions& options) {
-  if (backend == "gloo") {
+  if (backend == Backend::kGloo) {
 #ifdef HARNESS_WITH_GLOO
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
     // GLOO_SOCKET_IFNAME picks the interface as in PyTorch; on one machine, loopback always works.
@@ -183,7 +194,7 @@ c10::intrusive_ptr<c10d::Backend> create_plain_backend(const std::string& backen
     throw std::runtime_error("this build has no Gloo headers (libgloo-dev)");
 #endif
   }
-  if (backend == "nccl") {
+  if (backend == Backend::kNccl) {
 #ifdef HARNESS_WITH_NCCL
     auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
     nccl_options->timeout = options.timeout;
@@ -195,12 +206,12 @@ c10::intrusive_ptr<c10d::Backend> create_plain_backend(const std::string& backen
     throw std::runtime_error("this build has no NCCL support");
 #endif
   }
-  throw std::invalid_argument("unknown backend '" + backend + "'");
+  throw std::invalid_argument("create_backend: --backend auto must be resolved first (resolve_backend)");
 }
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
+c10::intrusive_ptr<c10d::Backend> create_backend(Backend backend,
                                                  const c10::intrusive_ptr<c10d::Store>& store,
                                                  int rank, int world_size,
                                                  const DistOptions& options) {
@@ -209,7 +220,7 @@ c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
   return c10::make_intrusive<DebugSyncBackend>(std::move(group), store, options.group_name, options.timeout);
 }
 
-DistOptions dist_options_for(const WorkerEnv& env, const std::string& backend,
+DistOptions dist_options_for(const WorkerEnv& env, Backend backend,
                              const Device& device) {
   DistOptions options;
   options.rank = env.rank;
@@ -232,7 +243,7 @@ DistContext init_process_group(const DistOptions& options) {
   ctx.local_rank = options.local_rank;
   ctx.device = options.device;
   ctx.backend = resolve_backend(options.backend, options.device);
-  if (ctx.backend == "nccl" && !torch::cuda::is_available()) {
+  if (ctx.backend == Backend::kNccl && !torch::cuda::is_available()) {
     // Before the rendezvous, so that no rank waits for one that cannot start.
     throw std::runtime_error(
         "--backend nccl (or --device " + options.device.str() +
@@ -245,7 +256,7 @@ DistContext init_process_group(const DistOptions& options) {
   } catch (const std::exception& e) {
     const std::string what = e.what();
     const std::string first_line = what.substr(0, what.find('\n'));
-    if (ctx.backend == "gloo") {
+    if (ctx.backend == Backend::kGloo) {
       throw std::runtime_error("rank " + std::to_string(ctx.rank) +
                                ": connecting the Gloo process group failed (peers via the store at " +
                                options.master_addr + ":" + std::to_string(options.master_port) +

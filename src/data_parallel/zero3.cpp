@@ -133,7 +133,7 @@ void ShardedUnits::gather(size_t u) {
   Unit& unit = units_.at(u);
   if (unit.here) return;
   allocate_locked(unit);
-  if (ctx_.backend == "gloo") {  // as BucketedAllReduce's gathers: an all-to-all is faster here
+  if (ctx_.backend == Backend::kGloo) {  // as BucketedAllReduce's gathers: an all-to-all is faster here
     unit.gather_send = pooled_empty_locked(unit.chunk * ctx_.world_size, unit.weights.options());
     unit.gather_send.view({ctx_.world_size, unit.chunk}).copy_(unit.weights.unsqueeze(0).expand({ctx_.world_size, unit.chunk}));
     unit.gathering = all_to_all_even(*ctx_.group, unit.full, unit.gather_send);
@@ -248,7 +248,7 @@ void ShardedUnits::launch_reduce_locked(Unit& unit) {
   }
   if (unit.chunk * N > unit.elements) unit.buffer.narrow(0, unit.elements, unit.chunk * N - unit.elements).zero_();
   communicated_bytes_ += unit.buffer.numel() * static_cast<int64_t>(unit.buffer.element_size());
-  if (ctx_.backend == "gloo") {  // every rank's copy of this rank's chunk, summed when settled
+  if (ctx_.backend == Backend::kGloo) {  // every rank's copy of this rank's chunk, summed when settled
     unit.received = pooled_empty_locked(unit.buffer.numel(), unit.buffer.options());
     unit.reducing = all_to_all_even(*ctx_.group, unit.received, unit.buffer);
   } else {
@@ -276,7 +276,7 @@ void ShardedUnits::settle_reduce_locked(Unit& unit) {
   torch::NoGradGuard no_grad;
   const at::ScalarType dtype = unit.weights.scalar_type();
   at::Tensor sum;
-  if (ctx_.backend == "gloo") {
+  if (ctx_.backend == Backend::kGloo) {
     const at::Tensor copies = unit.received.view({ctx_.world_size, -1});
     sum = copies[0].scalar_type() == dtype ? copies[0] : copies[0].to(dtype);  // summed in place, in the pool's buffer
     for (int64_t r = 1; r < ctx_.world_size; ++r) sum.add_(copies[r]);
@@ -347,7 +347,7 @@ std::vector<at::Tensor> ShardedUnits::gather_unit(size_t u, const at::Tensor& ch
   const Unit& unit = units_.at(u);
   at::Tensor mine = chunk.contiguous();
   at::Tensor all = torch::empty({unit.chunk * ctx_.world_size}, mine.options());
-  if (ctx_.backend == "gloo") {
+  if (ctx_.backend == Backend::kGloo) {
     at::Tensor send = mine.repeat({ctx_.world_size});
     all_to_all_even(*ctx_.group, all, send)->wait();
   } else {

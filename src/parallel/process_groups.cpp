@@ -31,7 +31,7 @@ dp::DistContext create_group(const dp::DistContext& world, const dp::DistOptions
     ctx.group = dp::create_backend(world.backend, ctx.store, ctx.rank, ctx.world_size, group_options);
   } catch (const std::exception& e) {
     const std::string text = e.what();
-    throw std::runtime_error("world rank " + std::to_string(world.rank) + ": creating the " + world.backend + " " +
+    throw std::runtime_error("world rank " + std::to_string(world.rank) + ": creating the " + dp::to_string(world.backend) + " " +
                              what_group + " failed: " + text.substr(0, text.find('\n')));
   }
   return ctx;

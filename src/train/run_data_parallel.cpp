@@ -277,12 +277,12 @@ DataParallelSettings data_parallel_settings(const DataParallelConfig& flags) {
 
 // Rank 0's lines before training: the run, the layout's table and the memory plan.
 void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
-               const Device& device, int threads, const std::string& backend, model::GPT2LMHeadModel& model,
+               const Device& device, int threads, dp::Backend backend, model::GPT2LMHeadModel& model,
                const data::Tokenizer& tokenizer, const StepParts& parts) {
   const RunConfig& f = flags.run;
   const int T = layout.tensor_parallel_size(), P = layout.pipeline_parallel_size();
   const int dp_size = layout.data_parallel_size();
-  std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << backend
+  std::cerr << "run_data_parallel: world_size=" << env.world_size << " backend=" << dp::to_string(backend)
             << " device=" << device.str() << " threads_per_rank=" << threads << " model="
             << (f.model.path.empty() ? f.model.preset : f.model.path) << " ("
             << model->unsplit_parameter_count() << " parameters"

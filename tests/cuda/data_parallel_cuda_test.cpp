@@ -31,7 +31,7 @@ using cuda_testing::Snapshot;
 // The rank's GPU: cuda:0 for every rank when `shared`, else cuda:<rank>.
 Device device_of(const WorkerEnv& env, bool shared) { return Device::cuda(shared ? 0 : env.local_rank); }
 
-DistContext connect(const WorkerEnv& env, const std::string& backend, const Device& device) {
+DistContext connect(const WorkerEnv& env, Backend backend, const Device& device) {
   DistOptions options = dist_options_for(env, backend, device);
   options.timeout = std::chrono::seconds(60);  // a collective that hangs fails the test instead
   return init_process_group(options);
@@ -138,12 +138,12 @@ TEST(CudaWorker, Run) {
   if (scenario == "gloo_one_gpu" || scenario == "nccl_two_gpus") {
     const bool shared = scenario == "gloo_one_gpu";
     const Device device = device_of(*env, shared);
-    DistContext ctx = connect(*env, shared ? "gloo" : "nccl", device);
+    DistContext ctx = connect(*env, shared ? Backend::kGloo : Backend::kNccl, device);
     check_all_reduce(ctx);
     check_gpt2_step(ctx);
     barrier(ctx);
   } else if (scenario == "tensor_parallel_one_gpu") {
-    DistContext ctx = connect(*env, "gloo", Device::cuda(0));
+    DistContext ctx = connect(*env, Backend::kGloo, Device::cuda(0));
     check_tensor_parallel(ctx);
     barrier(ctx);
   } else {
@@ -171,8 +171,8 @@ TEST(CudaDataParallel, OneRankOverNccl) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no GPU";
   WorkerEnv env;
   env.master_port = test_workers::free_port();
-  DistContext ctx = connect(env, "nccl", Device::cuda(0));
-  EXPECT_EQ(ctx.backend, "nccl");
+  DistContext ctx = connect(env, Backend::kNccl, Device::cuda(0));
+  EXPECT_EQ(ctx.backend, Backend::kNccl);
   check_all_reduce(ctx);
   check_gpt2_step(ctx);
   barrier(ctx);

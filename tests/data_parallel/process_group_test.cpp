@@ -30,12 +30,15 @@ std::string error_of(const DistOptions& options) {
 }
 
 TEST(ProcessGroup, ResolvesTheBackendByDevice) {
-  EXPECT_EQ(resolve_backend("auto", Device::cpu()), "gloo");
-  EXPECT_EQ(resolve_backend("gloo", Device::cpu(1)), "gloo");
-  EXPECT_EQ(resolve_backend("auto", Device::cuda(0)), "nccl");
-  EXPECT_THROW(resolve_backend("mpi", Device::cpu()), std::invalid_argument);
+  EXPECT_EQ(resolve_backend(Backend::kAuto, Device::cpu()), Backend::kGloo);
+  EXPECT_EQ(resolve_backend(Backend::kGloo, Device::cpu(1)), Backend::kGloo);
+  EXPECT_EQ(resolve_backend(Backend::kAuto, Device::cuda(0)), Backend::kNccl);
+  EXPECT_THROW(parse_backend("mpi"), std::invalid_argument);
+  for (const Backend backend : {Backend::kAuto, Backend::kGloo, Backend::kNccl}) {
+    EXPECT_EQ(parse_backend(to_string(backend)), backend);
+  }
   try {
-    resolve_backend("nccl", Device::cpu());
+    resolve_backend(Backend::kNccl, Device::cpu());
     FAIL();
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("--backend gloo"), std::string::npos) << e.what();
@@ -141,7 +144,7 @@ TEST(ProcessGroup, SingleRankGlooGroupWorksInProcess) {
   o.master_port = free_port();
   o.timeout = std::chrono::seconds(30);
   DistContext ctx = init_process_group(o);
-  EXPECT_EQ(ctx.backend, "gloo");
+  EXPECT_EQ(ctx.backend, Backend::kGloo);
   EXPECT_EQ(ctx.world_size, 1);
   at::Tensor t = torch::arange(5, torch::kFloat32);
   all_reduce_sum(ctx, t);

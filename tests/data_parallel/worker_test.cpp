@@ -33,7 +33,7 @@ namespace {
 }
 
 DistContext connect(const WorkerEnv& env) {
-  DistOptions options = dist_options_for(env, "gloo");
+  DistOptions options = dist_options_for(env, Backend::kGloo);
   options.timeout = std::chrono::seconds(60);
   return init_process_group(options);
 }
@@ -319,7 +319,7 @@ void zero2_scenario(const DistContext& ctx) {
 }
 
 DistContext connect_debug_sync(const WorkerEnv& env, std::chrono::milliseconds timeout) {
-  DistOptions options = dist_options_for(env, "gloo");
+  DistOptions options = dist_options_for(env, Backend::kGloo);
   options.timeout = timeout;
   options.debug_sync = true;
   return init_process_group(options);
@@ -446,7 +446,7 @@ TEST(DpWorker, Run) {
     sleep_then_exit(60);
   } else if (scenario == "allreduce") {
     DistContext ctx = connect(*env);
-    EXPECT_EQ(ctx.backend, "gloo");
+    EXPECT_EQ(ctx.backend, Backend::kGloo);
     // Rank r contributes (r + 1) * [0, 1, ..., n-1]; the sum is (1 + ... + N) * [0, ..., n-1].
     at::Tensor t = torch::arange(1000, torch::kFloat32) * (rank + 1);
     all_reduce_sum(ctx, t);

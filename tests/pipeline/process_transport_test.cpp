@@ -69,7 +69,7 @@ std::vector<std::string> run_as_processes(const TrainingSchedule& schedule, Stag
       try {
         data_parallel::DistOptions options;
         options.timeout = std::chrono::seconds(20);
-        auto group = data_parallel::create_backend("gloo", store, d, D, options);
+        auto group = data_parallel::create_backend(data_parallel::Backend::kGloo, store, d, D, options);
         std::optional<P2PDebugRecord> debug;
         if (debug_record) debug = P2PDebugRecord{store};
         ProcessTransport transport(group, Device::cpu(0),
@@ -149,7 +149,7 @@ TEST(ProcessTransport, UnderDebugSyncAFailedExchangeSaysWhatThePeerLastPosted) {
 TEST(ProcessTransport, RefusesATensorOfAnotherShapeNamingTheMessage) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   data_parallel::DistOptions options;
-  auto group = data_parallel::create_backend("gloo", store, 0, 1, options);
+  auto group = data_parallel::create_backend(data_parallel::Backend::kGloo, store, 0, 1, options);
   ProcessTransport transport(group, Device::cpu(0), [](const P2PMessage&) { return std::vector<int64_t>{2, 3}; });
   const P2POp send{P2POp::Kind::kSend, 0, {P2PMessage::Kind::kActivation, 2, 0}};
   try {

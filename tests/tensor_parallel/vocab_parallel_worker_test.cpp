@@ -296,7 +296,7 @@ TEST(VocabParallelWorker, Run) {
   const auto env = dp::worker_env_from_environment();
   ASSERT_TRUE(env.has_value()) << "a worker needs RANK/WORLD_SIZE from the launcher";
   at::set_num_threads(1);
-  dp::DistOptions options = dp::dist_options_for(*env, "gloo");
+  dp::DistOptions options = dp::dist_options_for(*env, dp::Backend::kGloo);
   options.timeout = std::chrono::seconds(60);
   const auto group = make_tensor_parallel_group(dp::init_process_group(options));
 

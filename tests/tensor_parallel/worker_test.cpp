@@ -40,7 +40,7 @@ void load_layer(Conv1D& layer, const at::Tensor& weight, const at::Tensor& bias,
 }
 
 dp::DistOptions options_for(const dp::WorkerEnv& env) {
-  dp::DistOptions options = dp::dist_options_for(env, "gloo");
+  dp::DistOptions options = dp::dist_options_for(env, dp::Backend::kGloo);
   options.timeout = std::chrono::seconds(60);
   return options;
 }

@@ -121,7 +121,7 @@ StageRun train_stage(const parallel::ProcessGroups& groups, const std::string& k
 }
 
 void overlap_scenario(const dp::WorkerEnv& env) {
-  dp::DistOptions options = dp::dist_options_for(env, "gloo");
+  dp::DistOptions options = dp::dist_options_for(env, dp::Backend::kGloo);
   options.timeout = std::chrono::seconds(120);
   const dp::DistContext world = dp::init_process_group(options);
   parallel::LayoutSizes two_stages;

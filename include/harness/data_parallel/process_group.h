@@ -17,11 +17,18 @@ namespace harness::data_parallel {
 
 constexpr int kDefaultMasterPort = 11868;
 
+// --backend: Gloo for CPU tensors, NCCL for CUDA tensors; kAuto picks by the device.
+enum class Backend { kAuto, kGloo, kNccl };
+
+// "auto" / "gloo" / "nccl"; anything else throws std::invalid_argument naming --backend.
+Backend parse_backend(const std::string& name);
+std::string to_string(Backend backend);
+
 struct DistOptions {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
-  std::string backend = "auto";  // auto | gloo | nccl; auto: nccl for CUDA devices, else gloo
+  Backend backend = Backend::kAuto;
   std::string master_addr = "localhost";
   int master_port = kDefaultMasterPort;
   Device device = Device::cpu();
@@ -42,14 +49,14 @@ struct DistContext {
   int world_size = 1;
   int local_rank = 0;
   Device device = Device::cpu();
-  std::string backend;  // the resolved one: "gloo" or "nccl"
+  Backend backend = Backend::kGloo;  // the resolved one: never kAuto
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> group;
 };
 
-// "gloo" or "nccl" for `backend` ("auto" picks by device). Throws std::invalid_argument naming
+// kGloo or kNccl for `backend` (kAuto picks by device). Throws std::invalid_argument naming
 // --backend / --device when they do not fit together or NCCL was not compiled in.
-std::string resolve_backend(const std::string& backend, const Device& device);
+Backend resolve_backend(Backend backend, const Device& device);
 
 // Rendezvous and process group. Errors (std::runtime_error) say what to change: the port in use
 // on rank 0 (--master_port), a rendezvous that timed out (which rank waited for whom, where),
@@ -58,15 +65,15 @@ DistContext init_process_group(const DistOptions& options);
 
 // The options of the worker `env` describes (rank, world size, local rank, rendezvous address)
 // with `backend` and `device`; the timeout stays the default.
-DistOptions dist_options_for(const WorkerEnv& env, const std::string& backend = "auto",
+DistOptions dist_options_for(const WorkerEnv& env, Backend backend = Backend::kAuto,
                              const Device& device = Device::cpu());
 
-// A "gloo" or "nccl" backend for `rank` of `world_size` over `store` (the rendezvous of a group),
+// A Gloo or NCCL backend (kAuto is refused) for `rank` of `world_size` over `store` (the rendezvous of a group),
 // with the transport options.master_addr implies (GLOO_SOCKET_IFNAME, loopback, or the default
 // interface) and options.device bound for NCCL, wrapped in a DebugSyncBackend under
 // options.debug_sync. c10d's exceptions propagate: the caller says
 // which group failed.
-c10::intrusive_ptr<c10d::Backend> create_backend(const std::string& backend,
+c10::intrusive_ptr<c10d::Backend> create_backend(Backend backend,
                                                  const c10::intrusive_ptr<c10d::Store>& store,
                                                  int rank, int world_size,
                                                  const DistOptions& options);

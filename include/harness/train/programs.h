@@ -74,7 +74,7 @@ struct DataParallelConfig {
   data_parallel::AllReduceAlgorithm allreduce = data_parallel::AllReduceAlgorithm::kBuiltin;
   bool reshuffle_each_epoch = false;
   std::string grad_dir = "tests";
-  std::string backend = "auto";
+  data_parallel::Backend backend = data_parallel::Backend::kAuto;
   std::string device = "auto";
   std::string master_addr;
   int master_port = 0;
