@@ -70,7 +70,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.reshuffle_each_epoch = result.count("reshuffle_each_epoch") > 0;
     c.grad_dir = result["grad_dir"].as<std::string>();
     c.backend = dp::parse_backend(result["backend"].as<std::string>());
-    c.device = result["device"].as<std::string>();
+    c.device = harness::parse_device_choice(result["device"].as<std::string>());
     c.master_addr = result["master_addr"].as<std::string>();
     c.master_port = result["master_port"].as<int>();
     c.grad_sync = dp::parse_gradient_sync(result["grad_sync"].as<std::string>());
@@ -102,9 +102,6 @@ DataParallelFlags parse(int argc, char** argv) {
     if (c.tensor_parallel_size < 1) {
       throw std::invalid_argument("--tensor_parallel_size must be at least 1, got " +
                                   std::to_string(c.tensor_parallel_size));
-    }
-    if (c.device != "auto" && c.device != "cpu" && c.device != "cuda") {
-      throw std::invalid_argument("--device '" + c.device + "': expected auto, cpu or cuda");
     }
     if (c.master_port < 0 || c.master_port > 65535) {
       throw std::invalid_argument("--master_port " + std::to_string(c.master_port) + " is not a port");

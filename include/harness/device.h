@@ -38,6 +38,14 @@ struct Device {
   }
 };
 
+// run_data_parallel's --device: where each rank runs. kAuto: its GPU when the host has GPUs.
+enum class DeviceChoice { kAuto, kCpu, kCuda };
+
+// "auto" / "cpu" / "cuda"; anything else throws std::invalid_argument naming --device.
+DeviceChoice parse_device_choice(const std::string& text);
+// Whether `choice` puts ranks on GPUs here: kCuda, or kAuto on a host with one.
+bool uses_gpus(DeviceChoice choice);
+
 // "cpu:0,cpu:1" or "cuda:0,cuda:1". Rejects duplicates, unknown kinds, and CUDA ordinals beyond
 // the GPUs present (naming the flag value at fault).
 std::vector<Device> parse_device_list(const std::string& csv);

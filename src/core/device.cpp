@@ -29,6 +29,17 @@ Device Device::parse(const std::string& text) {
   throw std::invalid_argument("device '" + text + "': expected cpu[:k] or cuda[:k]");
 }
 
+DeviceChoice parse_device_choice(const std::string& text) {
+  if (text == "auto") return DeviceChoice::kAuto;
+  if (text == "cpu") return DeviceChoice::kCpu;
+  if (text == "cuda") return DeviceChoice::kCuda;
+  throw std::invalid_argument("--device '" + text + "': expected auto, cpu or cuda");
+}
+
+bool uses_gpus(DeviceChoice choice) {
+  return choice == DeviceChoice::kCuda || (choice == DeviceChoice::kAuto && torch::cuda::is_available());
+}
+
 c10::Device Device::torch_device() const {
   return is_cuda() ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))
                    : c10::Device(c10::kCPU);

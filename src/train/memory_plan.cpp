@@ -591,8 +591,8 @@ void check_model_state_fits(const MemoryPlan& plan, const AvailableMemory& avail
   throw std::invalid_argument(message.str());
 }
 
-std::vector<Device> data_parallel_devices(const std::string& device_flag, int ranks_on_host) {
-  const bool gpus = device_flag == "cuda" || (device_flag == "auto" && torch::cuda::is_available());
+std::vector<Device> data_parallel_devices(DeviceChoice choice, int ranks_on_host) {
+  const bool gpus = uses_gpus(choice);
   std::vector<Device> devices;
   for (int r = 0; r < ranks_on_host; ++r) devices.push_back(gpus ? Device::cuda(r) : Device::cpu(r));
   return devices;

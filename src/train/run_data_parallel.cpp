@@ -46,9 +46,8 @@ std::string env_or(const char* name, const std::string& fallback) {
 
 // Rank r's device: GPU local_rank under CUDA, else a CPU lane.
 Device worker_device(const DataParallelConfig& flags, int local_rank) {
-  const bool gpus = torch::cuda::is_available();
-  if (flags.device == "cuda" || (flags.device == "auto" && gpus)) {
-    if (!gpus) throw std::invalid_argument("--device cuda but no GPU is present (use --device cpu)");
+  if (uses_gpus(flags.device)) {
+    if (!torch::cuda::is_available()) throw std::invalid_argument("--device cuda but no GPU is present (use --device cpu)");
     const int count = static_cast<int>(torch::cuda::device_count());
     if (local_rank >= count) {
       throw std::invalid_argument("local rank " + std::to_string(local_rank) + " needs GPU " +

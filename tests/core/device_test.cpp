@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/Device.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <future>
@@ -25,6 +26,21 @@ TEST(Device, RejectsMalformedNames) {
   EXPECT_THROW(Device::parse("tpu:0"), std::invalid_argument);
   EXPECT_THROW(Device::parse("cpu:x"), std::invalid_argument);
   EXPECT_THROW(Device::parse("cpu:"), std::invalid_argument);
+}
+
+TEST(Device, TheDeviceFlagParsesAndOnlyCudaOrAutoWithAGpuUsesGpus) {
+  EXPECT_EQ(parse_device_choice("auto"), DeviceChoice::kAuto);
+  EXPECT_EQ(parse_device_choice("cpu"), DeviceChoice::kCpu);
+  EXPECT_EQ(parse_device_choice("cuda"), DeviceChoice::kCuda);
+  try {
+    parse_device_choice("tpu");
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--device 'tpu'"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(uses_gpus(DeviceChoice::kCpu));
+  EXPECT_TRUE(uses_gpus(DeviceChoice::kCuda));
+  EXPECT_EQ(uses_gpus(DeviceChoice::kAuto), torch::cuda::is_available());
 }
 
 TEST(Device, ListRejectsDuplicatesAndMissingGpus) {

@@ -151,7 +151,7 @@ void check_model_state_fits(const MemoryPlan& plan, const AvailableMemory& avail
 
 // The devices of run_data_parallel's ranks on this host for --device (auto: GPUs 0 .. ranks - 1
 // when there are GPUs), one entry per rank, as its workers choose them.
-std::vector<Device> data_parallel_devices(const std::string& device_flag, int ranks_on_host);
+std::vector<Device> data_parallel_devices(DeviceChoice choice, int ranks_on_host);
 // run_pipeline's devices for --devices and --model_parallel_mode (one device without a mode).
 std::vector<Device> pipeline_devices(const PipelineConfig& flags);
 

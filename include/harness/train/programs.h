@@ -75,7 +75,7 @@ struct DataParallelConfig {
   bool reshuffle_each_epoch = false;
   std::string grad_dir = "tests";
   data_parallel::Backend backend = data_parallel::Backend::kAuto;
-  std::string device = "auto";
+  DeviceChoice device = DeviceChoice::kAuto;
   std::string master_addr;
   int master_port = 0;
   data_parallel::GradientSyncKind grad_sync = data_parallel::GradientSyncKind::kBucketed;
