@@ -31,15 +31,11 @@ PipelineFlags parse(int argc, char** argv) {
     flags.config.run = common;
     flags.export_dataset = common.export_dataset;
     train::PipelineConfig& c = flags.config;
-    c.mode = result["model_parallel_mode"].as<std::string>();
+    c.mode = train::parse_model_parallel_mode(result["model_parallel_mode"].as<std::string>());
     c.shuffle = result.count("shuffle") > 0;
     c.pipe = read_pipeline_flags(result);
     c.run.memory_plan = result.count("memory_plan") > 0;
-    if (!c.mode.empty() && c.mode != "model_parallel" && c.mode != "pipeline_parallel") {
-      throw std::invalid_argument("--model_parallel_mode '" + c.mode +
-                                  "': expected model_parallel or pipeline_parallel");
-    }
-    if (c.mode == "pipeline_parallel" &&
+    if (c.mode == train::ModelParallelMode::kPipelineParallel &&
         (c.pipe.n_chunk <= 0 || c.pipe.n_chunk > c.run.batch_size)) {
       throw std::invalid_argument("--n_chunk " + std::to_string(c.pipe.n_chunk) +
                                   " must be between 1 and --batch_size " +

@@ -397,12 +397,12 @@ MemoryPlanInput memory_plan_input(const PipelineConfig& flags, const model::GPT2
   in.tokens = f.model_max_length;
   in.bf16 = f.precision == model::Precision::kBf16;
   for (const Device& d : devices) in.device_names.push_back(d.str());
-  if (flags.mode.empty()) {
+  if (flags.mode == ModelParallelMode::kSingleDevice) {
     in.device_names.resize(1);
     return in;
   }
   PipelineScheduleConfig pipe = flags.pipe;
-  if (flags.mode != "pipeline_parallel") {  // model parallel: GPipe's order with one micro-batch
+  if (flags.mode != ModelParallelMode::kPipelineParallel) {  // model parallel: GPipe's order with one micro-batch
     pipe.schedule = "gpipe";
     pipe.virtual_stages = 1;
     pipe.n_chunk = 1;
@@ -600,7 +600,7 @@ std::vector<Device> data_parallel_devices(DeviceChoice choice, int ranks_on_host
 
 std::vector<Device> pipeline_devices(const PipelineConfig& flags) {
   std::vector<Device> devices = flags.run.devices.empty() ? default_devices() : parse_device_list(flags.run.devices);
-  if (flags.mode.empty()) devices.resize(1);
+  if (flags.mode == ModelParallelMode::kSingleDevice) devices.resize(1);
   return devices;
 }
 

@@ -36,6 +36,22 @@ TrainingOptions training_options(const RunConfig& f, const std::string& program,
   return o;
 }
 
+ModelParallelMode parse_model_parallel_mode(const std::string& text) {
+  if (text.empty()) return ModelParallelMode::kSingleDevice;
+  if (text == "model_parallel") return ModelParallelMode::kModelParallel;
+  if (text == "pipeline_parallel") return ModelParallelMode::kPipelineParallel;
+  throw std::invalid_argument("--model_parallel_mode '" + text + "': expected model_parallel or pipeline_parallel");
+}
+
+std::string to_string(ModelParallelMode mode) {
+  switch (mode) {
+    case ModelParallelMode::kSingleDevice: return "single_device";
+    case ModelParallelMode::kModelParallel: return "model_parallel";
+    case ModelParallelMode::kPipelineParallel: return "pipeline_parallel";
+  }
+  return "?";
+}
+
 namespace {
 
 // run_pipeline's devices (one for a single device: the first listed) and its threads per device.
@@ -48,7 +64,7 @@ PipelineDevices devices_of_run(const PipelineConfig& pipeline) {
   const RunConfig& f = pipeline.run;
   PipelineDevices out;
   out.devices = f.devices.empty() ? default_devices() : parse_device_list(f.devices);
-  if (pipeline.mode.empty()) out.devices.resize(1);
+  if (pipeline.mode == ModelParallelMode::kSingleDevice) out.devices.resize(1);
   out.threads = f.threads_per_device > 0 ? f.threads_per_device
                                          : default_threads_per_device(static_cast<int>(out.devices.size()));
   return out;
@@ -62,7 +78,7 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
                                               PipelineForwardBackward** stages) {
   const RunConfig& f = pipeline.run;
   const PipelineScheduleConfig& pipe = pipeline.pipe;
-  const bool pipelined = pipeline.mode == "pipeline_parallel";
+  const bool pipelined = pipeline.mode == ModelParallelMode::kPipelineParallel;
   pipeline::parse_activation_checkpointing(pipe.activation_checkpointing);  // checked here, used by the stages
   const pipeline::BalanceSpec balance_spec = pipeline::parse_balance(pipe.balance);
   if (!pipelined && (pipe.schedule != "1f1b" || pipe.virtual_stages != 1)) {
@@ -72,7 +88,7 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
   TrainStepSettings settings;
   settings.precision = f.precision;
   *stages = nullptr;
-  if (pipeline.mode.empty()) {
+  if (pipeline.mode == ModelParallelMode::kSingleDevice) {
     if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
     model->to(at.devices.front().torch_device());
     return std::make_unique<GPT2TrainStep>(model, f.optimizer_settings(), nullptr, settings);
@@ -106,8 +122,8 @@ void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& a
                         const std::string& memory_line) {
   const RunConfig& f = pipeline.run;
   const PipelineScheduleConfig& pipe = pipeline.pipe;
-  const bool pipelined = pipeline.mode == "pipeline_parallel";
-  std::cerr << "run_pipeline: mode=" << (pipeline.mode.empty() ? "single_device" : pipeline.mode) << " devices=";
+  const bool pipelined = pipeline.mode == ModelParallelMode::kPipelineParallel;
+  std::cerr << "run_pipeline: mode=" << to_string(pipeline.mode) << " devices=";
   for (size_t i = 0; i < at.devices.size(); ++i) std::cerr << (i ? "," : "") << at.devices[i].str();
   std::cerr << " threads_per_device=" << at.threads << " model="
             << (f.model.path.empty() ? f.model.preset : f.model.path) << " (" << config.n_layer
@@ -138,7 +154,7 @@ TrainingOptions pipeline_training_options(const PipelineConfig& pipeline, const 
   const RunConfig& f = pipeline.run;
   TrainingOptions options = training_options(f, "run_pipeline", ReportStyle::kPipeline);
   for (const Device& device : at.devices) {
-    if (!pipeline.mode.empty()) options.pipeline_devices.push_back(device.str());
+    if (pipeline.mode != ModelParallelMode::kSingleDevice) options.pipeline_devices.push_back(device.str());
     options.devices.push_back(device.torch_device());
   }
   options.data_order = pipeline.shuffle

@@ -58,9 +58,19 @@ struct RunConfig {
 // The driver's options that come from a RunConfig; each program adds its layout.
 TrainingOptions training_options(const RunConfig& config, const std::string& program, ReportStyle style);
 
+// --model_parallel_mode: none (one device), model_parallel (the stages one batch at a time) or
+// pipeline_parallel (micro-batches through the stages' schedule).
+enum class ModelParallelMode { kSingleDevice, kModelParallel, kPipelineParallel };
+
+// "" / "model_parallel" / "pipeline_parallel"; anything else throws std::invalid_argument naming
+// --model_parallel_mode.
+ModelParallelMode parse_model_parallel_mode(const std::string& text);
+// "single_device" / "model_parallel" / "pipeline_parallel", as the start line prints it.
+std::string to_string(ModelParallelMode mode);
+
 struct PipelineConfig {
   RunConfig run;
-  std::string mode;  // "", "model_parallel", "pipeline_parallel"
+  ModelParallelMode mode = ModelParallelMode::kSingleDevice;
   bool shuffle = false;  // the original trains in order (shuffle=False)
   PipelineScheduleConfig pipe;  // --n_chunk, --pipeline_schedule, ... (pipeline_parallel)
 };
