@@ -17,16 +17,6 @@ namespace {
 
 using namespace testing;
 
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "(no std::invalid_argument)";
-}
-
 // ----- One rank, in this process -------------------------------------------------------------------
 
 TEST(RingAttention, OneRankIsCausalAttentionOverItsChunksInOrderWithoutCommunication) {

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,17 @@ using namespace harness::test_workers;
 // Runs `world_size` copies of this test binary in scenario `scenario` (CpWorker.Run).
 inline CapturedLaunch launch_scenario(const std::string& scenario, int world_size) {
   return launch_test_workers("context_parallel_tests", "CpWorker.Run", scenario, world_size);
+}
+
+// The message of the std::invalid_argument `fn` throws, or a note that it threw none.
+template <typename Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "(no std::invalid_argument)";
 }
 
 // Every worker of `run` passed its scenario.

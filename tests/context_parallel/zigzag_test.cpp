@@ -8,21 +8,13 @@
 #include <vector>
 
 #include "harness/model/context_parallel.h"
+#include "test_support.h"
 
 namespace harness::model {
 namespace {
 
 using Positions = std::vector<int64_t>;
-
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "(no std::invalid_argument)";
-}
+using context_parallel::testing::error_of;
 
 TEST(Zigzag, PositionsOfEightOverTwoRanks) {
   // chunks of 2: 0 1 | 2 3 | 4 5 | 6 7 -> rank 0 chunks 0 and 3, rank 1 chunks 1 and 2.
