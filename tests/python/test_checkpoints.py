@@ -126,6 +126,22 @@ def saved_step_at_least(k):
     return predicate
 
 
+def resume_without_learning(test, layout, checkpoint, tmp, name, epochs):
+    """Resumes `checkpoint` (4 * (epochs - 1) steps of TINY in) under `layout` for one more epoch at
+    learning rate 0, checks that the run ends with the checkpoint's weights bit for bit, and returns
+    the checkpoint that epoch ends with."""
+    torch = __import__("torch")
+    work = os.path.join(tmp, name)
+    proc = run([DP, "--master_port", str(free_port()), "--workdir", work, "--resume", checkpoint] + layout + TINY +
+               ["--learning_rate", "0", "--n_epochs", str(epochs)], timeout=600)
+    test.assertIn("continuing from " + checkpoint, proc.stderr)
+    a, b = weights(checkpoint), weights(work)
+    test.assertEqual(sorted(a), sorted(b), name)
+    for key in a:
+        test.assertTrue(torch.equal(a[key], b[key]), f"{name}: {key}")
+    return os.path.join(work, "checkpoints", "step-%08d" % (4 * epochs))
+
+
 def lines(pattern, text):
     return {(int(m[1]), m[2]): m[3] for m in (pattern.match(l) for l in text.splitlines()) if m}
 

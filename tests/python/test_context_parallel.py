@@ -17,7 +17,8 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from after_adamw import weight_problems  # noqa: E402
 from test_programs import DP, DP_LOSS, DP_TRAIN, TINY, free_port, matching, run  # noqa: E402
-from test_checkpoints import TINY as CHECKPOINTED, Watched, environ_of, saved_step_at_least  # noqa: E402
+from test_checkpoints import (TINY as CHECKPOINTED, Watched, environ_of, resume_without_learning,  # noqa: E402
+                              saved_step_at_least)
 from fault_injection import descendants  # noqa: E402  (scripts/, on the path test_checkpoints sets)
 
 # 38 tokens: not a multiple of 2C = 4, so every context run pads its sequences.
@@ -119,18 +120,6 @@ class ContextParallelCheckpoints(unittest.TestCase):
     that the weights it ends with are the checkpoint's bit for bit. A killed context rank ends the
     run promptly, named."""
 
-    def resume_without_learning(self, layout, checkpoint, tmp, name, epochs):
-        torch = __import__("torch")
-        work = os.path.join(tmp, name)
-        proc = run([DP, "--master_port", str(free_port()), "--workdir", work, "--resume", checkpoint] + layout +
-                   CHECKPOINTED + ["--learning_rate", "0", "--n_epochs", str(epochs)], timeout=600)
-        self.assertIn("continuing from " + checkpoint, proc.stderr)
-        a, b = weights(checkpoint), weights(work)
-        self.assertEqual(sorted(a), sorted(b), name)
-        for key in a:
-            self.assertTrue(torch.equal(a[key], b[key]), f"{name}: {key}")
-        return os.path.join(work, "checkpoints", "step-%08d" % (4 * epochs))
-
     def test_a_context_checkpoint_reshards_to_one_rank_and_back_to_context_ranks(self):
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "c2t2")
@@ -138,9 +127,9 @@ class ContextParallelCheckpoints(unittest.TestCase):
                  "--master_port", str(free_port()), "--workdir", src] + CHECKPOINTED + ["--n_epochs", "1"],
                 timeout=600)
             checkpoint = os.path.join(src, "checkpoints", "step-00000004")
-            checkpoint = self.resume_without_learning(["--world_size", "1"], checkpoint, tmp, "one", epochs=2)
-            self.resume_without_learning(["--world_size", "4", "--context_parallel_size", "2"], checkpoint, tmp,
-                                         "d2c2", epochs=3)
+            checkpoint = resume_without_learning(self, ["--world_size", "1"], checkpoint, tmp, "one", epochs=2)
+            resume_without_learning(self, ["--world_size", "4", "--context_parallel_size", "2"], checkpoint, tmp,
+                                    "d2c2", epochs=3)
 
     def test_a_killed_context_rank_ends_the_run_promptly_naming_it(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from after_adamw import gradient_problems, weight_problems  # noqa: E402
 from test_checkpoints import (DP, TINY as CHECKPOINTED, TORCHRUN, Watched, environ_of, free_port,  # noqa: E402
-                              run, saved_step_at_least, weights)
+                              resume_without_learning, run, saved_step_at_least, weights)
 from fault_injection import descendants  # noqa: E402  (scripts/, on the path test_checkpoints sets)
 
 NUMBER = r"(-?\d+(?:\.\d+)?)"
@@ -185,30 +185,17 @@ class Resharding(unittest.TestCase):
     """Checkpoints are unsplit state whatever the layout: each resumes under any other. With
     --learning_rate 0 the resumed run must end with exactly the checkpoint's weights."""
 
-    def resume_without_learning(self, layout, checkpoint, tmp, name, epochs):
-        """Resumes `checkpoint` (4 * (epochs - 1) steps in) under `layout` for one more epoch at lr 0;
-        returns the checkpoint that epoch ends with."""
-        torch = __import__("torch")
-        work = os.path.join(tmp, name)
-        proc = run([DP, "--master_port", str(free_port()), "--workdir", work, "--resume", checkpoint] + layout +
-                   CHECKPOINTED + ["--learning_rate", "0", "--n_epochs", str(epochs)], timeout=600)
-        self.assertIn("continuing from " + checkpoint, proc.stderr)
-        a, b = weights(checkpoint), weights(work)
-        for key in a:
-            self.assertTrue(torch.equal(a[key], b[key]), f"{name}: {key}")
-        return os.path.join(work, "checkpoints", "step-%08d" % (4 * epochs))
-
     def test_a_checkpoint_reshards_along_2_1_2_then_1_2_1_then_4_1_1_then_2_2_2(self):
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "src")
             run([DP, "--world_size", "4", "--pipeline_parallel_size", "2", "--master_port", str(free_port()),
                  "--workdir", src] + CHECKPOINTED + ["--n_epochs", "1"], timeout=600)
             checkpoint = os.path.join(src, "checkpoints", "step-00000004")
-            checkpoint = self.resume_without_learning(["--world_size", "2", "--tensor_parallel_size", "2"],
-                                                      checkpoint, tmp, "t2", epochs=2)
-            checkpoint = self.resume_without_learning(["--world_size", "4"], checkpoint, tmp, "d4", epochs=3)
-            self.resume_without_learning(["--world_size", "8", "--tensor_parallel_size", "2",
-                                          "--pipeline_parallel_size", "2"], checkpoint, tmp, "d2t2p2", epochs=4)
+            checkpoint = resume_without_learning(self, ["--world_size", "2", "--tensor_parallel_size", "2"],
+                                                 checkpoint, tmp, "t2", epochs=2)
+            checkpoint = resume_without_learning(self, ["--world_size", "4"], checkpoint, tmp, "d4", epochs=3)
+            resume_without_learning(self, ["--world_size", "8", "--tensor_parallel_size", "2",
+                                    "--pipeline_parallel_size", "2"], checkpoint, tmp, "d2t2p2", epochs=4)
 
     def test_a_stage_checkpoint_resumed_on_one_rank_continues_like_the_stages(self):
         with tempfile.TemporaryDirectory() as tmp:
