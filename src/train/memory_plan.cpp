@@ -237,9 +237,11 @@ int64_t gpt2_parameter_count(const model::GPT2Config& config) {
          config.n_layer * (attention_parameters(config, 1) + mlp_parameters(config, 1)) + 2 * config.n_embd;
 }
 
-MemoryPlan plan_memory(const MemoryPlanInput& in) {
-  const model::GPT2Config& c = in.config;
-  c.validate();
+namespace {
+
+// Throws std::invalid_argument naming what is out of range (the flag where there is one).
+void check_plan_input(const MemoryPlanInput& in) {
+  in.config.validate();
   auto at_least_one = [](int64_t value, const std::string& what) {
     if (value < 1) throw std::invalid_argument("memory plan: " + what + " must be at least 1, got " + std::to_string(value));
   };
@@ -254,30 +256,33 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
     throw std::invalid_argument("memory plan: --zero_stage " + std::to_string(in.zero_stage) + " is not 0, 1, 2 or 3");
   }
   if (in.zero_prefetch < 0) throw std::invalid_argument("memory plan: --zero_prefetch must be >= 0");
-  const int T = in.tensor_parallel_size;
-  if (T > 1) model::validate_tensor_parallel(c, T);
+  if (in.tensor_parallel_size > 1) model::validate_tensor_parallel(in.config, in.tensor_parallel_size);
+}
 
-  MemoryPlan plan;
-  plan.input = in;
-  plan.model_parameters = gpt2_parameter_count(c);
+// Every rank holds the whole model (its tensor-parallel slices): one kind.
+RankMemory whole_model_memory(const MemoryPlanInput& in) {
+  const model::GPT2Config& c = in.config;
+  const int T = in.tensor_parallel_size;
   const ActivationCosts cost = activation_costs(in);
   const int64_t block = attention_parameters(c, T) + mlp_parameters(c, T);
-  const int64_t largest_unit = std::max(block, embedding_parameters(c, T));
+  RankMemory r;
+  for (int rank = 0; rank < in.data_parallel_size * T; ++rank) r.ranks.push_back(rank);
+  r.who = rank_label(in, r.ranks);
+  r.holds = T > 1 ? "whole model, 1/" + std::to_string(T) + " of each split layer" : "whole model";
+  r.parameters = embedding_parameters(c, T) + c.n_layer * block + 2 * c.n_embd;
+  apply_zero(r, in, std::max(block, embedding_parameters(c, T)));
+  const int64_t per_token = cost.embeddings + c.n_layer * (cost.attention + cost.mlp) + cost.head;
+  r.activation_bytes = in.rows_per_replica * in.tokens * per_token;
+  return r;
+}
+
+// One kind per pipeline device: its stages' parameters and its peak along the schedule.
+std::vector<RankMemory> pipeline_memory(const MemoryPlanInput& in) {
+  const model::GPT2Config& c = in.config;
+  const int T = in.tensor_parallel_size;
+  const ActivationCosts cost = activation_costs(in);
+  const int64_t block = attention_parameters(c, T) + mlp_parameters(c, T);
   const int group = in.data_parallel_size * T;  // ranks of one pipeline device (run_data_parallel)
-
-  if (!in.pipeline) {
-    RankMemory r;
-    for (int rank = 0; rank < group; ++rank) r.ranks.push_back(rank);
-    r.who = rank_label(in, r.ranks);
-    r.holds = T > 1 ? "whole model, 1/" + std::to_string(T) + " of each split layer" : "whole model";
-    r.parameters = embedding_parameters(c, T) + c.n_layer * block + 2 * c.n_embd;
-    apply_zero(r, in, largest_unit);
-    const int64_t per_token = cost.embeddings + c.n_layer * (cost.attention + cost.mlp) + cost.head;
-    r.activation_bytes = in.rows_per_replica * in.tokens * per_token;
-    plan.kinds.push_back(r);
-    return plan;
-  }
-
   const int P = in.pipeline_devices, S = P * in.virtual_stages;
   const std::vector<int> halves = stage_halves(in, S);
   std::vector<int64_t> first_unit(1, 0);
@@ -295,6 +300,7 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   const pipeline::TrainingSchedule schedule = schedule_of(in);
   const std::vector<std::vector<bool>> checkpointed = pipeline::checkpoint_plan(schedule, in.checkpointing);
 
+  std::vector<RankMemory> kinds;
   for (int d = 0; d < P; ++d) {
     RankMemory r;
     if (in.device_names.empty()) {
@@ -336,7 +342,22 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
               units + extras;
     apply_zero(r, in, largest);
     r.activation_bytes = peak_activation_bytes(schedule, checkpointed, d, full, input);
-    plan.kinds.push_back(r);
+    kinds.push_back(r);
+  }
+  return kinds;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const MemoryPlanInput& in) {
+  check_plan_input(in);
+  MemoryPlan plan;
+  plan.input = in;
+  plan.model_parameters = gpt2_parameter_count(in.config);
+  if (in.pipeline) {
+    plan.kinds = pipeline_memory(in);
+  } else {
+    plan.kinds.push_back(whole_model_memory(in));
   }
   return plan;
 }
