@@ -14,8 +14,8 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from after_adamw import gradient_problems, weight_problems  # noqa: E402
-from test_checkpoints import DP, TINY as CHECKPOINTED, free_port, run, weights  # noqa: E402
-import test_pipeline_processes as processes  # noqa: E402
+from test_checkpoints import (DP, TINY as CHECKPOINTED, free_port, resume_without_learning, run,  # noqa: E402
+                              weights)
 from test_pipeline_processes import COMMON, LR, STEPS, train  # noqa: E402
 
 STAGES = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
@@ -71,8 +71,6 @@ class ShardedStageCheckpoints(unittest.TestCase):
     """A sharded stage checkpoint is the same unsplit state as any other: at learning rate 0 the
     resumed run ends with exactly the checkpoint's weights, and training on continues."""
 
-    resume_still = processes.Resharding.resume_without_learning
-
     def test_sharded_stages_reshard_to_one_rank_and_back(self):
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(tmp, "src")
@@ -80,8 +78,8 @@ class ShardedStageCheckpoints(unittest.TestCase):
             run([DP, "--master_port", str(free_port()), "--workdir", src] + sharded + CHECKPOINTED + ["--n_epochs", "1"],
                 timeout=600)
             checkpoint = os.path.join(src, "checkpoints", "step-00000004")
-            checkpoint = self.resume_still(["--world_size", "1"], checkpoint, tmp, "one", epochs=2)
-            self.resume_still(sharded, checkpoint, tmp, "back", epochs=3)
+            checkpoint = resume_without_learning(self, ["--world_size", "1"], checkpoint, tmp, "one", epochs=2)
+            resume_without_learning(self, sharded, checkpoint, tmp, "back", epochs=3)
 
     def test_a_sharded_stage_run_resumed_continues_like_the_run_left_alone(self):
         with tempfile.TemporaryDirectory() as tmp:
