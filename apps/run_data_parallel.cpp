@@ -4,7 +4,8 @@
 // --tensor_parallel_size T > 1 splits each model replica over T ranks (Megatron style): the world
 // is data-parallel size x T ranks, the data is partitioned over the data-parallel ranks only.
 // --context_parallel_size C > 1 splits each sequence of a replica's batch over C ranks (ring
-// attention on zigzag chunks).
+// attention on zigzag chunks). --sequence_parallel with T > 1 splits the sequence over the
+// tensor-parallel ranks between their split layers too (Megatron's sequence parallelism).
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -37,6 +38,7 @@ DataParallelFlags parse(int argc, char** argv) {
       ("tensor_parallel_size", "ranks that split each layer of a replica", cxxopts::value<int>()->default_value("1"), "T")
       ("pipeline_parallel_size", "pipeline stages, each its own processes", cxxopts::value<int>()->default_value("1"), "P")
       ("context_parallel_size", "ranks that split each sequence (ring attention)", cxxopts::value<int>()->default_value("1"), "C")
+      ("sequence_parallel", "with T > 1: LayerNorm and dropout on 1/T of each sequence")
       ("backend", "auto | gloo | nccl; auto: nccl on GPUs, gloo on CPUs", cxxopts::value<std::string>()->default_value("auto"), "NAME")
       ("device", "auto | cpu | cuda; auto: GPU local_rank if there is one", cxxopts::value<std::string>()->default_value("auto"), "KIND")
       ("master_addr", "rendezvous host (default: $MASTER_ADDR, else localhost)", cxxopts::value<std::string>()->default_value(""), "HOST")
@@ -88,6 +90,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.zero_prefetch = result["zero_prefetch"].as<int>();
     c.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
     c.context_parallel_size = result["context_parallel_size"].as<int>();
+    c.sequence_parallel = result.count("sequence_parallel") > 0;
     c.pipe = read_pipeline_flags(result);
     c.run.memory_plan = result.count("memory_plan") > 0;
     if (c.dist_timeout_s < 1) {

@@ -83,6 +83,23 @@ class ContextSum : public torch::autograd::Function<ContextSum> {
   }
 };
 
+// LayerNorm on x; `split_over` set (sequence parallelism), x is one rank's part of the sequence,
+// so the weight's and bias's gradients are partial: copy_to_region sums them over the group.
+torch::Tensor layer_norm(torch::nn::LayerNorm& ln, const torch::Tensor& x, TensorParallelGroup* split_over) {
+  if (split_over == nullptr) return ln(x);
+  return torch::layer_norm(x, ln->options.normalized_shape(), split_over->copy_to_region(ln->weight),
+                           split_over->copy_to_region(ln->bias), ln->options.eps());
+}
+
+// Dropout on x; `split_over` set, x is one rank's part of the sequence, and its mask comes from
+// the rank's own stream (the parts are different tokens), the default generator left in step.
+torch::Tensor split_dropout(const torch::Tensor& x, torch::nn::Dropout& module, TensorParallelGroup* split_over) {
+  if (split_over == nullptr || !module->is_training() || module->options.p() == 0.0) return model::dropout(x, module);
+  return split_over->run_in_rank_stream(x.device(), [&] { return model::dropout(x, module); });
+}
+
+constexpr int64_t kSequenceDim = 1;  // hidden states are [B, T, C]
+
 }  // namespace
 
 // ----- Conv1D -------------------------------------------------------------------------------
@@ -118,7 +135,8 @@ ShardSpec Conv1DImpl::bias_spec() const {
   return style_ == ParallelStyle::kColumn ? weight_spec() : ShardSpec{};
 }
 
-torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
+torch::Tensor Conv1DImpl::forward(const torch::Tensor& x, bool sequence_split) {
+  sequence_split = sequence_split && style_ != ParallelStyle::kReplicated;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = weight.size(1);
   if (style_ == ParallelStyle::kRow) {
@@ -129,9 +147,17 @@ torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
                                   " / " + std::to_string(tp_->size()) + " ranks)");
     }
     const torch::Tensor partial = torch::mm(x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+    if (sequence_split) {  // the bias on this rank's part alone: its gradient summed over the group
+      return tp_->reduce_scatter_sequence(partial, kSequenceDim) + tp_->copy_to_region(bias);
+    }
     return tp_->reduce_from_region(partial) + bias;  // the bias once, after the sum
   }
-  const torch::Tensor in = style_ == ParallelStyle::kColumn ? tp_->copy_to_region(x) : x;
+  if (style_ == ParallelStyle::kReplicated) {
+    return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+  }
+  const torch::Tensor in = sequence_split ? tp_->gather_sequence(x, kSequenceDim) : tp_->copy_to_region(x);
+  out_sizes = in.sizes().vec();
+  out_sizes.back() = weight.size(1);
   return torch::addmm(bias, in.reshape({-1, in.size(-1)}), weight).view(out_sizes);
 }
 
@@ -153,10 +179,12 @@ GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& config, std::shared_ptr<T
   resid_dropout = register_module("resid_dropout", torch::nn::Dropout(config.resid_pdrop));
 }
 
-torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* cache) {
-  const int64_t B = x.size(0), T = x.size(1);
+torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* cache, bool sequence_split) {
+  sequence_split = sequence_split && tp_ && cache == nullptr;
   const int64_t C = n_head_ * head_dim_;  // this rank's heads (all of them without a group)
-  auto qkv = c_attn(x).split(C, /*dim=*/2);
+  const torch::Tensor fused = c_attn->forward(x, sequence_split);  // the whole sequence
+  const int64_t B = fused.size(0), T = fused.size(1);
+  auto qkv = fused.split(C, /*dim=*/2);
   auto heads = [&](const torch::Tensor& t) {  // [B, T, C] -> [B, n_head, T, head_dim]
     return t.view({B, T, n_head_, head_dim_}).transpose(1, 2);
   };
@@ -197,23 +225,25 @@ torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* c
   // from the rank's own stream, leaving the default generator in step with the other ranks.
   auto y = tp_ && dropout_p > 0.0 ? tp_->run_in_rank_stream(x.device(), attend) : attend();
   y = y.transpose(1, 2).reshape({B, T, C});
-  return model::dropout(c_proj(y), resid_dropout);
+  return split_dropout(c_proj->forward(y, sequence_split), resid_dropout, sequence_split ? tp_.get() : nullptr);
 }
 
 // ----- MLP and block ------------------------------------------------------------------------
 
-GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) {
+GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) : tp_(tp) {
   c_fc = register_module("c_fc", Conv1D(config.n_embd, config.inner_dim(), ParallelStyle::kColumn, tp));
   c_proj = register_module("c_proj", Conv1D(config.inner_dim(), config.n_embd, ParallelStyle::kRow, tp));
   dropout = register_module("dropout", torch::nn::Dropout(config.resid_pdrop));
 }
 
-torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x) {
+torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x, bool sequence_split) {
+  sequence_split = sequence_split && tp_;
   // Hugging Face's "gelu_new" is the tanh approximation.
-  return model::dropout(c_proj(gelu_tanh(c_fc(x))), dropout);
+  const torch::Tensor inner = gelu_tanh(c_fc->forward(x, sequence_split));
+  return split_dropout(c_proj->forward(inner, sequence_split), dropout, sequence_split ? tp_.get() : nullptr);
 }
 
-GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) {
+GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) : tp_(tp) {
   ln_1 = register_module("ln_1", make_layer_norm(config));
   attn = register_module("attn", GPT2Attention(config, tp));
   ln_2 = register_module("ln_2", make_layer_norm(config));
@@ -222,11 +252,15 @@ GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorPar
 
 torch::Tensor GPT2BlockImpl::forward(const torch::Tensor& x) { return forward_mlp(forward_attention(x)); }
 
-torch::Tensor GPT2BlockImpl::forward_attention(const torch::Tensor& x) { return x + attn(ln_1(x)); }
+torch::Tensor GPT2BlockImpl::forward_attention(const torch::Tensor& x, bool sequence_split) {
+  TensorParallelGroup* split_over = sequence_split ? tp_.get() : nullptr;
+  return x + attn->forward(layer_norm(ln_1, x, split_over), nullptr, split_over != nullptr);
+}
 
-torch::Tensor GPT2BlockImpl::forward_mlp(const torch::Tensor& h) {
+torch::Tensor GPT2BlockImpl::forward_mlp(const torch::Tensor& h, bool sequence_split) {
+  TensorParallelGroup* split_over = sequence_split ? tp_.get() : nullptr;
   const torch::Tensor here = h.to(ln_2->weight.device());  // the halves may sit on two devices
-  return here + mlp(ln_2(here));
+  return here + mlp->forward(layer_norm(ln_2, here, split_over), split_over != nullptr);
 }
 
 torch::Tensor GPT2BlockImpl::forward_cached(const torch::Tensor& x, LayerKVCache& cache) {
@@ -315,11 +349,21 @@ void GPT2LMHeadModelImpl::set_context_parallel(std::shared_ptr<ContextParallelGr
   for (size_t i = 0; i < transformer->h->size(); ++i) transformer->h->ptr<GPT2BlockImpl>(i)->attn->set_context_parallel(cp_);
 }
 
-torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t past_length) {
-  return embed_at(input_ids, past_length, cp_ && past_length == 0);
+void GPT2LMHeadModelImpl::set_sequence_parallel(bool on) {
+  if (on && (!tp_ || tp_->size() < 2)) {
+    throw std::invalid_argument("--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
+                                "--tensor_parallel_size of 2 or more (this model is split over " +
+                                std::to_string(tp_ ? tp_->size() : 1) + ")");
+  }
+  sp_ = on;
 }
 
-torch::Tensor GPT2LMHeadModelImpl::embed_at(const torch::Tensor& input_ids, int64_t past_length, bool context_shard) {
+torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t past_length) {
+  return embed_at(input_ids, past_length, cp_ && past_length == 0, sp_ && past_length == 0);
+}
+
+torch::Tensor GPT2LMHeadModelImpl::embed_at(const torch::Tensor& input_ids, int64_t past_length, bool context_shard,
+                                            bool sequence_split) {
   if (input_ids.dim() != 2) {
     throw std::invalid_argument("GPT2LMHeadModel: input_ids must be [B, T], got shape " +
                                 shape_str(input_ids.sizes()));
@@ -350,15 +394,30 @@ torch::Tensor GPT2LMHeadModelImpl::embed_at(const torch::Tensor& input_ids, int6
                                   std::to_string(config_.vocab_size) + ")");
     }
   }
-  const torch::Tensor positions =
+  torch::Tensor positions =
       (context_shard ? torch::tensor(zigzag_positions(T * cp_->size(), cp_->size(), cp_->rank()), torch::kLong)
                            .to(ids.device())
                      : torch::arange(past_length, past_length + T,
                                      torch::TensorOptions().dtype(torch::kLong).device(ids.device())))
           .unsqueeze(0);
-  const torch::Tensor tokens =
-      tp_ ? vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_) : wte(ids);
-  return model::dropout(tokens + transformer->wpe(positions.to(transformer->wpe->weight.device())), transformer->drop);
+  auto& wpe = transformer->wpe;
+  if (!sequence_split) {
+    const torch::Tensor tokens = tp_ ? vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_) : wte(ids);
+    return model::dropout(tokens + wpe(positions.to(wpe->weight.device())), transformer->drop);
+  }
+  // Sequence parallel: the vocabulary slices' rows reduce-scattered along the sequence, each rank
+  // adding its part's positions (wpe's gradient, partial, summed over the group).
+  const int tp_size = tp_->size();
+  if (T % tp_size != 0) {
+    throw std::invalid_argument("--sequence_parallel: a sequence of " + std::to_string(T) + " positions" +
+                                (cp_ ? " (this context rank's shard)" : std::string()) +
+                                " is not divisible over --tensor_parallel_size " + std::to_string(tp_size));
+  }
+  const torch::Tensor tokens = vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_, kSequenceDim);
+  const int64_t part = T / tp_size;
+  positions = positions.narrow(1, tp_->rank() * part, part).to(wpe->weight.device());
+  const torch::Tensor placed = torch::embedding(tp_->copy_to_region(wpe->weight), positions);
+  return split_dropout(tokens + placed, transformer->drop, tp_.get());
 }
 
 torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t first_unit, int64_t end_unit,
@@ -369,24 +428,32 @@ torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t f
                                 std::to_string(n_units()) + ")");
   }
   if (cache != nullptr && cache->layers.empty()) cache->layers.resize(transformer->h->size());
+  const bool sequence_split = sp_ && cache == nullptr;
   for (int64_t unit = first_unit; unit < end_unit; ++unit) {
     auto block = transformer->h->ptr<GPT2BlockImpl>(static_cast<size_t>(unit / 2));
     if (unit % 2 == 1) {
-      hidden = block->forward_mlp(hidden);
+      hidden = block->forward_mlp(hidden, sequence_split);
       continue;
     }
     hidden = hidden.to(block->ln_1->weight.device());
-    hidden = cache == nullptr ? block->forward_attention(hidden)
+    hidden = cache == nullptr ? block->forward_attention(hidden, sequence_split)
                               : hidden + block->attn->forward(block->ln_1(hidden), &cache->layers[unit / 2]);
   }
   return hidden;
 }
 
-torch::Tensor GPT2LMHeadModelImpl::head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight) {
+torch::Tensor GPT2LMHeadModelImpl::head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight,
+                                              bool sequence_split) {
   auto& ln_f = transformer->ln_f;
-  torch::Tensor normed = ln_f(hidden.to(ln_f->weight.device())).to(head_weight.device());
-  // Split, the head is column-parallel over the vocabulary: its input's gradient is summed.
-  if (tp_) normed = tp_->copy_to_region(normed);
+  TensorParallelGroup* split_over = sequence_split ? tp_.get() : nullptr;
+  torch::Tensor normed = layer_norm(ln_f, hidden.to(ln_f->weight.device()), split_over).to(head_weight.device());
+  // Split, the head is column-parallel over the vocabulary: its input's gradient is summed (and
+  // with sequence parallelism its input is first gathered whole).
+  if (split_over != nullptr) {
+    normed = tp_->gather_sequence(normed, kSequenceDim);
+  } else if (tp_) {
+    normed = tp_->copy_to_region(normed);
+  }
   return vocabulary_logits(normed, head_weight);
 }
 
@@ -398,7 +465,8 @@ torch::Tensor GPT2LMHeadModelImpl::head_logits(const torch::Tensor& hidden, cons
 torch::Tensor GPT2LMHeadModelImpl::head_loss(const torch::Tensor& hidden, const torch::Tensor& labels,
                                              const torch::Tensor& weights, const torch::Tensor& weight_sum,
                                              const torch::Tensor& head_weight) {
-  const torch::Tensor logits = head_slice(hidden, head_weight.defined() ? head_weight : transformer->wte->weight);
+  const torch::Tensor logits =
+      head_slice(hidden, head_weight.defined() ? head_weight : transformer->wte->weight, sp_);
   const torch::Tensor on_labels = labels.to(logits.device()), on_weights = weights.to(logits.device());
   if (cp_) {
     // The divisor is the whole sequences' label weight: given, or every rank's part of it summed.
@@ -438,15 +506,25 @@ int64_t GPT2LMHeadModelImpl::head_next_token(const torch::Tensor& hidden, int64_
 
 torch::Tensor GPT2LMHeadModelImpl::loss(const torch::Tensor& input_ids, const torch::Tensor& labels,
                                         const torch::Tensor& weights, const torch::Tensor& weight_sum) {
+  check_no_executor_with_sequence_parallel();
   auto hidden = embed(input_ids, 0);
   hidden = blocks_executor_ ? blocks_executor_(hidden) : forward_units(hidden, 0, n_units());
   return head_loss(hidden, labels, weights, weight_sum);
 }
 
 torch::Tensor GPT2LMHeadModelImpl::forward(const torch::Tensor& input_ids) {
+  check_no_executor_with_sequence_parallel();
   auto hidden = embed(input_ids, 0);
   hidden = blocks_executor_ ? blocks_executor_(hidden) : forward_units(hidden, 0, n_units());
-  return head_logits(hidden, transformer->wte->weight);
+  const torch::Tensor logits = head_slice(hidden, transformer->wte->weight, sp_);
+  return tp_ ? vocab_parallel_gather(logits, config_.vocab_size, *tp_) : logits;
+}
+
+void GPT2LMHeadModelImpl::check_no_executor_with_sequence_parallel() const {
+  if (sp_ && blocks_executor_) {
+    throw std::invalid_argument("--sequence_parallel: the blocks run through an installed executor (a pipeline), "
+                                "which passes whole sequences");
+  }
 }
 
 torch::Tensor GPT2LMHeadModelImpl::hidden_cached(const torch::Tensor& input_ids, KVCache& cache) {
@@ -457,7 +535,7 @@ torch::Tensor GPT2LMHeadModelImpl::hidden_cached(const torch::Tensor& input_ids,
                                 std::to_string(cache.layers.size()) + " layers, the model " +
                                 std::to_string(n_layer));
   }
-  auto hidden = embed_at(input_ids, cache.length(), /*context_shard=*/false);
+  auto hidden = embed_at(input_ids, cache.length(), /*context_shard=*/false, /*sequence_split=*/false);
   for (size_t i = 0; i < n_layer; ++i) {
     auto block = transformer->h->ptr<GPT2BlockImpl>(i);
     hidden = block->forward_cached(hidden.to(block->ln_1->weight.device()), cache.layers[i]);

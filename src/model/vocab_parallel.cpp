@@ -144,7 +144,7 @@ class VocabParallelGather : public torch::autograd::Function<VocabParallelGather
 }  // namespace
 
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight_slice, int64_t vocab_size,
-                                    TensorParallelGroup& group) {
+                                    TensorParallelGroup& group, int64_t sequence_dim) {
   const VocabularyRange range = vocabulary_range(vocab_size, group.rank(), group.size());
   if (weight_slice.dim() != 2 || weight_slice.size(0) != range.size()) {
     throw std::invalid_argument("vocab_parallel_embedding: weight slice must be [" + std::to_string(range.size()) +
@@ -155,7 +155,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
   const at::Tensor elsewhere = ids.lt(range.start).logical_or_(ids.ge(range.end));
   const at::Tensor local_ids = (ids - range.start).masked_fill_(elsewhere, 0);
   const at::Tensor rows = torch::embedding(weight_slice, local_ids).masked_fill(elsewhere.unsqueeze(-1), 0.0);
-  return group.reduce_from_region(rows);
+  return sequence_dim >= 0 ? group.reduce_scatter_sequence(rows, sequence_dim) : group.reduce_from_region(rows);
 }
 
 at::Tensor vocab_parallel_gather(const at::Tensor& logits_slice, int64_t vocab_size, TensorParallelGroup& group) {

@@ -44,6 +44,88 @@ std::vector<at::Tensor> gather_parts(const at::Tensor& x, const Group& group) {
   return output[0];
 }
 
+// x [..., n, ...] (n at `dim`) as its T parts stacked in front, [T, ..., n / T, ...], contiguous:
+// what the flat collectives split and join.
+at::Tensor parts_in_front(const at::Tensor& x, int64_t dim, int parts) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes[static_cast<size_t>(dim)] /= parts;
+  sizes.insert(sizes.begin() + dim, parts);
+  return x.reshape(sizes).movedim(dim, 0).contiguous();
+}
+
+// The inverse: [T, ..., m, ...] -> [..., T * m, ...].
+at::Tensor parts_joined(const at::Tensor& stacked, int64_t dim) {
+  const at::Tensor moved = stacked.movedim(0, dim);
+  std::vector<int64_t> sizes = moved.sizes().vec();
+  sizes[static_cast<size_t>(dim)] *= sizes[static_cast<size_t>(dim) + 1];
+  sizes.erase(sizes.begin() + dim + 1);
+  return moved.reshape(sizes);
+}
+
+at::Tensor gather_along(const at::Tensor& x, int64_t dim, const Group& group) {
+  const int size = group->getSize();
+  if (size == 1) return x.clone();
+  // The flat collectives join and split along the first dimension: [T * n0, ...].
+  at::Tensor mine = x.contiguous().unsqueeze(0);
+  std::vector<int64_t> sizes = mine.sizes().vec();
+  sizes[0] = size;
+  at::Tensor all = at::empty(sizes, mine.options());
+  group->_allgather_base(all, mine)->wait();
+  return parts_joined(all, dim);
+}
+
+at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const Group& group) {
+  const int size = group->getSize();
+  if (x.size(dim) % size != 0) {
+    throw std::invalid_argument("reduce_scatter_sequence: dimension " + std::to_string(dim) + " of length " +
+                                std::to_string(x.size(dim)) + " is not divisible over " + std::to_string(size) +
+                                " tensor-parallel ranks");
+  }
+  if (size == 1) return x.clone();
+  at::Tensor stacked = parts_in_front(x, dim, size);
+  std::vector<int64_t> part_sizes = stacked.sizes().vec();
+  part_sizes[0] = 1;  // [T, ...] in, this rank's [1, ...] out
+  at::Tensor mine = at::empty(part_sizes, stacked.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  group->_reduce_scatter_base(mine, stacked, opts)->wait();
+  return mine.squeeze(0);
+}
+
+constexpr const char* kDim = "dim";
+
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, Group group) {
+    save_group(ctx, group);
+    ctx->saved_data[kDim] = dim;
+    return gather_along(x, dim, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {reduce_scatter_along(grads[0], ctx->saved_data[kDim].toInt(), saved_group(ctx)), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, Group group) {
+    save_group(ctx, group);
+    ctx->saved_data[kDim] = dim;
+    return reduce_scatter_along(x, dim, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gather_along(grads[0], ctx->saved_data[kDim].toInt(), saved_group(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+int64_t checked_dim(const at::Tensor& x, int64_t dim, const char* what) {
+  const int64_t dims = x.dim();
+  if (dim < -dims || dim >= dims) {
+    throw std::invalid_argument(std::string(what) + ": dimension " + std::to_string(dim) + " is outside a tensor of " +
+                                std::to_string(dims) + " dimensions");
+  }
+  return dim < 0 ? dim + dims : dim;
+}
+
 struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Group group) {
     save_group(ctx, group);
@@ -78,6 +160,15 @@ at::Tensor copy_to_tp_region(const at::Tensor& x, const dp::DistContext& tp) {
 
 at::Tensor reduce_from_tp_region(const at::Tensor& x, const dp::DistContext& tp) {
   return ReduceFromRegion::apply(x, checked(tp, "reduce_from_tp_region"));
+}
+
+at::Tensor gather_sequence(const at::Tensor& x, int64_t dim, const dp::DistContext& tp) {
+  return GatherSequence::apply(x, checked_dim(x, dim, "gather_sequence"), checked(tp, "gather_sequence"));
+}
+
+at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim, const dp::DistContext& tp) {
+  return ReduceScatterSequence::apply(x, checked_dim(x, dim, "reduce_scatter_sequence"),
+                                      checked(tp, "reduce_scatter_sequence"));
 }
 
 std::vector<at::Tensor> all_gather(const at::Tensor& x, const dp::DistContext& tp) {

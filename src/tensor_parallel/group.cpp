@@ -18,6 +18,12 @@ class ProcessGroupTensorParallel : public model::TensorParallelGroup {
   at::Tensor copy_to_region(const at::Tensor& x) override { return copy_to_tp_region(x, tp_); }
   at::Tensor reduce_from_region(const at::Tensor& x) override { return reduce_from_tp_region(x, tp_); }
   std::vector<at::Tensor> all_gather(const at::Tensor& x) override { return tensor_parallel::all_gather(x, tp_); }
+  at::Tensor gather_sequence(const at::Tensor& x, int64_t dim) override {
+    return tensor_parallel::gather_sequence(x, dim, tp_);
+  }
+  at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim) override {
+    return tensor_parallel::reduce_scatter_sequence(x, dim, tp_);
+  }
   at::Tensor all_reduce(const at::Tensor& x, ReduceOp op) override {
     std::vector<at::Tensor> buffers{x.detach().contiguous().clone()};
     if (tp_.world_size > 1) {

@@ -108,12 +108,18 @@ StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& lay
     throw std::invalid_argument("compose_step: pipeline stages do not run ring attention (context-parallel size " +
                                 std::to_string(C) + ")");
   }
+  // Sequence parallelism: between its split layers the model holds 1/T of each sequence.
+  const int sequence_split = layout.sequence_parallel() ? layout.tensor_parallel_size() : 1;
+  if (sequence_split > 1) model->set_sequence_parallel(true);
   // Context parallelism: every rank of a context group holds the whole replica (its
   // tensor-parallel slices) and runs its zigzag shard of each sequence, attention passing keys
   // and values round the group.
   if (C > 1) model->set_context_parallel(context_parallel::make_context_parallel_group(groups.context));
   StepParts parts = pipelined ? cut_pipeline(model, layout, groups, settings) : whole_model_step(model, groups, settings);
-  if (C > 1) parts.forward_backward = context_parallel(std::move(parts.forward_backward), C, groups.context.rank);
+  if (C > 1 || sequence_split > 1) {  // the batch's sequences padded to what the splits divide, and sharded
+    parts.forward_backward =
+        context_parallel(std::move(parts.forward_backward), C, groups.context.rank, sequence_split);
+  }
   if (parts.sync && settings.data_parallel.reduce_dtype != at::kFloat) {
     parts.sync->set_reduce_dtype(settings.data_parallel.reduce_dtype);
   }

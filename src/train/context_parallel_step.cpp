@@ -19,12 +19,26 @@ int64_t context_parallel_length(int64_t sequence_length, int context_parallel_si
   return (sequence_length + chunks - 1) / chunks * chunks;
 }
 
-data::Batch context_shard(const data::Batch& batch, int context_parallel_size, int rank) {
+int64_t split_sequence_length(int64_t sequence_length, int context_parallel_size, int sequence_parallel_size) {
+  if (sequence_parallel_size < 1) {
+    throw std::invalid_argument("sequence parallelism over " + std::to_string(sequence_parallel_size) +
+                                " ranks: expected at least 1");
+  }
+  // 2C zigzag chunks (context_parallel_length throws, naming the flag, for C < 1).
+  const int64_t unit = context_parallel_size == 1 ? 1 : context_parallel_length(1, context_parallel_size);
+  const int64_t chunks = unit * sequence_parallel_size;
+  return (sequence_length + chunks - 1) / chunks * chunks;
+}
+
+data::Batch context_shard(const data::Batch& batch, int context_parallel_size, int rank, int sequence_parallel_size) {
   const int64_t length = batch.input_ids.size(1);
-  const int64_t padding = context_parallel_length(length, context_parallel_size) - length;
+  const int64_t padding =
+      (sequence_parallel_size > 1 ? split_sequence_length(length, context_parallel_size, sequence_parallel_size)
+                                  : context_parallel_length(length, context_parallel_size)) -
+      length;
   auto shard = [&](const at::Tensor& x) {
     const at::Tensor padded = padding == 0 ? x : torch::constant_pad_nd(x, {0, padding}, 0);
-    return model::zigzag_shard(padded, /*dim=*/1, context_parallel_size, rank);
+    return context_parallel_size == 1 ? padded : model::zigzag_shard(padded, /*dim=*/1, context_parallel_size, rank);
   };
   data::Batch out;
   out.input_ids = shard(batch.input_ids);
@@ -38,8 +52,9 @@ namespace {
 
 class ContextParallelForwardBackward final : public ForwardBackward {
  public:
-  ContextParallelForwardBackward(std::unique_ptr<ForwardBackward> inner, int context_parallel_size, int rank)
-      : inner_(std::move(inner)), size_(context_parallel_size), rank_(rank) {
+  ContextParallelForwardBackward(std::unique_ptr<ForwardBackward> inner, int context_parallel_size, int rank,
+                                 int sequence_parallel_size)
+      : inner_(std::move(inner)), size_(context_parallel_size), rank_(rank), sequence_(sequence_parallel_size) {
     if (!inner_) throw std::invalid_argument("context_parallel: no forward-backward given");
   }
 
@@ -53,7 +68,7 @@ class ContextParallelForwardBackward final : public ForwardBackward {
         throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
       }
     }
-    const at::Tensor loss = inner_->run(context_shard(batch, size_, rank_), whole / size_, k, precision);
+    const at::Tensor loss = inner_->run(context_shard(batch, size_, rank_, sequence_), whole / size_, k, precision);
     return loss.defined() ? loss / size_ : loss;
   }
   void finish_gradients() override { inner_->finish_gradients(); }
@@ -75,13 +90,15 @@ class ContextParallelForwardBackward final : public ForwardBackward {
   std::unique_ptr<ForwardBackward> inner_;
   int size_;
   int rank_;
+  int sequence_;
 };
 
 }  // namespace
 
 std::unique_ptr<ForwardBackward> context_parallel(std::unique_ptr<ForwardBackward> inner, int context_parallel_size,
-                                                  int rank) {
-  return std::make_unique<ContextParallelForwardBackward>(std::move(inner), context_parallel_size, rank);
+                                                  int rank, int sequence_parallel_size) {
+  return std::make_unique<ContextParallelForwardBackward>(std::move(inner), context_parallel_size, rank,
+                                                          sequence_parallel_size);
 }
 
 }  // namespace harness::train

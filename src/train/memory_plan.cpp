@@ -64,13 +64,15 @@ ActivationCosts activation_costs(const MemoryPlanInput& in) {
   const int64_t C = c.n_embd, I = c.inner_dim(), V = c.vocab_size, T = in.tensor_parallel_size;
   const int64_t b = in.bf16 ? 2 : 4;
   const int64_t heads = c.n_head / T;
-  const int64_t residual_mask = c.resid_pdrop > 0.0 ? C : 0;
+  // Sequence parallelism: what lies between the split layers, 1/T of it on each rank.
+  const int64_t S = in.sequence_parallel ? T : 1;
+  const int64_t residual_mask = c.resid_pdrop > 0.0 ? C / S : 0;
   ActivationCosts a;
-  a.attention = 4 * C + b * C + b * 3 * C / T + b * C / T + residual_mask +
+  a.attention = 4 * C / S + b * C + b * 3 * C / T + b * C / T + residual_mask +
                 (c.attn_pdrop > 0.0 ? (2 * b + 1) * heads * in.tokens : 4 * heads);
-  a.mlp = 4 * C + b * C + 2 * b * I / T + residual_mask;
-  a.embeddings = 4 * C + (c.embd_pdrop > 0.0 ? C : 0);
-  a.head = 4 * C + b * C + 8 * model::vocabulary_range(V, 0, static_cast<int>(T)).size();
+  a.mlp = 4 * C / S + b * C + 2 * b * I / T + residual_mask;
+  a.embeddings = (4 * C + (c.embd_pdrop > 0.0 ? C : 0)) / S;
+  a.head = 4 * C / S + b * C + 8 * model::vocabulary_range(V, 0, static_cast<int>(T)).size();
   a.stage_input = 4 * C;
   return a;
 }
@@ -268,7 +270,9 @@ RankMemory whole_model_memory(const MemoryPlanInput& in) {
   RankMemory r;
   for (int rank = 0; rank < in.data_parallel_size * T; ++rank) r.ranks.push_back(rank);
   r.who = rank_label(in, r.ranks);
-  r.holds = T > 1 ? "whole model, 1/" + std::to_string(T) + " of each split layer" : "whole model";
+  r.holds = T > 1 ? "whole model, 1/" + std::to_string(T) + " of each split layer" +
+                        (in.sequence_parallel ? " and of each sequence between them" : "")
+                  : "whole model";
   r.parameters = embedding_parameters(c, T) + c.n_layer * block + 2 * c.n_embd;
   apply_zero(r, in, std::max(block, embedding_parameters(c, T)));
   const int64_t per_token = cost.embeddings + c.n_layer * (cost.attention + cost.mlp) + cost.head;
@@ -386,7 +390,8 @@ MemoryPlanInput memory_plan_input(const DataParallelConfig& flags, const model::
   }
   in.context_parallel_size = C;
   in.rows_per_replica = data_parallel::per_device_batch_size(f.batch_size, in.data_parallel_size / C);
-  in.tokens = context_parallel_length(f.model_max_length, C) / C;
+  in.sequence_parallel = flags.sequence_parallel;
+  in.tokens = split_sequence_length(f.model_max_length, C, flags.sequence_parallel ? flags.tensor_parallel_size : 1) / C;
   in.bf16 = f.precision == model::Precision::kBf16;
   in.zero_stage = flags.zero_stage;
   in.zero_prefetch = flags.zero_prefetch;
@@ -641,6 +646,7 @@ int print_memory_plan(const DataParallelConfig& flags) {
   std::cout << format_memory_plan(plan, available_memory(devices)) << std::flush;
   try {
     sizes.zero_stage = flags.zero_stage;
+    sizes.sequence_parallel = flags.sequence_parallel;
     (void)parallel::Layout::create(flags.world_size, sizes);
   } catch (const std::invalid_argument& e) {
     std::cout << "note: planned as asked, but this build cannot run it: " << e.what() << std::endl;

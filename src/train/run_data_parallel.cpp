@@ -84,6 +84,7 @@ parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   sizes.context = flags.context_parallel_size;
   sizes.pipeline = flags.pipeline_parallel_size;
   sizes.zero_stage = flags.zero_stage;
+  sizes.sequence_parallel = flags.sequence_parallel;
   const parallel::Layout layout = parallel::Layout::create(world_size, sizes);
   if (layout.context_parallel_size() > 1 && layout.pipeline_parallel_size() > 1) {
     throw std::invalid_argument("--context_parallel_size " + std::to_string(layout.context_parallel_size()) +
@@ -94,18 +95,22 @@ parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   return layout;
 }
 
-// With C > 1 each sequence is padded to a multiple of 2C positions, which must still fit the
-// model's position table.
+// With C > 1 each sequence is padded to a multiple of 2C positions (of 2C * T, or of T when
+// C = 1, with --sequence_parallel), which must still fit the model's position table.
 void check_context_parallel_length(const DataParallelConfig& flags, const model::GPT2Config& config) {
   const int C = flags.context_parallel_size;
-  if (C <= 1) return;
-  const int64_t padded = context_parallel_length(flags.run.model_max_length, C);
+  const int T = flags.sequence_parallel ? flags.tensor_parallel_size : 1;
+  if (C <= 1 && T <= 1) return;
+  const int64_t padded = split_sequence_length(flags.run.model_max_length, C, T);
   if (padded > config.n_positions) {
-    throw std::invalid_argument("--context_parallel_size " + std::to_string(C) + " pads --model_max_length " +
-                                std::to_string(flags.run.model_max_length) + " to " + std::to_string(padded) +
-                                " positions (a multiple of 2C = " + std::to_string(2 * C) +
+    const int64_t unit = split_sequence_length(1, C, T);
+    const std::string flags_text = std::string(C > 1 ? "--context_parallel_size " + std::to_string(C) : "") +
+                                   (C > 1 && T > 1 ? " with " : "") +
+                                   (T > 1 ? "--sequence_parallel over --tensor_parallel_size " + std::to_string(T) : "");
+    throw std::invalid_argument(flags_text + " pads --model_max_length " + std::to_string(flags.run.model_max_length) +
+                                " to " + std::to_string(padded) + " positions (a multiple of " + std::to_string(unit) +
                                 "), more than the model's n_positions " + std::to_string(config.n_positions) +
-                                ": lower --model_max_length to a multiple of " + std::to_string(2 * C));
+                                ": lower --model_max_length to a multiple of " + std::to_string(unit));
   }
 }
 
@@ -298,6 +303,7 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "");
   if (T > 1) std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
+  if (layout.sequence_parallel()) std::cerr << " sequence_parallel=true";
   if (const int C = layout.context_parallel_size(); C > 1) {
     const int64_t length = context_parallel_length(f.model_max_length, C);
     std::cerr << " context_parallel_size=" << C << (T > 1 ? "" : " data_parallel_size=" + std::to_string(dp_size))

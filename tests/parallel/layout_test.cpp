@@ -2,6 +2,8 @@
 // of each kind, who reports, the table printed at start, and the refusals with their values.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -182,6 +184,32 @@ void expect_refused(int world, int t, int p, int zero, const std::string& messag
     ADD_FAILURE() << "expected an error containing: " << message;
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+// --sequence_parallel splits what the tensor group holds; it needs one, and whole sequences
+// between pipeline stages.
+TEST(Layout, SequenceParallelNeedsTensorRanksAndNoStages) {
+  LayoutSizes with = sizes(2, 1, 0, 2);
+  with.sequence_parallel = true;
+  const Layout l = Layout::create(8, with);
+  EXPECT_TRUE(l.sequence_parallel());
+  EXPECT_EQ(l.data_parallel_size(), 2);
+  EXPECT_EQ(l.tensor_parallel_group(5), (std::vector<int>{4, 5}));  // the rank order is unchanged
+  EXPECT_FALSE(Layout::create(8, sizes(2, 1, 0, 2)).sequence_parallel());
+  for (const auto& [tensor, pipeline, message] :
+       std::vector<std::tuple<int, int, std::string>>{
+           {1, 1, "--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
+                  "--tensor_parallel_size 2 or more, not 1"},
+           {2, 2, "--sequence_parallel does not combine with --pipeline_parallel_size 2"}}) {
+    LayoutSizes bad = sizes(tensor, pipeline, 0);
+    bad.sequence_parallel = true;
+    try {
+      (void)Layout::create(4, bad);
+      ADD_FAILURE() << "expected an error containing: " << message;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
   }
 }
 

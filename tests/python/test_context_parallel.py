@@ -1,9 +1,10 @@
 """run_data_parallel --context_parallel_size C: each sequence of a replica's batch split over C
 ranks (zigzag chunks, ring attention). After three AdamW steps with dropout 0 the weights equal
 one device's (data parallelism alone's when D > 1) by the rule of after_adamw.py, for (D,C,T,P) =
-(1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, (2,2,2,1) under ZeRO-2, and with
-two batches a step (--gradient_accumulation_steps 2); the validation loss is one device's; only c = 0
-prints; --model_max_length 38 is padded to a multiple of 2C (40, 42). The refusals name the flags.
+(1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, (2,2,2,1) under ZeRO-2, with
+--sequence_parallel (1,1,2,1) and (1,2,2,1), and with two batches a step (--gradient_accumulation_steps 2); the validation loss is one device's; only c = 0
+prints; --model_max_length 38 is padded to a multiple of 2C (40, 42), of 2C·T with sequence
+parallelism (40). The refusals name the flags.
 Checkpoints reshard to and from context ranks; a killed context rank is named. gpt2-tiny, a few
 batches, at most 8 processes."""
 import json
@@ -82,7 +83,12 @@ class ContextParallel(unittest.TestCase):
             for name, world, extra in (("t2c2", 4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2"]),
                                        ("c2z2", 2, ["--context_parallel_size", "2", "--zero_stage", "2"]),
                                        ("c2z3", 2, ["--context_parallel_size", "2", "--zero_stage", "3"]),
-                                       ("c3", 3, ["--context_parallel_size", "3"])):  # 38 padded to 42
+                                       ("c3", 3, ["--context_parallel_size", "3"]),  # 38 padded to 42
+                                       # Sequence parallelism: T = 2 alone, and inside C = 2 (38 padded to 40).
+                                       ("t2", 2, ["--tensor_parallel_size", "2"]),
+                                       ("t2sp", 2, ["--tensor_parallel_size", "2", "--sequence_parallel"]),
+                                       ("t2c2sp", 4, ["--context_parallel_size", "2", "--tensor_parallel_size", "2",
+                                                      "--sequence_parallel"])):
                 work, _ = self.train(tmp, name, world, ["--benchmark_only"] + extra)
                 self.same_weights(work, alone, name + " against one device")
 
@@ -103,13 +109,19 @@ class ContextParallel(unittest.TestCase):
     def test_refusals_name_the_flags(self):
         unsized = [a for a in TINY if a not in ("--model_max_length", "40")]
         for extra, needle in (
-                (["--context_parallel_size", "2", "--world_size", "4", "--pipeline_parallel_size", "2",
-                  "--model_max_length", "40"],
-                 "--context_parallel_size 2 cannot be combined with --pipeline_parallel_size 2"),
                 (["--context_parallel_size", "2", "--world_size", "3", "--model_max_length", "40"],
                  "--context_parallel_size 2"),
                 (["--context_parallel_size", "3", "--world_size", "3", "--model_max_length", "127"],
-                 "--context_parallel_size 3 pads --model_max_length 127 to 132 positions")):
+                 "--context_parallel_size 3 pads --model_max_length 127 to 132 positions"),
+                (["--context_parallel_size", "2", "--world_size", "4", "--pipeline_parallel_size", "2",
+                  "--model_max_length", "40"],
+                 "--context_parallel_size 2 cannot be combined with --pipeline_parallel_size 2"),
+                (["--sequence_parallel", "--world_size", "2", "--model_max_length", "40"],
+                 "--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
+                 "--tensor_parallel_size 2 or more, not 1"),
+                (["--sequence_parallel", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+                  "--world_size", "4", "--model_max_length", "40"],
+                 "--sequence_parallel does not combine with --pipeline_parallel_size 2")):
             proc = run([DP] + unsized + extra, check=False)
             self.assertNotEqual(proc.returncode, 0, proc.stderr)
             self.assertIn(needle, proc.stderr)

@@ -41,6 +41,18 @@ TEST(TensorParallel, GPT2OverTwoRanksEqualsUnsplitAndSavesWhatHuggingFaceLoads) 
   testing::remove_tree(dir);
 }
 
+// Sequence parallelism's two collectives and their gradients, against the sums they stand for.
+TEST(TensorParallel, SequenceGatherAndReduceScatterWithTwoAndThreeRanks) {
+  expect_workers_pass(testing::launch_scenario("sequence_collectives", 2));
+  expect_workers_pass(testing::launch_scenario("sequence_collectives", 3));
+}
+
+// Loss, every gradient and the logits of GPT-2 with its sequence split between the layers equal
+// the unsplit model's; generation stays whole; dropout keeps the default generators in step.
+TEST(TensorParallel, SequenceParallelGPT2OverTwoRanksEqualsUnsplit) {
+  expect_workers_pass(testing::launch_scenario("sequence_parallel_gpt2", 2));
+}
+
 TEST(TensorParallel, AdamWStepTensorTwoByDataOneEqualsSingleRank) {
   expect_workers_pass(testing::launch_scenario("step_tp2", 2));
 }

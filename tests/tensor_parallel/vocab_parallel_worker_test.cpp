@@ -179,6 +179,14 @@ class CountingGroup final : public TensorParallelGroup {
     largest_gathered = std::max(largest_gathered, x.numel());
     return inner_->all_gather(x);
   }
+  at::Tensor gather_sequence(const at::Tensor& x, int64_t dim) override {
+    largest_gathered = std::max(largest_gathered, x.numel());
+    return inner_->gather_sequence(x, dim);
+  }
+  at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim) override {
+    largest_reduced = std::max(largest_reduced, x.numel());
+    return inner_->reduce_scatter_sequence(x, dim);
+  }
   at::Tensor all_reduce(const at::Tensor& x, ReduceOp op) override {
     largest_reduced = std::max(largest_reduced, x.numel());
     return inner_->all_reduce(x, op);

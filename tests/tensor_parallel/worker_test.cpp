@@ -282,6 +282,122 @@ void gpt2_scenario(const dp::DistContext& tp, const std::string& dir) {
   dp::barrier(tp);
 }
 
+// ----- sequence parallelism ------------------------------------------------------------------
+
+// gather_sequence and reduce_scatter_sequence against what they stand for, on T = 2 or 3 ranks:
+// every rank builds every rank's tensors from one seed and checks its own result and gradient.
+void sequence_collectives_scenario(const dp::DistContext& tp) {
+  const int rank = tp.rank, T = tp.world_size;
+  const int64_t part = 2;
+  torch::manual_seed(41);
+  std::vector<at::Tensor> parts, partials, upstream_whole, upstream_parts;
+  for (int r = 0; r < T; ++r) {
+    parts.push_back(torch::randn({3, part, 4}));
+    partials.push_back(torch::randn({3, T * part, 4}));
+    upstream_whole.push_back(torch::randn({3, T * part, 4}));
+    upstream_parts.push_back(torch::randn({3, part, 4}));
+  }
+  // gather: forward, the parts joined in rank order; backward, every rank's upstream gradient
+  // summed and this rank's part of it kept.
+  at::Tensor mine = parts[rank].clone().requires_grad_(true);
+  const at::Tensor gathered = gather_sequence(mine, 1, tp);
+  EXPECT_TRUE(torch::equal(gathered, torch::cat(parts, 1)));
+  (gathered * upstream_whole[rank]).sum().backward();
+  at::Tensor summed = torch::zeros_like(upstream_whole[0]);
+  for (const auto& g : upstream_whole) summed += g;
+  EXPECT_TRUE(close(mine.grad(), summed.narrow(1, rank * part, part), 1e-6)) << "gather_sequence's backward";
+  // reduce-scatter: forward, the partial sums added and this rank's part kept; backward, every
+  // rank's upstream gradient of its part joined.
+  at::Tensor partial = partials[rank].clone().requires_grad_(true);
+  const at::Tensor scattered = reduce_scatter_sequence(partial, 1, tp);
+  at::Tensor total = torch::zeros_like(partials[0]);
+  for (const auto& p : partials) total += p;
+  EXPECT_TRUE(close(scattered, total.narrow(1, rank * part, part), 1e-6)) << "reduce_scatter_sequence";
+  (scattered * upstream_parts[rank]).sum().backward();
+  EXPECT_TRUE(torch::equal(partial.grad(), torch::cat(upstream_parts, 1))) << "reduce_scatter_sequence's backward";
+  // Along the last dimension too, and a length the group does not divide is refused before any
+  // collective (every rank throws alike).
+  const at::Tensor columns = reduce_scatter_sequence(partials[rank].transpose(1, 2).contiguous(), 2, tp);
+  EXPECT_TRUE(close(columns, total.transpose(1, 2).narrow(2, rank * part, part), 1e-6));
+  EXPECT_THROW(reduce_scatter_sequence(torch::zeros({2, T * part + 1, 4}), 1, tp), std::invalid_argument);
+  EXPECT_THROW(gather_sequence(torch::zeros({2, 3}), 2, tp), std::invalid_argument);
+  dp::barrier(tp);
+}
+
+// GPT-2 with sequence parallelism over T = 2: each rank holds half of every sequence between the
+// split layers, and the loss, every gradient and the logits are the unsplit model's.
+void sequence_parallel_gpt2_scenario(const dp::DistContext& tp) {
+  const model::GPT2Config config = testing::tiny_config();
+  const auto group = make_tensor_parallel_group(tp);
+  torch::manual_seed(5);
+  model::GPT2LMHeadModel full(config);
+  torch::manual_seed(5);
+  model::GPT2LMHeadModel split(config, group);
+  split->set_sequence_parallel(true);
+  EXPECT_TRUE(split->sequence_parallel());
+
+  const at::Tensor ids = token_batch(3, 12, config.vocab_size, 8);
+  const at::Tensor input = ids.narrow(1, 0, 12), labels = ids.narrow(1, 1, 12);
+  at::Tensor weights = torch::ones({3, 12});
+  weights.narrow(1, 0, 3).zero_();  // a prompt the loss ignores
+  // The hidden states between the layers are this rank's half of the sequence.
+  EXPECT_EQ(split->embed(input).sizes(), (at::IntArrayRef{3, 12 / tp.world_size, config.n_embd}));
+  EXPECT_EQ(split->forward_units(split->embed(input), 0, 2).sizes(),
+            (at::IntArrayRef{3, 12 / tp.world_size, config.n_embd}));
+  split->zero_grad();
+
+  const at::Tensor want = full->loss(input, labels, weights);
+  const at::Tensor got = split->loss(input, labels, weights);
+  EXPECT_TRUE(close(got, want.detach(), 1e-6)) << "loss";
+  want.backward();
+  got.backward();
+  auto full_params = full->named_parameters();
+  const model::NamedTensors grads = split->full_gradients();
+  EXPECT_EQ(grads.size(), full_params.size());
+  for (const auto& [name, grad] : grads) {
+    EXPECT_TRUE(close(grad, full_params[name].grad(), 1e-6)) << "gradient of " << name;
+  }
+  // The LayerNorms', the row-parallel biases' and wpe's gradients were each rank's part of the
+  // sequence alone, summed over the group: every rank holds the same.
+  EXPECT_EQ(split->replicated_gradient_divergence(), 0.0);
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(close(split->forward(input), full->forward(input), 1e-5)) << "forward's whole logits";
+  }
+  // A sequence the group does not divide is refused, naming the flags.
+  try {
+    (void)split->loss(input.narrow(1, 0, 11), labels.narrow(1, 0, 11), weights.narrow(1, 0, 11));
+    ADD_FAILURE() << "an odd sequence over two ranks was not refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--sequence_parallel"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--tensor_parallel_size 2"), std::string::npos) << e.what();
+  }
+  // Generation (the KV cache) stays whole: token for token the unsplit model's.
+  {
+    const at::Tensor prompt = token_batch(1, 3, config.vocab_size, 40).narrow(1, 0, 3);
+    EXPECT_EQ(greedy(split, prompt, 6).first, greedy(full, prompt, 6).first);
+  }
+  // Dropout on the split activations draws from each rank's own stream; the default generators
+  // stay in step, and the ranks agree on the loss.
+  {
+    model::GPT2Config noisy = config;
+    noisy.embd_pdrop = noisy.attn_pdrop = noisy.resid_pdrop = 0.2;
+    torch::manual_seed(17);
+    model::GPT2LMHeadModel dropping(noisy, group);
+    dropping->set_sequence_parallel(true);
+    dropping->train();
+    const at::Tensor loss = dropping->loss(input, labels, weights).detach().reshape({1});
+    const std::vector<at::Tensor> losses = all_gather(loss, tp);
+    EXPECT_TRUE(torch::equal(losses[0], losses[1]));
+    const std::vector<at::Tensor> states =
+        all_gather(at::globalContext().defaultGenerator(c10::Device(c10::kCPU)).get_state(), tp);
+    EXPECT_TRUE(torch::equal(states[0], states[1]));
+  }
+  // Refused without a group to split over.
+  EXPECT_THROW(full->set_sequence_parallel(true), std::invalid_argument);
+  dp::barrier(tp);
+}
+
 constexpr double kLearningRate = 1e-2;
 
 // One AdamW step of the unsplit model on the data-parallel average of `n_dp` equal slices of a
@@ -383,6 +499,10 @@ TEST(TpWorker, Run) {
     const char* dir = std::getenv(testing::kDirVariable);
     ASSERT_NE(dir, nullptr);
     gpt2_scenario(world, dir);
+  } else if (scenario == "sequence_collectives") {
+    sequence_collectives_scenario(world);
+  } else if (scenario == "sequence_parallel_gpt2") {
+    sequence_parallel_gpt2_scenario(world);
   } else if (scenario == "step_tp2") {
     training_step_scenario(world, options, 2);
   } else {

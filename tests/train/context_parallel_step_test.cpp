@@ -17,6 +17,15 @@ TEST(ContextParallelStep, LengthIsTheNextMultipleOfTwoC) {
   EXPECT_EQ(context_parallel_length(38, 2), 40);
   EXPECT_EQ(context_parallel_length(127, 3), 132);
   EXPECT_THROW(context_parallel_length(40, 0), std::invalid_argument);
+  // With sequence parallelism over T ranks: a multiple of 2C * T, or of T alone when C = 1.
+  EXPECT_EQ(split_sequence_length(39, 1, 1), 39);
+  EXPECT_EQ(split_sequence_length(39, 1, 2), 40);
+  EXPECT_EQ(split_sequence_length(40, 1, 3), 42);
+  EXPECT_EQ(split_sequence_length(40, 2, 2), 40);
+  EXPECT_EQ(split_sequence_length(41, 2, 2), 48);
+  EXPECT_EQ(split_sequence_length(38, 2, 1), 40);
+  EXPECT_THROW(split_sequence_length(40, 0, 2), std::invalid_argument);
+  EXPECT_THROW(split_sequence_length(40, 2, 0), std::invalid_argument);
 }
 
 TEST(ContextParallelStep, ShardsPadWithPositionsTheLossIgnoresAndSplitTheZigzagWay) {
@@ -34,6 +43,12 @@ TEST(ContextParallelStep, ShardsPadWithPositionsTheLossIgnoresAndSplitTheZigzagW
   EXPECT_TRUE(torch::equal(one.labels, torch::tensor({4L, 5L, 6L, 7L}).unsqueeze(0)));
   EXPECT_EQ(one.label_token_weights.sum().item<float>(), batch.label_token_weights.sum().item<float>());
   EXPECT_EQ(one.examples.size(), 1u);
+  // C = 1 with sequence parallelism over 4 ranks: the batch padded to 8, not split.
+  const data::Batch padded = context_shard(batch, 1, 0, 4);
+  EXPECT_TRUE(torch::equal(padded.input_ids, torch::tensor({1L, 2L, 3L, 4L, 5L, 6L, 0L, 0L}).unsqueeze(0)));
+  EXPECT_EQ(padded.label_token_weights.sum().item<float>(), batch.label_token_weights.sum().item<float>());
+  // C = 2 with T = 2: padded to 8 and split, 4 a context rank.
+  EXPECT_EQ(context_shard(batch, 2, 1, 2).input_ids.size(1), 4);
   // C = 1: the batch itself.
   const data::Batch whole = context_shard(batch, 1, 0);
   EXPECT_TRUE(torch::equal(whole.input_ids, batch.input_ids));

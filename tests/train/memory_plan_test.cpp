@@ -28,6 +28,10 @@ class ConstructionOnlyGroup final : public model::TensorParallelGroup {
   at::Tensor copy_to_region(const at::Tensor&) override { throw std::logic_error("not for training"); }
   at::Tensor reduce_from_region(const at::Tensor&) override { throw std::logic_error("not for training"); }
   std::vector<at::Tensor> all_gather(const at::Tensor&) override { throw std::logic_error("not for training"); }
+  at::Tensor gather_sequence(const at::Tensor&, int64_t) override { throw std::logic_error("not for training"); }
+  at::Tensor reduce_scatter_sequence(const at::Tensor&, int64_t) override {
+    throw std::logic_error("not for training");
+  }
   at::Tensor all_reduce(const at::Tensor&, ReduceOp) override { throw std::logic_error("not for training"); }
   at::Tensor run_in_rank_stream(const c10::Device&, const std::function<at::Tensor()>&) override {
     throw std::logic_error("not for training");

@@ -9,6 +9,9 @@
 // rank's shards. Given a context-parallel group (set_context_parallel), each rank holds its zigzag
 // shard of every sequence (context_parallel.h): attention is ring attention over the group, the
 // position embeddings are the shard's true positions, and the loss is the whole sequence's.
+// With sequence parallelism on a tensor-parallel group (set_sequence_parallel), the hidden states
+// between the split layers (LayerNorm, dropout, the residual stream) are split along the sequence
+// over the group too: each rank holds 1/T of those activations (Megatron's).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -49,7 +52,11 @@ class Conv1DImpl : public torch::nn::Module {
  public:
   Conv1DImpl(int64_t in_features, int64_t out_features, ParallelStyle style = ParallelStyle::kReplicated,
              std::shared_ptr<TensorParallelGroup> tp = nullptr, int64_t fused_parts = 1);
-  torch::Tensor forward(const torch::Tensor& x);
+  // sequence_split (sequence parallelism, a split layer): x is this rank's part of the sequence
+  // (dimension 1) for a column-parallel layer, which gathers the whole sequence first; a
+  // row-parallel layer reduce-scatters its partial products along the sequence, and returns this
+  // rank's part.
+  torch::Tensor forward(const torch::Tensor& x, bool sequence_split = false);
   // How the unsplit [in, out] weight and [out] bias are spread over the group (kReplicated
   // without one).
   ShardSpec weight_spec() const;
@@ -83,7 +90,9 @@ class GPT2AttentionImpl : public torch::nn::Module {
   explicit GPT2AttentionImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
   // With a context group and no cache, x is this rank's zigzag shard and attention is
   // ring_attention over the group (a collective); with a cache, plain attention as without one.
-  torch::Tensor forward(const torch::Tensor& x, LayerKVCache* cache = nullptr);
+  // sequence_split (no cache): x and the result are this rank's part of each sequence of the
+  // tensor-parallel group (see Conv1DImpl::forward); attention runs on the whole sequence.
+  torch::Tensor forward(const torch::Tensor& x, LayerKVCache* cache = nullptr, bool sequence_split = false);
   void set_context_parallel(std::shared_ptr<ContextParallelGroup> cp) { cp_ = std::move(cp); }
   Conv1D c_attn{nullptr}, c_proj{nullptr};
   torch::nn::Dropout attn_dropout{nullptr}, resid_dropout{nullptr};
@@ -100,9 +109,12 @@ TORCH_MODULE(GPT2Attention);
 class GPT2MLPImpl : public torch::nn::Module {
  public:
   explicit GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
-  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward(const torch::Tensor& x, bool sequence_split = false);
   Conv1D c_fc{nullptr}, c_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
+
+ private:
+  std::shared_ptr<TensorParallelGroup> tp_;
 };
 TORCH_MODULE(GPT2MLP);
 
@@ -114,12 +126,17 @@ class GPT2BlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);  // forward_mlp(forward_attention(x))
   // The two residual halves, x + attn(ln_1(x)) and h + mlp(ln_2(h)): a pipeline may cut a block
   // between them (and place them on two devices; forward_mlp moves h to ln_2's device).
-  torch::Tensor forward_attention(const torch::Tensor& x);
-  torch::Tensor forward_mlp(const torch::Tensor& h);
+  // sequence_split: x and h are this rank's part of each sequence over the tensor-parallel group,
+  // and so are the results; the LayerNorms run on that part.
+  torch::Tensor forward_attention(const torch::Tensor& x, bool sequence_split = false);
+  torch::Tensor forward_mlp(const torch::Tensor& h, bool sequence_split = false);
   torch::Tensor forward_cached(const torch::Tensor& x, LayerKVCache& cache);
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   GPT2Attention attn{nullptr};
   GPT2MLP mlp{nullptr};
+
+ private:
+  std::shared_ptr<TensorParallelGroup> tp_;
 };
 TORCH_MODULE(GPT2Block);
 
@@ -210,6 +227,19 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   void set_context_parallel(std::shared_ptr<ContextParallelGroup> cp);
   ContextParallelGroup* context_parallel() const { return cp_.get(); }
 
+  // Sequence parallelism over the tensor-parallel group (Megatron's): from now on embed() returns
+  // this rank's part t of the sequence (its 1/T of dimension 1, of the context shard with a context
+  // group), forward_units() takes and returns such parts, and head_loss() takes the part and
+  // gathers the whole sequence before the head. The column-parallel layers all-gather their input
+  // along the sequence and the row-parallel ones reduce-scatter their output; LayerNorm, dropout
+  // (from the rank's own stream) and the residual stream run on the part, and the gradients of the
+  // parameters used there (the LayerNorms, the row-parallel biases, wpe) are summed over the group.
+  // forward() still returns the whole logits; the cached path (generation) stays whole. The sequence (the context shard with a
+  // context group) must be divisible by T: embed() throws otherwise, naming the flags. Throws
+  // without a tensor-parallel group of two or more ranks.
+  void set_sequence_parallel(bool on);
+  bool sequence_parallel() const { return sp_; }
+
   // Hugging Face's initialisation: normal(0, initializer_range) weights, zero biases, unit
   // LayerNorms, c_proj weights scaled by 1/sqrt(2 * n_layer). Deterministic given torch's seed.
   void reset_parameters();
@@ -267,15 +297,21 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
 
  private:
   // embed(): positions from past_length on, or (context_shard) the zigzag shard's positions.
-  torch::Tensor embed_at(const torch::Tensor& input_ids, int64_t past_length, bool context_shard);
+  // sequence_split: this rank's part of the sequence (sequence parallelism).
+  torch::Tensor embed_at(const torch::Tensor& input_ids, int64_t past_length, bool context_shard,
+                         bool sequence_split);
+  // loss() and forward() with sequence parallelism and a blocks executor: throws.
+  void check_no_executor_with_sequence_parallel() const;
   // The last block's hidden states through the cached blocks (forward_cached, next_token).
   torch::Tensor hidden_cached(const torch::Tensor& input_ids, KVCache& cache);
   // ln_f and the tied head: the whole logits, or this rank's vocabulary slice of them when split.
-  torch::Tensor head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight);
+  // sequence_split: hidden is this rank's part of the sequence; the head gets the whole of it.
+  torch::Tensor head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight, bool sequence_split = false);
 
   GPT2Config config_;
   std::shared_ptr<TensorParallelGroup> tp_;
   std::shared_ptr<ContextParallelGroup> cp_;
+  bool sp_ = false;
   std::map<std::string, ParameterShard> shards_;
   std::vector<Device> block_devices_;
   Device first_device_ = Device::cpu(0), last_device_ = Device::cpu(0);

@@ -72,6 +72,17 @@ class TensorParallelGroup {
   virtual at::Tensor reduce_from_region(const at::Tensor& x) = 0;
   // Every rank's x in rank order, outside autograd (gathering shards to save or compare).
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& x) = 0;
+  // Sequence parallelism (Megatron's): activations split along dimension `dim` (the sequence)
+  // into T equal parts, rank t holding part t.
+  //   gather_sequence          forward: every rank's part, joined along dim in rank order;
+  //                            backward: the gradient summed over the group, this rank's part kept.
+  //   reduce_scatter_sequence  forward: x (whole along dim, a partial sum on each rank) summed over
+  //                            the group, this rank's part kept; backward: the gradient's parts joined.
+  // The first replaces copy_to_region before a column-parallel layer, the second
+  // reduce_from_region after a row-parallel one. reduce_scatter_sequence throws when dim's extent
+  // is not divisible by the group's size.
+  virtual at::Tensor gather_sequence(const at::Tensor& x, int64_t dim) = 0;
+  virtual at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim) = 0;
   // The element-wise reduction of every rank's x (same shape on all), outside autograd: a new
   // tensor, x left as it was (the vocabulary-parallel loss's maxima and sums).
   enum class ReduceOp { kSum, kMax, kMin };

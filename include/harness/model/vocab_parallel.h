@@ -29,9 +29,10 @@ at::Tensor vocab_parallel_argmax(const at::Tensor& logits_slice, int64_t vocab_s
 // Megatron's VocabParallelEmbedding: the rows of `weight_slice` [V_t, C] (this rank's ids of a
 // `vocab_size` vocabulary) for the ids [...] that fall in this rank's range, zero for the others,
 // summed over the group (its reduce_from_region): [..., C], the whole embedding on every rank.
-// The slice's gradient is its own rows' alone.
+// The slice's gradient is its own rows' alone. `sequence_dim` >= 0 (sequence parallelism): the
+// sum is reduce-scattered along that dimension instead, each rank keeping its part of it.
 at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& weight_slice, int64_t vocab_size,
-                                    TensorParallelGroup& group);
+                                    TensorParallelGroup& group, int64_t sequence_dim = -1);
 
 // Every rank's slice [..., V_t] joined into the whole logits [..., V] on every rank (forward(),
 // for callers that want the logits themselves; the loss and the greedy pick never build them).

@@ -49,14 +49,15 @@ struct LayoutSizes {
   int context = 1;   // --context_parallel_size
   int pipeline = 1;  // --pipeline_parallel_size
   int zero_stage = 0;  // --zero_stage
+  bool sequence_parallel = false;  // --sequence_parallel: T > 1 splits the sequence between its layers too
 };
 
 class Layout {
  public:
   // World size = D * C * T * P with D inferred. Throws std::invalid_argument naming the flags and
   // their values: a size below 1, a world size that C * T * P does not divide, or a ZeRO stage
-  // other than 0 to 3. ZeRO shards over the gradient group of each tensor-parallel shard and each
-  // pipeline stage.
+  // other than 0 to 3, or sequence parallelism without T > 1 or with P > 1. ZeRO shards over the
+  // gradient group of each tensor-parallel shard and each pipeline stage.
   static Layout create(int world_size, const LayoutSizes& sizes = {});
 
   int world_size() const { return data_ * context_ * tensor_ * pipeline_; }
@@ -67,6 +68,8 @@ class Layout {
   // The ranks gradients are averaged over, and ZeRO shards over: D * C.
   int gradient_group_size() const { return data_ * context_; }
   int zero_stage() const { return zero_stage_; }
+  // Megatron's sequence parallelism over each tensor-parallel group (--sequence_parallel).
+  bool sequence_parallel() const { return sequence_parallel_; }
 
   // rank = ((p * D + d) * C + c) * T + t. Throw std::invalid_argument for coordinates or a rank
   // outside.
@@ -109,7 +112,7 @@ class Layout {
  private:
   Layout(int data, const LayoutSizes& sizes)
       : data_(data), context_(sizes.context), tensor_(sizes.tensor), pipeline_(sizes.pipeline),
-        zero_stage_(sizes.zero_stage) {}
+        zero_stage_(sizes.zero_stage), sequence_parallel_(sizes.sequence_parallel) {}
   void check_rank(int rank) const;
   // The ranks that share every coordinate of `rank` but `axis`, by that coordinate.
   std::vector<int> group_along(int rank, int Coordinates::*axis, int size) const;
@@ -119,6 +122,7 @@ class Layout {
   int tensor_ = 1;
   int pipeline_ = 1;
   int zero_stage_ = 0;
+  bool sequence_parallel_ = false;
 };
 
 }  // namespace harness::parallel

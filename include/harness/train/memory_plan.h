@@ -31,7 +31,12 @@
 //                      + with residual dropout: C (mask)
 //     MLP half         4C (ln_2 in) + bC (ln_2 out) + 2b I/T (c_fc out, gelu out) + C (mask)
 //     embeddings       4C (+ C, the mask, with embedding dropout)          first stage
-//     head and loss    4C + bC (ln_f) + 8V (logits and their softmax)     last stage
+//     head and loss    4C + bC (ln_f) + 8V/T (logits and their softmax)   last stage
+//
+// With sequence parallelism each rank holds 1/T of every term but the inputs the column-parallel
+// layers gather whole (ln_1's, ln_2's and ln_f's out, bC each) and the attention terms, which are
+// per head already: 4C/T (ln_1 in) + bC + b 3C/T + b C/T + attention + C/T; 4C/T + bC + 2b I/T + C/T;
+// (4C + C)/T; 4C/T + bC + 8V/T.
 //
 // times r x t, summed over a stage's units. Without a pipeline a rank holds one micro-batch of all
 // its rows (--batch_size / D). In a pipeline each device's schedule is walked in its own order:
@@ -63,6 +68,7 @@ struct MemoryPlanInput {
   int data_parallel_size = 1;    // D x C: the ranks that share each slice's state (ZeRO shards over them)
   int context_parallel_size = 1;  // C: of those, the ranks that split each sequence (`tokens` is a rank's)
   int tensor_parallel_size = 1;  // T
+  bool sequence_parallel = false;  // T > 1 splits the sequence between the split layers too
   // Pipeline: `pipeline_devices` stage processes (run_data_parallel's P) or devices (run_pipeline),
   // each running virtual_stages stages (stage s on device s % devices).
   bool pipeline = false;

@@ -92,6 +92,7 @@ struct DataParallelConfig {
   double bucket_cap_mb = 25.0;
   int tensor_parallel_size = 1;
   int context_parallel_size = 1;  // C: ranks that split each sequence (ring attention)
+  bool sequence_parallel = false;  // T > 1: LayerNorm and dropout regions split along the sequence too
   int max_restarts = 0;
   int dist_timeout_s = 300;  // rendezvous and collectives
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
