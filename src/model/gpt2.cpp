@@ -362,6 +362,10 @@ torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t
   return embed_at(input_ids, past_length, cp_ && past_length == 0, sp_ && past_length == 0);
 }
 
+torch::Tensor GPT2LMHeadModelImpl::embed_cached(const torch::Tensor& input_ids, const KVCache& cache) {
+  return embed_at(input_ids, cache.length(), /*context_shard=*/false, /*sequence_split=*/false);
+}
+
 torch::Tensor GPT2LMHeadModelImpl::embed_at(const torch::Tensor& input_ids, int64_t past_length, bool context_shard,
                                             bool sequence_split) {
   if (input_ids.dim() != 2) {

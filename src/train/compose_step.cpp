@@ -104,16 +104,12 @@ StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& lay
                                 (pipelined ? "a layout of pipeline stages needs their options"
                                            : "stage options given to a layout without pipeline stages"));
   }
-  if (pipelined && C > 1) {
-    throw std::invalid_argument("compose_step: pipeline stages do not run ring attention (context-parallel size " +
-                                std::to_string(C) + ")");
-  }
   // Sequence parallelism: between its split layers the model holds 1/T of each sequence.
   const int sequence_split = layout.sequence_parallel() ? layout.tensor_parallel_size() : 1;
   if (sequence_split > 1) model->set_sequence_parallel(true);
   // Context parallelism: every rank of a context group holds the whole replica (its
-  // tensor-parallel slices) and runs its zigzag shard of each sequence, attention passing keys
-  // and values round the group.
+  // tensor-parallel slices, or its pipeline stages) and runs its zigzag shard of each sequence,
+  // attention passing keys and values round the group (each stage's ring its own).
   if (C > 1) model->set_context_parallel(context_parallel::make_context_parallel_group(groups.context));
   StepParts parts = pipelined ? cut_pipeline(model, layout, groups, settings) : whole_model_step(model, groups, settings);
   if (C > 1 || sequence_split > 1) {  // the batch's sequences padded to what the splits divide, and sharded

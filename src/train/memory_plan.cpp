@@ -651,11 +651,6 @@ int print_memory_plan(const DataParallelConfig& flags) {
   } catch (const std::invalid_argument& e) {
     std::cout << "note: planned as asked, but this build cannot run it: " << e.what() << std::endl;
   }
-  if (flags.context_parallel_size > 1 && flags.pipeline_parallel_size > 1) {
-    std::cout << "note: planned as asked, but this build cannot run it: --context_parallel_size "
-              << flags.context_parallel_size << " with --pipeline_parallel_size " << flags.pipeline_parallel_size
-              << " (the pipeline stages do not run ring attention)" << std::endl;
-  }
   return 0;
 }
 

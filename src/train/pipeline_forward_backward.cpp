@@ -285,7 +285,8 @@ at::Tensor PipelineForwardBackward::forward_through_stages(const at::Tensor& ids
   at::Tensor hidden;
   for (int s = p; s < S; s += P) {
     if (s == 0) {
-      hidden = gpt2.embed(ids.to(options_.devices.front().torch_device()), cache ? cache->length() : 0);
+      const at::Tensor here = ids.to(options_.devices.front().torch_device());
+      hidden = cache ? gpt2.embed_cached(here, *cache) : gpt2.embed(here);
     } else {
       const Message input{Message::Kind::kActivation, 0, s - 1};
       transport_->exchange(p, {{pipeline::P2POp::Kind::kRecv, (s - 1) % P, input}}, {});
@@ -307,6 +308,8 @@ std::optional<double> PipelineForwardBackward::validation_loss(data::BatchLoader
   const c10::Device device = options_.devices.front().torch_device();
   at::Tensor& wte = model_->transformer->wte->weight;
   // Every stage reads the same batches (the whole validation set); the last computes the loss.
+  // With a context group the loader gives each rank its shard of every sequence, and the loss is
+  // the whole sequences' (head_loss sums the shards').
   const BatchLoss loss = [&](const data::Batch& batch) {
     const at::Tensor hidden = forward_through_stages(batch.input_ids, nullptr);
     if (!hidden.defined()) return 0.0;

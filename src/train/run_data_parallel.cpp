@@ -85,14 +85,7 @@ parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   sizes.pipeline = flags.pipeline_parallel_size;
   sizes.zero_stage = flags.zero_stage;
   sizes.sequence_parallel = flags.sequence_parallel;
-  const parallel::Layout layout = parallel::Layout::create(world_size, sizes);
-  if (layout.context_parallel_size() > 1 && layout.pipeline_parallel_size() > 1) {
-    throw std::invalid_argument("--context_parallel_size " + std::to_string(layout.context_parallel_size()) +
-                                " cannot be combined with --pipeline_parallel_size " +
-                                std::to_string(layout.pipeline_parallel_size()) +
-                                ": the pipeline stages do not run ring attention; use one of the two");
-  }
-  return layout;
+  return parallel::Layout::create(world_size, sizes);
 }
 
 // With C > 1 each sequence is padded to a multiple of 2C positions (of 2C * T, or of T when

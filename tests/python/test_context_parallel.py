@@ -2,7 +2,8 @@
 ranks (zigzag chunks, ring attention). After three AdamW steps with dropout 0 the weights equal
 one device's (data parallelism alone's when D > 1) by the rule of after_adamw.py, for (D,C,T,P) =
 (1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, (2,2,2,1) under ZeRO-2, with
---sequence_parallel (1,1,2,1) and (1,2,2,1), and with two batches a step (--gradient_accumulation_steps 2); the validation loss is one device's; only c = 0
+--sequence_parallel (1,1,2,1) and (1,2,2,1), (1,2,1,2) in pipeline stages under 1F1B, and with two
+batches a step (--gradient_accumulation_steps 2); the validation loss is one device's; only c = 0
 prints; --model_max_length 38 is padded to a multiple of 2C (40, 42), of 2C·T with sequence
 parallelism (40). The refusals name the flags.
 Checkpoints reshard to and from context ranks; a killed context rank is named. gpt2-tiny, a few
@@ -92,6 +93,25 @@ class ContextParallel(unittest.TestCase):
                 work, _ = self.train(tmp, name, world, ["--benchmark_only"] + extra)
                 self.same_weights(work, alone, name + " against one device")
 
+    def test_context_ranks_inside_pipeline_stages_train_like_one_device(self):
+        # (1,2,1,2): each stage's two context ranks run their ring; the stages pass shards down.
+        with tempfile.TemporaryDirectory() as tmp:
+            alone, alone_proc = self.train(tmp, "alone", 1)
+            staged, proc = self.train(tmp, "c2p2", 4, ["--context_parallel_size", "2", "--pipeline_parallel_size", "2",
+                                                       "--n_chunk", "4"])
+            self.same_weights(staged, alone, "(1,2,1,2) against one device")
+            self.assertIn("context_parallel_size=2", proc.stderr)
+            self.assertIn("pipeline_parallel_size=2", proc.stderr)
+            # The last stage's c = 0 prints; evaluation and generation run through the stages.
+            self.assertEqual([(int(m[1]), int(m[2])) for m in matching(DP_TRAIN, proc.stdout)], [(0, 0)])
+            losses, expected = self.validation_losses(proc), self.validation_losses(alone_proc)
+            self.assertEqual(list(losses), [0])
+            self.assertAlmostEqual(losses[0], expected[0], delta=1e-4 * abs(expected[0]))
+            # Greedy generation runs the whole prompt through the stages: one device's translations.
+            with open(os.path.join(staged, "rank0_gen_epoch0.json")) as f, \
+                    open(os.path.join(alone, "rank0_gen_epoch0.json")) as g:
+                self.assertEqual(json.load(f), json.load(g))
+
     def test_accumulated_batches_weigh_as_on_one_device(self):
         # Two batches a step: each rank's loss is divided by both whole batches' label weight.
         with tempfile.TemporaryDirectory() as tmp:
@@ -113,9 +133,6 @@ class ContextParallel(unittest.TestCase):
                  "--context_parallel_size 2"),
                 (["--context_parallel_size", "3", "--world_size", "3", "--model_max_length", "127"],
                  "--context_parallel_size 3 pads --model_max_length 127 to 132 positions"),
-                (["--context_parallel_size", "2", "--world_size", "4", "--pipeline_parallel_size", "2",
-                  "--model_max_length", "40"],
-                 "--context_parallel_size 2 cannot be combined with --pipeline_parallel_size 2"),
                 (["--sequence_parallel", "--world_size", "2", "--model_max_length", "40"],
                  "--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
                  "--tensor_parallel_size 2 or more, not 1"),

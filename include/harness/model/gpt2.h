@@ -182,6 +182,9 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // context group and past_length 0, input_ids is this rank's zigzag shard of sequences of
   // T * C positions, and each token gets its position in the whole sequence.
   torch::Tensor embed(const torch::Tensor& input_ids, int64_t past_length = 0);
+  // Generation's embed: input_ids [B, T] at the positions after `cache`'s, whole (never a context
+  // or sequence shard), as forward_cached embeds them: a pipeline's first stage's part of it.
+  torch::Tensor embed_cached(const torch::Tensor& input_ids, const KVCache& cache);
   // Block halves [first_unit, end_unit) on hidden states [B, T, C]: unit 2i is block i's attention
   // half, x + attn(ln_1(x)), unit 2i + 1 its MLP half, h + mlp(ln_2(h)), each run where its
   // parameters are. forward() runs all of them; a pipeline stage runs its run of them. With

@@ -47,7 +47,7 @@ struct StepParts {
 };
 
 // Throws std::invalid_argument when `settings` disagree with `layout` (stages without P > 1, or
-// P > 1 without them), or for pipeline stages with C > 1.
+// P > 1 without them).
 StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& layout,
                        const parallel::ProcessGroups& groups, const StepComposition& settings);
 
