@@ -98,7 +98,6 @@ torch::Tensor split_dropout(const torch::Tensor& x, torch::nn::Dropout& module, 
   return split_over->run_in_rank_stream(x.device(), [&] { return model::dropout(x, module); });
 }
 
-constexpr int64_t kSequenceDim = 1;  // hidden states are [B, T, C]
 
 }  // namespace
 
@@ -135,8 +134,8 @@ ShardSpec Conv1DImpl::bias_spec() const {
   return style_ == ParallelStyle::kColumn ? weight_spec() : ShardSpec{};
 }
 
-torch::Tensor Conv1DImpl::forward(const torch::Tensor& x, bool sequence_split) {
-  sequence_split = sequence_split && style_ != ParallelStyle::kReplicated;
+torch::Tensor Conv1DImpl::forward(const torch::Tensor& x, int64_t split_dim) {
+  const bool sequence_split = split_dim >= 0 && style_ != ParallelStyle::kReplicated;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = weight.size(1);
   if (style_ == ParallelStyle::kRow) {
@@ -148,14 +147,14 @@ torch::Tensor Conv1DImpl::forward(const torch::Tensor& x, bool sequence_split) {
     }
     const torch::Tensor partial = torch::mm(x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
     if (sequence_split) {  // the bias on this rank's part alone: its gradient summed over the group
-      return tp_->reduce_scatter_sequence(partial, kSequenceDim) + tp_->copy_to_region(bias);
+      return tp_->reduce_scatter_sequence(partial, split_dim) + tp_->copy_to_region(bias);
     }
     return tp_->reduce_from_region(partial) + bias;  // the bias once, after the sum
   }
   if (style_ == ParallelStyle::kReplicated) {
     return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
   }
-  const torch::Tensor in = sequence_split ? tp_->gather_sequence(x, kSequenceDim) : tp_->copy_to_region(x);
+  const torch::Tensor in = sequence_split ? tp_->gather_sequence(x, split_dim) : tp_->copy_to_region(x);
   out_sizes = in.sizes().vec();
   out_sizes.back() = weight.size(1);
   return torch::addmm(bias, in.reshape({-1, in.size(-1)}), weight).view(out_sizes);
@@ -179,10 +178,10 @@ GPT2AttentionImpl::GPT2AttentionImpl(const GPT2Config& config, std::shared_ptr<T
   resid_dropout = register_module("resid_dropout", torch::nn::Dropout(config.resid_pdrop));
 }
 
-torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* cache, bool sequence_split) {
-  sequence_split = sequence_split && tp_ && cache == nullptr;
+torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* cache, int64_t split_dim) {
+  if (!tp_ || cache != nullptr) split_dim = kWhole;
   const int64_t C = n_head_ * head_dim_;  // this rank's heads (all of them without a group)
-  const torch::Tensor fused = c_attn->forward(x, sequence_split);  // the whole sequence
+  const torch::Tensor fused = c_attn->forward(x, split_dim);  // the whole batch
   const int64_t B = fused.size(0), T = fused.size(1);
   auto qkv = fused.split(C, /*dim=*/2);
   auto heads = [&](const torch::Tensor& t) {  // [B, T, C] -> [B, n_head, T, head_dim]
@@ -225,7 +224,7 @@ torch::Tensor GPT2AttentionImpl::forward(const torch::Tensor& x, LayerKVCache* c
   // from the rank's own stream, leaving the default generator in step with the other ranks.
   auto y = tp_ && dropout_p > 0.0 ? tp_->run_in_rank_stream(x.device(), attend) : attend();
   y = y.transpose(1, 2).reshape({B, T, C});
-  return split_dropout(c_proj->forward(y, sequence_split), resid_dropout, sequence_split ? tp_.get() : nullptr);
+  return split_dropout(c_proj->forward(y, split_dim), resid_dropout, split_dim >= 0 ? tp_.get() : nullptr);
 }
 
 // ----- MLP and block ------------------------------------------------------------------------
@@ -236,11 +235,11 @@ GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParalle
   dropout = register_module("dropout", torch::nn::Dropout(config.resid_pdrop));
 }
 
-torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x, bool sequence_split) {
-  sequence_split = sequence_split && tp_;
+torch::Tensor GPT2MLPImpl::forward(const torch::Tensor& x, int64_t split_dim) {
+  if (!tp_) split_dim = kWhole;
   // Hugging Face's "gelu_new" is the tanh approximation.
-  const torch::Tensor inner = gelu_tanh(c_fc->forward(x, sequence_split));
-  return split_dropout(c_proj->forward(inner, sequence_split), dropout, sequence_split ? tp_.get() : nullptr);
+  const torch::Tensor inner = gelu_tanh(c_fc->forward(x, split_dim));
+  return split_dropout(c_proj->forward(inner, split_dim), dropout, split_dim >= 0 ? tp_.get() : nullptr);
 }
 
 GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp) : tp_(tp) {
@@ -252,15 +251,15 @@ GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& config, std::shared_ptr<TensorPar
 
 torch::Tensor GPT2BlockImpl::forward(const torch::Tensor& x) { return forward_mlp(forward_attention(x)); }
 
-torch::Tensor GPT2BlockImpl::forward_attention(const torch::Tensor& x, bool sequence_split) {
-  TensorParallelGroup* split_over = sequence_split ? tp_.get() : nullptr;
-  return x + attn->forward(layer_norm(ln_1, x, split_over), nullptr, split_over != nullptr);
+torch::Tensor GPT2BlockImpl::forward_attention(const torch::Tensor& x, int64_t split_dim) {
+  TensorParallelGroup* split_over = split_dim >= 0 ? tp_.get() : nullptr;
+  return x + attn->forward(layer_norm(ln_1, x, split_over), nullptr, split_over ? split_dim : kWhole);
 }
 
-torch::Tensor GPT2BlockImpl::forward_mlp(const torch::Tensor& h, bool sequence_split) {
-  TensorParallelGroup* split_over = sequence_split ? tp_.get() : nullptr;
+torch::Tensor GPT2BlockImpl::forward_mlp(const torch::Tensor& h, int64_t split_dim) {
+  TensorParallelGroup* split_over = split_dim >= 0 ? tp_.get() : nullptr;
   const torch::Tensor here = h.to(ln_2->weight.device());  // the halves may sit on two devices
-  return here + mlp->forward(layer_norm(ln_2, here, split_over), split_over != nullptr);
+  return here + mlp->forward(layer_norm(ln_2, here, split_over), split_over ? split_dim : kWhole);
 }
 
 torch::Tensor GPT2BlockImpl::forward_cached(const torch::Tensor& x, LayerKVCache& cache) {
@@ -409,18 +408,20 @@ torch::Tensor GPT2LMHeadModelImpl::embed_at(const torch::Tensor& input_ids, int6
     const torch::Tensor tokens = tp_ ? vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_) : wte(ids);
     return model::dropout(tokens + wpe(positions.to(wpe->weight.device())), transformer->drop);
   }
-  // Sequence parallel: the vocabulary slices' rows reduce-scattered along the sequence, each rank
-  // adding its part's positions (wpe's gradient, partial, summed over the group).
+  // Sequence parallel: the vocabulary slices' rows reduce-scattered over the group, each rank
+  // adding its part's positions (wpe's gradient, partial, summed over the group). The split is
+  // along the rows where the batch's rows divide by T (each rank's part is contiguous: no
+  // reordering around the collectives), else along the sequence.
   const int tp_size = tp_->size();
-  if (T % tp_size != 0) {
-    throw std::invalid_argument("--sequence_parallel: a sequence of " + std::to_string(T) + " positions" +
-                                (cp_ ? " (this context rank's shard)" : std::string()) +
-                                " is not divisible over --tensor_parallel_size " + std::to_string(tp_size));
+  split_dim_ = ids.size(0) % tp_size == 0 ? 0 : 1;
+  if (split_dim_ == 1 && T % tp_size != 0) {
+    throw std::invalid_argument("--sequence_parallel: " + std::to_string(ids.size(0)) + " rows of " +
+                                std::to_string(T) + " positions" + (cp_ ? " (this context rank's shard)" : std::string()) +
+                                ": neither is divisible over --tensor_parallel_size " + std::to_string(tp_size));
   }
-  const torch::Tensor tokens = vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_, kSequenceDim);
-  const int64_t part = T / tp_size;
-  positions = positions.narrow(1, tp_->rank() * part, part).to(wpe->weight.device());
-  const torch::Tensor placed = torch::embedding(tp_->copy_to_region(wpe->weight), positions);
+  const torch::Tensor tokens = vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_, split_dim_);
+  if (split_dim_ == 1) positions = positions.narrow(1, tp_->rank() * (T / tp_size), T / tp_size);
+  const torch::Tensor placed = torch::embedding(tp_->copy_to_region(wpe->weight), positions.to(wpe->weight.device()));
   return split_dropout(tokens + placed, transformer->drop, tp_.get());
 }
 
@@ -432,29 +433,29 @@ torch::Tensor GPT2LMHeadModelImpl::forward_units(torch::Tensor hidden, int64_t f
                                 std::to_string(n_units()) + ")");
   }
   if (cache != nullptr && cache->layers.empty()) cache->layers.resize(transformer->h->size());
-  const bool sequence_split = sp_ && cache == nullptr;
+  const int64_t split_dim = sp_ && cache == nullptr ? split_dim_ : kWhole;
   for (int64_t unit = first_unit; unit < end_unit; ++unit) {
     auto block = transformer->h->ptr<GPT2BlockImpl>(static_cast<size_t>(unit / 2));
     if (unit % 2 == 1) {
-      hidden = block->forward_mlp(hidden, sequence_split);
+      hidden = block->forward_mlp(hidden, split_dim);
       continue;
     }
     hidden = hidden.to(block->ln_1->weight.device());
-    hidden = cache == nullptr ? block->forward_attention(hidden, sequence_split)
+    hidden = cache == nullptr ? block->forward_attention(hidden, split_dim)
                               : hidden + block->attn->forward(block->ln_1(hidden), &cache->layers[unit / 2]);
   }
   return hidden;
 }
 
 torch::Tensor GPT2LMHeadModelImpl::head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight,
-                                              bool sequence_split) {
+                                              int64_t split_dim) {
   auto& ln_f = transformer->ln_f;
-  TensorParallelGroup* split_over = sequence_split ? tp_.get() : nullptr;
+  TensorParallelGroup* split_over = split_dim >= 0 ? tp_.get() : nullptr;
   torch::Tensor normed = layer_norm(ln_f, hidden.to(ln_f->weight.device()), split_over).to(head_weight.device());
   // Split, the head is column-parallel over the vocabulary: its input's gradient is summed (and
   // with sequence parallelism its input is first gathered whole).
   if (split_over != nullptr) {
-    normed = tp_->gather_sequence(normed, kSequenceDim);
+    normed = tp_->gather_sequence(normed, split_dim);
   } else if (tp_) {
     normed = tp_->copy_to_region(normed);
   }
@@ -470,7 +471,7 @@ torch::Tensor GPT2LMHeadModelImpl::head_loss(const torch::Tensor& hidden, const 
                                              const torch::Tensor& weights, const torch::Tensor& weight_sum,
                                              const torch::Tensor& head_weight) {
   const torch::Tensor logits =
-      head_slice(hidden, head_weight.defined() ? head_weight : transformer->wte->weight, sp_);
+      head_slice(hidden, head_weight.defined() ? head_weight : transformer->wte->weight, sp_ ? split_dim_ : kWhole);
   const torch::Tensor on_labels = labels.to(logits.device()), on_weights = weights.to(logits.device());
   if (cp_) {
     // The divisor is the whole sequences' label weight: given, or every rank's part of it summed.
@@ -520,7 +521,7 @@ torch::Tensor GPT2LMHeadModelImpl::forward(const torch::Tensor& input_ids) {
   check_no_executor_with_sequence_parallel();
   auto hidden = embed(input_ids, 0);
   hidden = blocks_executor_ ? blocks_executor_(hidden) : forward_units(hidden, 0, n_units());
-  const torch::Tensor logits = head_slice(hidden, transformer->wte->weight, sp_);
+  const torch::Tensor logits = head_slice(hidden, transformer->wte->weight, sp_ ? split_dim_ : kWhole);
   return tp_ ? vocab_parallel_gather(logits, config_.vocab_size, *tp_) : logits;
 }
 

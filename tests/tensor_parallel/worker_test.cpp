@@ -336,35 +336,42 @@ void sequence_parallel_gpt2_scenario(const dp::DistContext& tp) {
   split->set_sequence_parallel(true);
   EXPECT_TRUE(split->sequence_parallel());
 
-  const at::Tensor ids = token_batch(3, 12, config.vocab_size, 8);
-  const at::Tensor input = ids.narrow(1, 0, 12), labels = ids.narrow(1, 1, 12);
-  at::Tensor weights = torch::ones({3, 12});
-  weights.narrow(1, 0, 3).zero_();  // a prompt the loss ignores
-  // The hidden states between the layers are this rank's half of the sequence.
-  EXPECT_EQ(split->embed(input).sizes(), (at::IntArrayRef{3, 12 / tp.world_size, config.n_embd}));
-  EXPECT_EQ(split->forward_units(split->embed(input), 0, 2).sizes(),
-            (at::IntArrayRef{3, 12 / tp.world_size, config.n_embd}));
-  split->zero_grad();
-
-  const at::Tensor want = full->loss(input, labels, weights);
-  const at::Tensor got = split->loss(input, labels, weights);
-  EXPECT_TRUE(close(got, want.detach(), 1e-6)) << "loss";
-  want.backward();
-  got.backward();
-  auto full_params = full->named_parameters();
-  const model::NamedTensors grads = split->full_gradients();
-  EXPECT_EQ(grads.size(), full_params.size());
-  for (const auto& [name, grad] : grads) {
-    EXPECT_TRUE(close(grad, full_params[name].grad(), 1e-6)) << "gradient of " << name;
-  }
-  // The LayerNorms', the row-parallel biases' and wpe's gradients were each rank's part of the
-  // sequence alone, summed over the group: every rank holds the same.
-  EXPECT_EQ(split->replicated_gradient_divergence(), 0.0);
-  {
+  // Three rows split along the sequence (half of each row's positions a rank), four along the
+  // rows (two whole rows a rank).
+  for (const int64_t rows : {3, 4}) {
+    SCOPED_TRACE(std::to_string(rows) + " rows");
+    const at::Tensor ids = token_batch(rows, 12, config.vocab_size, 8);
+    const at::Tensor input = ids.narrow(1, 0, 12), labels = ids.narrow(1, 1, 12);
+    at::Tensor weights = torch::ones({rows, 12});
+    weights.narrow(1, 0, 3).zero_();  // a prompt the loss ignores
+    const std::vector<int64_t> part = rows % tp.world_size == 0
+                                          ? std::vector<int64_t>{rows / tp.world_size, 12, config.n_embd}
+                                          : std::vector<int64_t>{rows, 12 / tp.world_size, config.n_embd};
+    EXPECT_EQ(split->embed(input).sizes().vec(), part);
+    EXPECT_EQ(split->forward_units(split->embed(input), 0, 2).sizes().vec(), part);
+    split->zero_grad();
+    full->zero_grad();
+    const at::Tensor want = full->loss(input, labels, weights);
+    const at::Tensor got = split->loss(input, labels, weights);
+    EXPECT_TRUE(close(got, want.detach(), 1e-6)) << "loss";
+    want.backward();
+    got.backward();
+    auto full_params = full->named_parameters();
+    const model::NamedTensors grads = split->full_gradients();
+    EXPECT_EQ(grads.size(), full_params.size());
+    for (const auto& [name, grad] : grads) {
+      EXPECT_TRUE(close(grad, full_params[name].grad(), 1e-6)) << "gradient of " << name;
+    }
+    // The LayerNorms', the row-parallel biases' and wpe's gradients were each rank's part alone,
+    // summed over the group: every rank holds the same.
+    EXPECT_EQ(split->replicated_gradient_divergence(), 0.0);
     torch::NoGradGuard no_grad;
     EXPECT_TRUE(close(split->forward(input), full->forward(input), 1e-5)) << "forward's whole logits";
   }
-  // A sequence the group does not divide is refused, naming the flags.
+  const at::Tensor ids = token_batch(3, 12, config.vocab_size, 8);
+  const at::Tensor input = ids.narrow(1, 0, 12), labels = ids.narrow(1, 1, 12);
+  at::Tensor weights = torch::ones({3, 12});
+  // Rows and a sequence the group does not divide are refused, naming the flags.
   try {
     (void)split->loss(input.narrow(1, 0, 11), labels.narrow(1, 0, 11), weights.narrow(1, 0, 11));
     ADD_FAILURE() << "an odd sequence over two ranks was not refused";

@@ -45,6 +45,10 @@ using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 //            added once after the sum.
 enum class ParallelStyle { kReplicated, kColumn, kRow };
 
+// Sequence parallelism: the dimension of [B, T, C] activations that is split over the
+// tensor-parallel group between its split layers (0, the rows, or 1, the sequence), or kWhole.
+constexpr int64_t kWhole = -1;
+
 // Hugging Face's Conv1D: y = x @ weight + bias with weight stored [in_features, out_features].
 // With a group and a style other than kReplicated, weight and bias are this rank's shards; the
 // initial weights are drawn for the whole layer (the same draws for every group size) and sliced.
@@ -52,11 +56,11 @@ class Conv1DImpl : public torch::nn::Module {
  public:
   Conv1DImpl(int64_t in_features, int64_t out_features, ParallelStyle style = ParallelStyle::kReplicated,
              std::shared_ptr<TensorParallelGroup> tp = nullptr, int64_t fused_parts = 1);
-  // sequence_split (sequence parallelism, a split layer): x is this rank's part of the sequence
-  // (dimension 1) for a column-parallel layer, which gathers the whole sequence first; a
-  // row-parallel layer reduce-scatters its partial products along the sequence, and returns this
-  // rank's part.
-  torch::Tensor forward(const torch::Tensor& x, bool sequence_split = false);
+  // split_dim (sequence parallelism, a split layer): x is this rank's part of the activations
+  // along that dimension for a column-parallel layer, which gathers the whole first; a
+  // row-parallel layer reduce-scatters its partial products along it, and returns this rank's
+  // part.
+  torch::Tensor forward(const torch::Tensor& x, int64_t split_dim = kWhole);
   // How the unsplit [in, out] weight and [out] bias are spread over the group (kReplicated
   // without one).
   ShardSpec weight_spec() const;
@@ -90,9 +94,9 @@ class GPT2AttentionImpl : public torch::nn::Module {
   explicit GPT2AttentionImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
   // With a context group and no cache, x is this rank's zigzag shard and attention is
   // ring_attention over the group (a collective); with a cache, plain attention as without one.
-  // sequence_split (no cache): x and the result are this rank's part of each sequence of the
-  // tensor-parallel group (see Conv1DImpl::forward); attention runs on the whole sequence.
-  torch::Tensor forward(const torch::Tensor& x, LayerKVCache* cache = nullptr, bool sequence_split = false);
+  // split_dim (no cache): x and the result are this rank's part of the activations along it
+  // (see Conv1DImpl::forward); attention runs on the whole batch.
+  torch::Tensor forward(const torch::Tensor& x, LayerKVCache* cache = nullptr, int64_t split_dim = kWhole);
   void set_context_parallel(std::shared_ptr<ContextParallelGroup> cp) { cp_ = std::move(cp); }
   Conv1D c_attn{nullptr}, c_proj{nullptr};
   torch::nn::Dropout attn_dropout{nullptr}, resid_dropout{nullptr};
@@ -109,7 +113,7 @@ TORCH_MODULE(GPT2Attention);
 class GPT2MLPImpl : public torch::nn::Module {
  public:
   explicit GPT2MLPImpl(const GPT2Config& config, std::shared_ptr<TensorParallelGroup> tp = nullptr);
-  torch::Tensor forward(const torch::Tensor& x, bool sequence_split = false);
+  torch::Tensor forward(const torch::Tensor& x, int64_t split_dim = kWhole);
   Conv1D c_fc{nullptr}, c_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
 
@@ -126,10 +130,10 @@ class GPT2BlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);  // forward_mlp(forward_attention(x))
   // The two residual halves, x + attn(ln_1(x)) and h + mlp(ln_2(h)): a pipeline may cut a block
   // between them (and place them on two devices; forward_mlp moves h to ln_2's device).
-  // sequence_split: x and h are this rank's part of each sequence over the tensor-parallel group,
-  // and so are the results; the LayerNorms run on that part.
-  torch::Tensor forward_attention(const torch::Tensor& x, bool sequence_split = false);
-  torch::Tensor forward_mlp(const torch::Tensor& h, bool sequence_split = false);
+  // split_dim: x and h are this rank's part of the activations along it over the tensor-parallel
+  // group, and so are the results; the LayerNorms run on that part.
+  torch::Tensor forward_attention(const torch::Tensor& x, int64_t split_dim = kWhole);
+  torch::Tensor forward_mlp(const torch::Tensor& h, int64_t split_dim = kWhole);
   torch::Tensor forward_cached(const torch::Tensor& x, LayerKVCache& cache);
   torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   GPT2Attention attn{nullptr};
@@ -231,14 +235,16 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   ContextParallelGroup* context_parallel() const { return cp_.get(); }
 
   // Sequence parallelism over the tensor-parallel group (Megatron's): from now on embed() returns
-  // this rank's part t of the sequence (its 1/T of dimension 1, of the context shard with a context
-  // group), forward_units() takes and returns such parts, and head_loss() takes the part and
-  // gathers the whole sequence before the head. The column-parallel layers all-gather their input
-  // along the sequence and the row-parallel ones reduce-scatter their output; LayerNorm, dropout
-  // (from the rank's own stream) and the residual stream run on the part, and the gradients of the
-  // parameters used there (the LayerNorms, the row-parallel biases, wpe) are summed over the group.
-  // forward() still returns the whole logits; the cached path (generation) stays whole. The sequence (the context shard with a
-  // context group) must be divisible by T: embed() throws otherwise, naming the flags. Throws
+  // this rank's part t of the batch's tokens: rows [t B/T, (t+1) B/T) where the B rows divide by T
+  // (a contiguous part, as Megatron's split of its sequence-first layout), else positions
+  // [t S/T, (t+1) S/T) of each sequence (of the context shard with a context group).
+  // forward_units() takes and returns such parts (the last embed()'s split), and head_loss()
+  // takes the part and gathers the whole before the head. The column-parallel layers all-gather
+  // their input and the row-parallel ones reduce-scatter their output; LayerNorm, dropout (from
+  // the rank's own stream) and the residual stream run on the part, and the gradients of the
+  // parameters used there (the LayerNorms, the row-parallel biases, wpe) are summed over the
+  // group. forward() still returns the whole logits; the cached path (generation) stays whole.
+  // embed() throws, naming the flags, where neither the rows nor the sequence divide by T. Throws
   // without a tensor-parallel group of two or more ranks.
   void set_sequence_parallel(bool on);
   bool sequence_parallel() const { return sp_; }
@@ -308,13 +314,16 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // The last block's hidden states through the cached blocks (forward_cached, next_token).
   torch::Tensor hidden_cached(const torch::Tensor& input_ids, KVCache& cache);
   // ln_f and the tied head: the whole logits, or this rank's vocabulary slice of them when split.
-  // sequence_split: hidden is this rank's part of the sequence; the head gets the whole of it.
-  torch::Tensor head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight, bool sequence_split = false);
+  // split_dim: hidden is this rank's part along it; the head gets the whole of it.
+  torch::Tensor head_slice(const torch::Tensor& hidden, const torch::Tensor& head_weight, int64_t split_dim = kWhole);
 
   GPT2Config config_;
   std::shared_ptr<TensorParallelGroup> tp_;
   std::shared_ptr<ContextParallelGroup> cp_;
   bool sp_ = false;
+  // Sequence parallelism: what the last embed() split the hidden states along (0 where the
+  // batch's rows divide by T, else 1), which forward_units and the head follow.
+  int64_t split_dim_ = 1;
   std::map<std::string, ParameterShard> shards_;
   std::vector<Device> block_devices_;
   Device first_device_ = Device::cpu(0), last_device_ = Device::cpu(0);
