@@ -66,6 +66,17 @@ StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& lay
   return parts;
 }
 
+// One process driving the stages over its devices' worker threads (run_pipeline, model parallel
+// or pipelined): no process group, nothing to average, the replica's AdamW.
+StepParts in_process_stages(model::GPT2LMHeadModel model, const StepComposition& settings) {
+  StepParts parts;
+  auto stages = std::make_unique<PipelineForwardBackward>(model, *settings.stages);
+  parts.stages = stages.get();
+  parts.forward_backward = std::move(stages);
+  parts.optimizer = replicated_adamw(model, settings.optimizer);
+  return parts;
+}
+
 // P = 1: the whole model (or this rank's tensor-parallel slices of it) on this rank, its gradients
 // averaged over the replicas: replicated AdamW, ZeRO-1/2's over the buckets its reduce-scattering
 // synchronizer hands it, or ZeRO-3's units gathered around their forward and backward
@@ -82,6 +93,10 @@ StepParts whole_model_step(model::GPT2LMHeadModel model, const parallel::Process
     return parts;
   }
   parts.forward_backward = whole_model(model);
+  if (!groups.gradient.group) {  // one process and no process group (run_pipeline on one device)
+    parts.optimizer = replicated_adamw(model, settings.optimizer);
+    return parts;
+  }
   if (std::unique_ptr<dp::BucketedAllReduce> buckets = zero_buckets(s, groups.gradient)) {
     parts.optimizer = sharded_adamw(model, settings.optimizer, *buckets);
     parts.sync = std::move(buckets);
@@ -99,10 +114,16 @@ StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& lay
                        const parallel::ProcessGroups& groups, const StepComposition& settings) {
   const bool pipelined = layout.pipeline_parallel_size() > 1;
   const int C = layout.context_parallel_size();
-  if (pipelined != settings.stages.has_value()) {
-    throw std::invalid_argument(std::string("compose_step: ") +
-                                (pipelined ? "a layout of pipeline stages needs their options"
-                                           : "stage options given to a layout without pipeline stages"));
+  // One process without a process group: run_pipeline's, whose stages (if any) are its devices.
+  const bool alone = layout.world_size() == 1 && !groups.gradient.group;
+  if (pipelined && !settings.stages) {
+    throw std::invalid_argument("compose_step: a layout of pipeline stages needs their options");
+  }
+  if (!pipelined && settings.stages && !alone) {
+    throw std::invalid_argument("compose_step: stage options given to a layout without pipeline stages");
+  }
+  if (alone && settings.data_parallel.zero_stage != 0) {
+    throw std::invalid_argument("compose_step: ZeRO shards over a process group, and this process has none");
   }
   // Sequence parallelism: between its split layers the model holds 1/T of each sequence.
   const int sequence_split = layout.sequence_parallel() ? layout.tensor_parallel_size() : 1;
@@ -111,7 +132,9 @@ StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& lay
   // tensor-parallel slices, or its pipeline stages) and runs its zigzag shard of each sequence,
   // attention passing keys and values round the group (each stage's ring its own).
   if (C > 1) model->set_context_parallel(context_parallel::make_context_parallel_group(groups.context));
-  StepParts parts = pipelined ? cut_pipeline(model, layout, groups, settings) : whole_model_step(model, groups, settings);
+  StepParts parts = pipelined           ? cut_pipeline(model, layout, groups, settings)
+                    : settings.stages ? in_process_stages(model, settings)
+                                      : whole_model_step(model, groups, settings);
   if (C > 1 || sequence_split > 1) {  // the batch's sequences padded to what the splits divide, and sharded
     parts.forward_backward =
         context_parallel(std::move(parts.forward_backward), C, groups.context.rank, sequence_split);

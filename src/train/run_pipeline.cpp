@@ -91,7 +91,11 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
   if (pipeline.mode == ModelParallelMode::kSingleDevice) {
     if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
     model->to(at.devices.front().torch_device());
-    return std::make_unique<GPT2TrainStep>(model, f.optimizer_settings(), nullptr, settings);
+    StepComposition composition;  // one process, no process group: the whole model and its AdamW
+    composition.optimizer = f.optimizer_settings();
+    StepParts parts = compose_step(model, parallel::Layout::create(1), parallel::ProcessGroups{}, composition);
+    return std::make_unique<GPT2TrainStep>(model, std::move(parts.forward_backward), std::move(parts.optimizer),
+                                           nullptr, settings);
   }
   PipelineScheduleConfig flags = pipe;
   if (!pipelined) {

@@ -1,6 +1,7 @@
 // The composition point: which parts each data-parallel choice gives a layout without pipeline
-// stages, on a world of one rank, and the options it refuses. Multi-rank layouts compose through
-// it in every run_data_parallel test.
+// stages, on a world of one rank; what one process without a process group gets (run_pipeline's
+// steps); and the options it refuses. Multi-rank layouts compose through it in every
+// run_data_parallel test.
 #include "harness/train/compose_step.h"
 
 #include <gtest/gtest.h>
@@ -73,6 +74,40 @@ TEST(ComposeStep, StageOptionsWithoutPipelineStagesAreRefused) {
     FAIL() << "stage options on a layout without stages were accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("without pipeline stages"), std::string::npos) << e.what();
+  }
+}
+
+// run_pipeline's process has no process group: the whole model and its AdamW without a
+// synchronizer, or, given stage options, its stages over its devices; ZeRO has nothing to shard over.
+TEST(ComposeStep, OneProcessWithoutAGroupGetsTheWholeModelOrItsStages) {
+  const parallel::Layout layout = parallel::Layout::create(1);
+  StepComposition settings;
+  StepParts whole = compose_step(tiny_model(), layout, parallel::ProcessGroups{}, settings);
+  ASSERT_NE(whole.forward_backward, nullptr);
+  ASSERT_NE(whole.optimizer, nullptr);
+  EXPECT_EQ(whole.sync, nullptr);
+  EXPECT_EQ(whole.stages, nullptr);
+
+  PipelineStepOptions options;
+  options.devices = {Device::cpu(0), Device::cpu(1)};
+  options.schedule = "1f1b";
+  options.micro_batches = 2;
+  options.threads_per_device = 1;
+  settings.stages = options;
+  StepParts staged = compose_step(tiny_model(), layout, parallel::ProcessGroups{}, settings);
+  ASSERT_NE(staged.stages, nullptr);
+  EXPECT_EQ(staged.forward_backward.get(), staged.stages);
+  EXPECT_EQ(staged.stages->stages(), 2);
+  EXPECT_EQ(staged.sync, nullptr);
+  ASSERT_NE(staged.optimizer, nullptr);
+
+  settings.stages.reset();
+  settings.data_parallel.zero_stage = 1;
+  try {
+    compose_step(tiny_model(), layout, parallel::ProcessGroups{}, settings);
+    FAIL() << "ZeRO without a process group was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("ZeRO shards over a process group"), std::string::npos) << e.what();
   }
 }
 

@@ -1,8 +1,11 @@
-// Where a training step is composed, for every layout: the model (already split over its
-// tensor-parallel group) is given its context-parallel group where C > 1, cut into this rank's
-// pipeline stages where P > 1, then the data-parallel choice is made (replicated gradients,
-// ZeRO-1/2's buckets or ZeRO-3's units) over the ranks that hold the same slice of it (D x C). Each part is chosen once, here, from the validated layout and typed
-// settings; the programs never reach inside.
+// Where a training step is composed, for every layout and both programs: the model (already split
+// over its tensor-parallel group) is switched to sequence parallelism where asked, given its
+// context-parallel group where C > 1, cut into this rank's pipeline stages where P > 1, then the
+// data-parallel choice is made (replicated gradients, ZeRO-1/2's buckets or ZeRO-3's units) over
+// the ranks that hold the same slice of it (D x C). Each part is chosen once, here, from the
+// validated layout and typed settings; the programs never reach inside. run_pipeline's process
+// has no process group: one rank, empty ProcessGroups, and its stages (over its devices' threads)
+// where it gives stage options.
 #pragma once
 
 #include <memory>
@@ -32,7 +35,8 @@ struct DataParallelSettings {
 struct StepComposition {
   OptimizerSettings optimizer;
   DataParallelSettings data_parallel;
-  // P > 1: this rank's stages (the schedule, its micro-batches, the balance, this rank's device).
+  // P > 1: this rank's stages (the schedule, its micro-batches, the balance, this rank's device);
+  // one process without a process group: its stages over its devices (run_pipeline).
   std::optional<PipelineStepOptions> stages;
   bool debug_sync = false;  // the pipeline's exchanges recorded in its group's store
 };
@@ -46,8 +50,8 @@ struct StepParts {
   PipelineForwardBackward* stages = nullptr;
 };
 
-// Throws std::invalid_argument when `settings` disagree with `layout` (stages without P > 1, or
-// P > 1 without them).
+// Throws std::invalid_argument when `settings` disagree with `layout` (stages without P > 1 in a
+// process group, or P > 1 without them), or for ZeRO without a process group.
 StepParts compose_step(model::GPT2LMHeadModel model, const parallel::Layout& layout,
                        const parallel::ProcessGroups& groups, const StepComposition& settings);
 

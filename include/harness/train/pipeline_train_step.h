@@ -1,8 +1,10 @@
-// run_pipeline's training step as one object: a GPT2TrainStep made of a PipelineForwardBackward
-// over this process's devices, replicated AdamW and no gradient synchronizer. It only builds those
-// parts and overrides nothing; its accessors reach the pipeline part.
+// run_pipeline's training step as one object: a GPT2TrainStep made of the parts compose_step gives
+// one process without a process group and with stage options (a PipelineForwardBackward over this
+// process's devices, replicated AdamW, no gradient synchronizer). It overrides nothing; its
+// accessors reach the pipeline part.
 #pragma once
 
+#include "harness/train/compose_step.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/train_step.h"
 
@@ -25,6 +27,8 @@ class PipelineTrainStep final : public GPT2TrainStep {
   pipeline::ScheduleExecutor& executor() { return pipeline_->executor(); }
 
  private:
+  PipelineTrainStep(model::GPT2LMHeadModel model, StepParts parts, TrainStepSettings settings);
+
   PipelineForwardBackward* pipeline_;
 };
 
