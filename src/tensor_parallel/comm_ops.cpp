@@ -62,9 +62,53 @@ at::Tensor parts_joined(const at::Tensor& stacked, int64_t dim) {
   return moved.reshape(sizes);
 }
 
+// One step of a ring over the group's send/recv: `to_next` to rank + 1, `from_previous` filled by
+// rank - 1. Odd ranks receive first and even ranks send first, which breaks the cycle of waits
+// where a backend serialises a pair's operations.
+void ring_step(const Group& group, at::Tensor to_next, at::Tensor from_previous, int tag) {
+  const int size = group->getSize(), rank = group->getRank();
+  std::vector<at::Tensor> send{std::move(to_next)}, receive{std::move(from_previous)};
+  c10::intrusive_ptr<c10d::Work> sent, received;
+  if (rank % 2 == 1) received = group->recv(receive, (rank + size - 1) % size, tag);
+  sent = group->send(send, (rank + 1) % size, tag);
+  if (rank % 2 == 0) received = group->recv(receive, (rank + size - 1) % size, tag);
+  sent->wait();
+  received->wait();
+}
+
+constexpr int kRingTag = 0x5e9;  // the tensor group's only point-to-point traffic
+
+// On the CPU (Gloo) the parts go round a ring straight into and out of their slots of [T, ...]:
+// Gloo's own all-gather and reduce-scatter copy through flat buffers of their own on the way.
+at::Tensor ring_gather(const at::Tensor& mine, const Group& group) {
+  const int size = group->getSize(), rank = group->getRank();
+  std::vector<int64_t> sizes = mine.sizes().vec();
+  sizes.insert(sizes.begin(), size);
+  at::Tensor all = at::empty(sizes, mine.options());
+  all[rank].copy_(mine);
+  for (int step = 0; step + 1 < size; ++step) {  // pass on what came in the step before
+    ring_step(group, all[(rank - step + size) % size], all[(rank - step - 1 + 2 * size) % size], kRingTag);
+  }
+  return all;
+}
+
+at::Tensor ring_reduce_scatter(const at::Tensor& stacked, const Group& group) {
+  const int size = group->getSize(), rank = group->getRank();
+  // Step s sends the partial sum of part rank - s - 1 and adds this rank's share to the partial
+  // sum of part rank - s - 2 that arrives; after T - 1 steps that part is this rank's, whole.
+  at::Tensor partial = stacked[(rank - 1 + size) % size].clone();
+  for (int step = 0; step + 1 < size; ++step) {
+    at::Tensor arrived = at::empty_like(partial);
+    ring_step(group, partial, arrived, kRingTag);
+    partial = arrived.add_(stacked[(rank - step - 2 + 2 * size) % size]);
+  }
+  return partial;
+}
+
 at::Tensor gather_along(const at::Tensor& x, int64_t dim, const Group& group) {
   const int size = group->getSize();
   if (size == 1) return x.clone();
+  if (x.is_cpu()) return parts_joined(ring_gather(x.contiguous(), group), dim);
   // The flat collectives join and split along the first dimension: [T * n0, ...].
   at::Tensor mine = x.contiguous().unsqueeze(0);
   std::vector<int64_t> sizes = mine.sizes().vec();
@@ -83,6 +127,7 @@ at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const Group& g
   }
   if (size == 1) return x.clone();
   at::Tensor stacked = parts_in_front(x, dim, size);
+  if (stacked.is_cpu()) return ring_reduce_scatter(stacked, group);
   std::vector<int64_t> part_sizes = stacked.sizes().vec();
   part_sizes[0] = 1;  // [T, ...] in, this rank's [1, ...] out
   at::Tensor mine = at::empty(part_sizes, stacked.options());
