@@ -50,20 +50,8 @@ void ring_on_flat(const DistContext& ctx, at::Tensor& flat, int tag_space) {
   const at::Tensor scratch = at::empty({ring_chunk_bounds(numel, n, 0).second}, flat.options());
 
   auto exchange = [&](int step, at::Tensor send_chunk, at::Tensor recv_into) {
-    // Both sides know every chunk's length, so an empty chunk is skipped on both.
-    const int tag = tag_space * kTagSpaceSize + step;
-    c10::intrusive_ptr<c10d::Work> recv_work, send_work;
-    std::vector<at::Tensor> recv_tensors{recv_into}, send_tensors{send_chunk};
     try {
-      // Gloo posts both without blocking. NCCL serialises the ops on one pair's communicator, so
-      // with N = 2 (left == right) both ranks receiving first would deadlock: odd ranks receive
-      // first, even ranks send first, which breaks every cycle of waits around the ring.
-      const bool receive_first = r % 2 == 1;
-      if (receive_first && recv_into.numel() > 0) recv_work = ctx.group->recv(recv_tensors, left, tag);
-      if (send_chunk.numel() > 0) send_work = ctx.group->send(send_tensors, right, tag);
-      if (!receive_first && recv_into.numel() > 0) recv_work = ctx.group->recv(recv_tensors, left, tag);
-      if (send_work) send_work->wait();
-      if (recv_work) recv_work->wait();
+      ring_exchange(ctx.group, send_chunk, recv_into, tag_space * kTagSpaceSize + step);
     } catch (const std::exception& e) {
       const std::string what = e.what();
       throw std::runtime_error("ring_all_reduce: rank " + std::to_string(r) + " of " +
@@ -91,6 +79,19 @@ void ring_on_flat(const DistContext& ctx, at::Tensor& flat, int tag_space) {
 }
 
 }  // namespace
+
+void ring_exchange(const c10::intrusive_ptr<c10d::Backend>& group, const at::Tensor& to_next,
+                   const at::Tensor& from_previous, int tag) {
+  const int n = group->getSize(), r = group->getRank();
+  std::vector<at::Tensor> send_tensors{to_next}, recv_tensors{from_previous};
+  c10::intrusive_ptr<c10d::Work> sent, received;
+  const bool receive_first = r % 2 == 1;
+  if (receive_first && from_previous.numel() > 0) received = group->recv(recv_tensors, wrap(r - 1, n), tag);
+  if (to_next.numel() > 0) sent = group->send(send_tensors, wrap(r + 1, n), tag);
+  if (!receive_first && from_previous.numel() > 0) received = group->recv(recv_tensors, wrap(r - 1, n), tag);
+  if (sent) sent->wait();
+  if (received) received->wait();
+}
 
 AllReduceAlgorithm parse_allreduce_algorithm(const std::string& name) {
   if (name == "builtin") return AllReduceAlgorithm::kBuiltin;

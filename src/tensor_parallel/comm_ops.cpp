@@ -6,6 +6,8 @@
 
 #include <stdexcept>
 
+#include "harness/data_parallel/ring_all_reduce.h"
+
 namespace harness::tensor_parallel {
 namespace {
 
@@ -62,20 +64,6 @@ at::Tensor parts_joined(const at::Tensor& stacked, int64_t dim) {
   return moved.reshape(sizes);
 }
 
-// One step of a ring over the group's send/recv: `to_next` to rank + 1, `from_previous` filled by
-// rank - 1. Odd ranks receive first and even ranks send first, which breaks the cycle of waits
-// where a backend serialises a pair's operations.
-void ring_step(const Group& group, at::Tensor to_next, at::Tensor from_previous, int tag) {
-  const int size = group->getSize(), rank = group->getRank();
-  std::vector<at::Tensor> send{std::move(to_next)}, receive{std::move(from_previous)};
-  c10::intrusive_ptr<c10d::Work> sent, received;
-  if (rank % 2 == 1) received = group->recv(receive, (rank + size - 1) % size, tag);
-  sent = group->send(send, (rank + 1) % size, tag);
-  if (rank % 2 == 0) received = group->recv(receive, (rank + size - 1) % size, tag);
-  sent->wait();
-  received->wait();
-}
-
 constexpr int kRingTag = 0x5e9;  // the tensor group's only point-to-point traffic
 
 // On the CPU (Gloo) the parts go round a ring straight into and out of their slots of [T, ...]:
@@ -87,7 +75,7 @@ at::Tensor ring_gather(const at::Tensor& mine, const Group& group) {
   at::Tensor all = at::empty(sizes, mine.options());
   all[rank].copy_(mine);
   for (int step = 0; step + 1 < size; ++step) {  // pass on what came in the step before
-    ring_step(group, all[(rank - step + size) % size], all[(rank - step - 1 + 2 * size) % size], kRingTag);
+    dp::ring_exchange(group, all[(rank - step + size) % size], all[(rank - step - 1 + 2 * size) % size], kRingTag);
   }
   return all;
 }
@@ -99,7 +87,7 @@ at::Tensor ring_reduce_scatter(const at::Tensor& stacked, const Group& group) {
   at::Tensor partial = stacked[(rank - 1 + size) % size].clone();
   for (int step = 0; step + 1 < size; ++step) {
     at::Tensor arrived = at::empty_like(partial);
-    ring_step(group, partial, arrived, kRingTag);
+    dp::ring_exchange(group, partial, arrived, kRingTag);
     partial = arrived.add_(stacked[(rank - step - 2 + 2 * size) % size]);
   }
   return partial;

@@ -32,6 +32,14 @@ std::string to_string(AllReduceAlgorithm algorithm);
 // numel % world_size chunks are one element longer; with numel < world_size some are empty.
 std::pair<int64_t, int64_t> ring_chunk_bounds(int64_t numel, int world_size, int chunk);
 
+// One step of a ring over `group`'s send/recv: `to_next` goes to rank + 1 and `from_previous` is
+// filled by rank - 1, both with `tag`; an empty tensor is neither sent nor received (both sides
+// know every length). Odd ranks receive first and even ranks send first, which breaks every cycle
+// of waits where a backend serialises a pair's operations (NCCL with two ranks, where
+// left == right). Blocks until both are done. Both tensors contiguous.
+void ring_exchange(const c10::intrusive_ptr<c10d::Backend>& group, const at::Tensor& to_next,
+                   const at::Tensor& from_previous, int tag);
+
 // In-place ring all-reduce of one dense tensor (any shape; a non-contiguous one goes through a
 // contiguous buffer). Step s of the scatter-reduce: rank r sends chunk (r - s) mod N to rank
 // r + 1 and adds the chunk (r - s - 1) mod N it receives from rank r - 1; after N - 1 steps rank r
