@@ -83,21 +83,20 @@ class ContextSum : public torch::autograd::Function<ContextSum> {
   }
 };
 
-// LayerNorm on x; `split_over` set (sequence parallelism), x is one rank's part of the sequence,
-// so the weight's and bias's gradients are partial: copy_to_region sums them over the group.
+// LayerNorm on x; `split_over` set (sequence parallelism), x is one rank's part of the tokens, so
+// the weight's and bias's gradients are partial: copy_to_region sums them over the group.
 torch::Tensor layer_norm(torch::nn::LayerNorm& ln, const torch::Tensor& x, TensorParallelGroup* split_over) {
   if (split_over == nullptr) return ln(x);
   return torch::layer_norm(x, ln->options.normalized_shape(), split_over->copy_to_region(ln->weight),
                            split_over->copy_to_region(ln->bias), ln->options.eps());
 }
 
-// Dropout on x; `split_over` set, x is one rank's part of the sequence, and its mask comes from
-// the rank's own stream (the parts are different tokens), the default generator left in step.
+// Dropout on x; `split_over` set, x is one rank's part of the tokens, and its mask comes from the
+// rank's own stream (the parts are different tokens), the default generator left in step.
 torch::Tensor split_dropout(const torch::Tensor& x, torch::nn::Dropout& module, TensorParallelGroup* split_over) {
   if (split_over == nullptr || !module->is_training() || module->options.p() == 0.0) return model::dropout(x, module);
   return split_over->run_in_rank_stream(x.device(), [&] { return model::dropout(x, module); });
 }
-
 
 }  // namespace
 

@@ -324,8 +324,9 @@ void sequence_collectives_scenario(const dp::DistContext& tp) {
   dp::barrier(tp);
 }
 
-// GPT-2 with sequence parallelism over T = 2: each rank holds half of every sequence between the
-// split layers, and the loss, every gradient and the logits are the unsplit model's.
+// GPT-2 with sequence parallelism over T = 2: each rank holds half of the batch's tokens between
+// the split layers (half of every sequence, or half of the rows), and the loss, every gradient and
+// the logits are the unsplit model's.
 void sequence_parallel_gpt2_scenario(const dp::DistContext& tp) {
   const model::GPT2Config config = testing::tiny_config();
   const auto group = make_tensor_parallel_group(tp);

@@ -10,8 +10,8 @@
 // shard of every sequence (context_parallel.h): attention is ring attention over the group, the
 // position embeddings are the shard's true positions, and the loss is the whole sequence's.
 // With sequence parallelism on a tensor-parallel group (set_sequence_parallel), the hidden states
-// between the split layers (LayerNorm, dropout, the residual stream) are split along the sequence
-// over the group too: each rank holds 1/T of those activations (Megatron's).
+// between the split layers (LayerNorm, dropout, the residual stream) are split over the group too,
+// by rows or along the sequence: each rank holds 1/T of those activations (Megatron's).
 #pragma once
 
 #include <torch/nn/module.h>

@@ -72,8 +72,8 @@ class TensorParallelGroup {
   virtual at::Tensor reduce_from_region(const at::Tensor& x) = 0;
   // Every rank's x in rank order, outside autograd (gathering shards to save or compare).
   virtual std::vector<at::Tensor> all_gather(const at::Tensor& x) = 0;
-  // Sequence parallelism (Megatron's): activations split along dimension `dim` (the sequence)
-  // into T equal parts, rank t holding part t.
+  // Sequence parallelism (Megatron's): activations split along dimension `dim` (the rows or the
+  // sequence) into T equal parts, rank t holding part t.
   //   gather_sequence          forward: every rank's part, joined along dim in rank order;
   //                            backward: the gradient summed over the group, this rank's part kept.
   //   reduce_scatter_sequence  forward: x (whole along dim, a partial sum on each rank) summed over
