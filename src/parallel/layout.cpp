@@ -42,13 +42,6 @@ Layout Layout::create(int world_size, const LayoutSizes& sizes) {
   if (sizes.zero_stage < 0 || sizes.zero_stage > 3) {
     throw std::invalid_argument("--zero_stage " + std::to_string(sizes.zero_stage) + ": expected 0, 1, 2 or 3");
   }
-  if (sizes.zero_stage == 3 && sizes.pipeline > 1) {
-    throw std::invalid_argument("--zero_stage 3 gathers every unit (GPT-2's blocks) in every step's forward and backward "
-                                "on each data-parallel rank: it does not combine with --pipeline_parallel_size " +
-                                std::to_string(sizes.pipeline) +
-                                " (each stage's units would have to be gathered within its stage's schedule; use "
-                                "--zero_stage 1 or 2 there)");
-  }
   if (sizes.sequence_parallel && sizes.tensor < 2) {
     throw std::invalid_argument("--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
                                 "--tensor_parallel_size 2 or more, not " + std::to_string(sizes.tensor));

@@ -27,9 +27,10 @@ std::unique_ptr<dp::BucketedAllReduce> zero_buckets(const DataParallelSettings& 
 }
 
 // P > 1: this rank's stages, the others' activations and gradients coming by send/recv, and an
-// AdamW on what the stages hold, averaged over the stage's replicas (sharded over them by ZeRO-1/2).
-// A stage holding the tied wte gives it a bucket of its own, so that the first and the last
-// stage's chunks of it are the same elements, summed over the embedding group.
+// AdamW on what the stages hold, averaged over the stage's replicas (sharded over them by ZeRO-1/2,
+// or the stage's units by ZeRO-3, gathered for each step). A stage holding the tied wte gives it a
+// bucket (a unit) of its own, so that the first and the last stage's chunks of it are the same
+// elements, summed over the embedding group.
 StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& layout,
                        const parallel::ProcessGroups& groups, const StepComposition& settings) {
   const DataParallelSettings& s = settings.data_parallel;
@@ -56,6 +57,16 @@ StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& lay
   if (buckets) {
     parts.optimizer = stage_adamw(model, settings.optimizer, std::move(held), buckets.get());
     parts.sync = std::move(buckets);
+    return parts;
+  }
+  if (s.zero_stage == 3) {  // the units of what the stages hold, sharded over the stage's replicas
+    auto units = std::make_unique<dp::ShardedUnits>(groups.gradient, stage_units(model, held.held));
+    if (const std::optional<size_t> wte = tied_wte_unit(*units); wte && groups.embedding) {
+      parts.stages->set_tied_gradient([zero = units.get(), u = *wte] { return zero->gradient_chunk(u); });
+    }
+    parts.forward_backward = gathered_stages(std::move(parts.forward_backward), *units);
+    parts.optimizer = stage_adamw(model, settings.optimizer, std::move(held), *units);
+    parts.sync = std::move(units);
     return parts;
   }
   if (layout.gradient_group_size() > 1) {  // a stage of the only replica has nothing to average with

@@ -50,44 +50,30 @@ data::Batch context_shard(const data::Batch& batch, int context_parallel_size, i
 
 namespace {
 
-class ContextParallelForwardBackward final : public ForwardBackward {
+class ContextParallelForwardBackward final : public WrappedForwardBackward {
  public:
   ContextParallelForwardBackward(std::unique_ptr<ForwardBackward> inner, int context_parallel_size, int rank,
                                  int sequence_parallel_size)
-      : inner_(std::move(inner)), size_(context_parallel_size), rank_(rank), sequence_(sequence_parallel_size) {
-    if (!inner_) throw std::invalid_argument("context_parallel: no forward-backward given");
-  }
+      : WrappedForwardBackward(std::move(inner), "context_parallel"),
+        size_(context_parallel_size),
+        rank_(rank),
+        sequence_(sequence_parallel_size) {}
 
   at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
                  model::Precision precision) override {
     // Every context rank holds the whole batch, so the replica's label weight needs no collective.
     at::Tensor whole = weight_sum;
     if (!whole.defined()) {
-      whole = batch.label_token_weights.to(inner_->loss_device(), torch::kFloat32).sum();
+      whole = batch.label_token_weights.to(loss_device(), torch::kFloat32).sum();
       if (whole.item<float>() == 0.0f) {
         throw std::invalid_argument("the batch's label_token_weights sum to 0 (no target token to learn from)");
       }
     }
-    const at::Tensor loss = inner_->run(context_shard(batch, size_, rank_, sequence_), whole / size_, k, precision);
+    const at::Tensor loss = inner().run(context_shard(batch, size_, rank_, sequence_), whole / size_, k, precision);
     return loss.defined() ? loss / size_ : loss;
-  }
-  void finish_gradients() override { inner_->finish_gradients(); }
-  double step_loss(const at::Tensor& local) override { return inner_->step_loss(local); }
-  int64_t gradient_accumulations(const data::Batch& batch) const override {
-    return inner_->gradient_accumulations(batch);
-  }
-  c10::Device input_device() const override { return inner_->input_device(); }
-  c10::Device loss_device() const override { return inner_->loss_device(); }
-  void set_global_step(int64_t global_step) override { inner_->set_global_step(global_step); }
-  std::optional<double> validation_loss(data::BatchLoader& loader) override { return inner_->validation_loss(loader); }
-  std::optional<std::vector<std::string>> generate(const data::Tokenizer& tokenizer,
-                                                   const std::vector<data::TranslationExample>& examples,
-                                                   int64_t model_max_length, bool show_progress) override {
-    return inner_->generate(tokenizer, examples, model_max_length, show_progress);
   }
 
  private:
-  std::unique_ptr<ForwardBackward> inner_;
   int size_;
   int rank_;
   int sequence_;

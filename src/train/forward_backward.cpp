@@ -3,7 +3,15 @@
 
 #include <torch/torch.h>
 
+#include <stdexcept>
+
 namespace harness::train {
+
+WrappedForwardBackward::WrappedForwardBackward(std::unique_ptr<ForwardBackward> inner, const std::string& what)
+    : inner_(std::move(inner)) {
+  if (!inner_) throw std::invalid_argument(what + ": no forward-backward given");
+}
+
 namespace {
 
 class WholeModel final : public ForwardBackward {

@@ -145,6 +145,9 @@ int64_t peak_activation_bytes(const pipeline::TrainingSchedule& schedule, const 
   return peak;
 }
 
+// largest_unit < 0: ZeRO-3 inside pipeline stages, every unit of the rank's stages gathered for
+// the whole step (its weights, and its gradients until its last micro-batch's backward), beside
+// the chunks.
 void apply_zero(RankMemory& r, const MemoryPlanInput& in, int64_t largest_unit) {
   const int64_t psi = r.parameters, D = in.data_parallel_size;
   const int64_t shard = ceil_div(psi, D);
@@ -156,7 +159,10 @@ void apply_zero(RankMemory& r, const MemoryPlanInput& in, int64_t largest_unit) 
     const int64_t bucket = static_cast<int64_t>(in.bucket_cap_mb * 1024.0 * 1024.0);
     r.gradient_bytes = std::min(4 * psi, 4 * shard + bucket);
   }
-  if (in.zero_stage >= 3) {
+  if (in.zero_stage >= 3 && largest_unit < 0) {
+    r.weight_bytes = 4 * shard + 4 * psi;
+    r.gradient_bytes = 4 * shard + 4 * psi;
+  } else if (in.zero_stage >= 3) {
     const int64_t in_flight = std::min(psi, (in.zero_prefetch + 1) * largest_unit);
     r.weight_bytes = std::min(4 * psi, 4 * shard + 4 * in_flight);
     r.gradient_bytes = std::min(4 * psi, 4 * shard + 4 * in_flight);
@@ -285,7 +291,6 @@ std::vector<RankMemory> pipeline_memory(const MemoryPlanInput& in) {
   const model::GPT2Config& c = in.config;
   const int T = in.tensor_parallel_size;
   const ActivationCosts cost = activation_costs(in);
-  const int64_t block = attention_parameters(c, T) + mlp_parameters(c, T);
   const int group = in.data_parallel_size * T;  // ranks of one pipeline device (run_data_parallel)
   const int P = in.pipeline_devices, S = P * in.virtual_stages;
   const std::vector<int> halves = stage_halves(in, S);
@@ -315,23 +320,16 @@ std::vector<RankMemory> pipeline_memory(const MemoryPlanInput& in) {
     r.who = rank_label(in, r.ranks);
     std::vector<int> stages;
     std::string units;
-    int64_t largest = 0;
     for (int s = d; s < S; s += P) {
       stages.push_back(s);
       units += (units.empty() ? "" : ",") + run_text(first_unit[s], first_unit[s + 1]);
-      int64_t block_of_stage = 0;
-      for (int64_t u = first_unit[s]; u < first_unit[s + 1]; ++u) {
-        r.parameters += unit_parameters(c, T, u);
-        block_of_stage += unit_parameters(c, T, u);
-      }
-      largest = std::max(largest, std::min(block, block_of_stage));
+      for (int64_t u = first_unit[s]; u < first_unit[s + 1]; ++u) r.parameters += unit_parameters(c, T, u);
     }
     const bool first = d == 0, last = (S - 1) % P == d;
     std::string extras;
     if (first) {
       r.parameters += embedding_parameters(c, T);
       extras += ", wte, wpe";
-      largest = std::max(largest, embedding_parameters(c, T));
     }
     if (last) {
       r.parameters += 2 * c.n_embd;
@@ -339,12 +337,11 @@ std::vector<RankMemory> pipeline_memory(const MemoryPlanInput& in) {
       if (!first) {  // the tied head's own copy of wte
         r.parameters += vocabulary_rows(c, T) * c.n_embd;
         extras += ", wte (tied head)";
-        largest = std::max(largest, vocabulary_rows(c, T) * c.n_embd);
       }
     }
     r.holds = std::string(stages.size() == 1 ? "stage " : "stages ") + numbers_text(stages) + ": block halves " +
               units + extras;
-    apply_zero(r, in, largest);
+    apply_zero(r, in, /*largest_unit=*/-1);
     r.activation_bytes = peak_activation_bytes(schedule, checkpointed, d, full, input);
     kinds.push_back(r);
   }

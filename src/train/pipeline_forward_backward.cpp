@@ -230,6 +230,11 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
   return loss;
 }
 
+void PipelineForwardBackward::set_tied_gradient(std::function<at::Tensor()> tied_gradient) {
+  if (!processes_) throw std::logic_error("PipelineForwardBackward: a tied gradient's place is for stages that are processes");
+  processes_->tied_gradient = std::move(tied_gradient);
+}
+
 void PipelineForwardBackward::finish_gradients() {
   ++global_step_;
   torch::NoGradGuard no_grad;

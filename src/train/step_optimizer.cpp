@@ -700,7 +700,8 @@ void LayoutAdamW::load_state(const model::NamedTensors& weights, const Optimizer
   materialize_others();
   if (state_->keeps_weights()) {
     model_->load_full_state(weights, [&](const std::string& name, const at::Tensor& local) {
-      state_->load_weight(*held_index(name), local);
+      // Another stage's parameter is that stage's to keep (its storage here let go at the next step).
+      if (const std::optional<size_t> held = held_index(name)) state_->load_weight(*held, local);
     });
   } else {
     model_->load_full_state(weights);
@@ -765,6 +766,11 @@ std::function<std::unique_ptr<HeldAdamW>(const NamedParameters&)> held_adamw(
   };
 }
 
+std::function<std::unique_ptr<HeldAdamW>(const NamedParameters&)> unit_moments(const OptimizerSettings& settings,
+                                                                               data_parallel::ShardedUnits& units) {
+  return [settings, &units](const NamedParameters& held) { return std::make_unique<UnitMoments>(held, settings, units); };
+}
+
 }  // namespace
 
 double clip_coefficient(double norm, double max_norm) {
@@ -787,15 +793,19 @@ std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const
 std::unique_ptr<StepOptimizer> unit_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                           data_parallel::ShardedUnits& units) {
   Placement placement = whole_model_placement(*model);
-  return std::make_unique<LayoutAdamW>(
-      std::move(model), settings, std::move(placement),
-      [settings, &units](const NamedParameters& held) { return std::make_unique<UnitMoments>(held, settings, units); });
+  return std::make_unique<LayoutAdamW>(std::move(model), settings, std::move(placement), unit_moments(settings, units));
 }
 
 std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                            PipelineStageParameters stage, data_parallel::BucketedAllReduce* zero) {
   Placement placement = stage_placement(*model, std::move(stage));
   return std::make_unique<LayoutAdamW>(std::move(model), settings, std::move(placement), held_adamw(settings, zero));
+}
+
+std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
+                                           PipelineStageParameters stage, data_parallel::ShardedUnits& units) {
+  Placement placement = stage_placement(*model, std::move(stage));
+  return std::make_unique<LayoutAdamW>(std::move(model), settings, std::move(placement), unit_moments(settings, units));
 }
 
 }  // namespace harness::train

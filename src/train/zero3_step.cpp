@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <map>
 #include <stdexcept>
 
 #include "harness/model/precision.h"
@@ -69,7 +71,81 @@ class Zero3ForwardBackward final : public ForwardBackward {
   std::vector<size_t> order_;
 };
 
+class GatheredStages final : public WrappedForwardBackward {
+ public:
+  GatheredStages(std::unique_ptr<ForwardBackward> stages, dp::ShardedUnits& units)
+      : WrappedForwardBackward(std::move(stages), "gathered_stages"), units_(units) {}
+
+  at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
+                 model::Precision precision) override {
+    // Every all-gather started at once, then each waited for: the first stage's first units are
+    // ready soonest, and the later stages wait for activations anyway.
+    for (size_t u = 0; u < units_.size(); ++u) units_.gather(u);
+    for (size_t u = 0; u < units_.size(); ++u) units_.wait(u);
+    return inner().run(batch, weight_sum, k, precision);
+  }
+  std::optional<double> validation_loss(data::BatchLoader& loader) override {
+    Everything gathered(units_);
+    return inner().validation_loss(loader);
+  }
+  std::optional<std::vector<std::string>> generate(const data::Tokenizer& tokenizer,
+                                                   const std::vector<data::TranslationExample>& examples,
+                                                   int64_t model_max_length, bool show_progress) override {
+    Everything gathered(units_);
+    return inner().generate(tokenizer, examples, model_max_length, show_progress);
+  }
+
+ private:
+  // Every unit gathered for an evaluation, let go after it (an error too).
+  struct Everything {
+    explicit Everything(dp::ShardedUnits& units) : units(units) { units.gather_all(); }
+    ~Everything() { units.release_all(); }
+    Everything(const Everything&) = delete;
+    Everything& operator=(const Everything&) = delete;
+    dp::ShardedUnits& units;
+  };
+
+  dp::ShardedUnits& units_;
+};
+
+const char* const kTiedWte = "transformer.wte.weight";
+
 }  // namespace
+
+std::vector<dp::ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::vector<std::string>& held) {
+  const std::string blocks = "transformer.h.";
+  std::vector<dp::ShardedUnit> units;
+  std::map<std::string, size_t> unit_of;  // a unit's name -> its place, in the order first met
+  for (const auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    if (std::find(held.begin(), held.end(), name) == held.end()) continue;
+    std::string unit = "wpe and ln_f";
+    if (name == kTiedWte) {
+      unit = kTiedWte;
+    } else if (name.rfind(blocks, 0) == 0) {
+      unit = "h." + name.substr(blocks.size(), name.find('.', blocks.size()) - blocks.size());
+    }
+    auto [it, added] = unit_of.emplace(unit, units.size());
+    if (added) units.push_back({unit, {}, {}, {}});
+    dp::ShardedUnit& u = units[it->second];
+    u.names.push_back(name);
+    u.parameters.push_back(item.value());
+    u.accumulations.push_back(1);
+  }
+  if (units.empty()) throw std::invalid_argument("--zero_stage 3: this process's pipeline stages hold no parameter");
+  return units;
+}
+
+std::optional<size_t> tied_wte_unit(const dp::ShardedUnits& units) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (units.unit(u).name == kTiedWte) return u;
+  }
+  return std::nullopt;
+}
+
+std::unique_ptr<ForwardBackward> gathered_stages(std::unique_ptr<ForwardBackward> stages, dp::ShardedUnits& units) {
+  return std::make_unique<GatheredStages>(std::move(stages), units);
+}
 
 std::vector<dp::ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model) {
   const int64_t L = model->config().n_layer;

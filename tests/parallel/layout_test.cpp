@@ -229,8 +229,10 @@ TEST(Layout, RefusalsNameTheFlagsAndValues) {
                  "--world_size 12 is not divisible by --context_parallel_size 2 x --tensor_parallel_size 2 x "
                  "--pipeline_parallel_size 2 = 8 (world size = data-parallel x context-parallel x tensor-parallel x "
                  "pipeline-parallel size)", 2);
-  expect_refused(4, 1, 2, 3, "--zero_stage 3 gathers every unit (GPT-2's blocks) in every step's forward and backward "
-                             "on each data-parallel rank: it does not combine with --pipeline_parallel_size 2");
+  // ZeRO-3 shards each pipeline stage's units over the stage's data-parallel group.
+  const Layout staged = Layout::create(4, sizes(1, 2, 3));
+  EXPECT_EQ(staged.data_parallel_size(), 2);
+  EXPECT_EQ(staged.zero_stage(), 3);
   EXPECT_EQ(Layout::create(4, sizes(1, 1, 3)).data_parallel_size(), 4);
   // ZeRO-3 shards each tensor-parallel rank's slices of every unit over its data-parallel group.
   EXPECT_EQ(Layout::create(4, sizes(2, 1, 3)).data_parallel_size(), 2);

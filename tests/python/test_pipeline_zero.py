@@ -1,11 +1,14 @@
-"""run_data_parallel --zero_stage 1 inside pipeline stages and tensor-parallel shards: each stage's
+"""run_data_parallel --zero_stage 1 and 3 inside pipeline stages and tensor-parallel shards: each stage's
 AdamW state is sharded over the stage's data-parallel group (the tied wte in a bucket of its own on
 the first and the last stage, so that their chunks of it are the same elements, summed over the
 embedding group). After three AdamW steps with dropout 0 the weights equal the unsharded layout's
 (only the order of sums differs: 1e-5 of the update) and plain data parallelism's (1e-3); --pytest's
 gradients are the whole model's with the tied embeddings summed; the stage's state is half its
 unsharded size on two data-parallel ranks; a sharded stage checkpoint resumes unsharded elsewhere
-and an unsharded one resumes sharded. gpt2-tiny, a few batches, at most 8 processes."""
+and an unsharded one resumes sharded. Under ZeRO-3 each stage's units (its blocks, wte alone, and
+wpe or ln_f) are sharded the same way and gathered for each step: (2,1,1,2) trains like the
+unsharded stages, its gradients are the whole model's, and a checkpoint resumes into it bit for
+bit. gpt2-tiny, a few batches, at most 8 processes."""
 import os
 import re
 import sys
@@ -20,6 +23,7 @@ from test_pipeline_processes import COMMON, LR, STEPS, train  # noqa: E402
 
 STAGES = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
 ZERO = ["--zero_stage", "1"]
+ZERO3 = ["--zero_stage", "3"]
 STATE = re.compile(r"--zero_stage 1 keeps (\d+) bytes of AdamW state on rank 0 \(replicated: (\d+)")
 
 
@@ -37,6 +41,17 @@ class ShardedStages(unittest.TestCase):
                 self.assertIn("zero_stage=1", proc.stderr)
                 self.same(sharded, unsharded, name + ": ZeRO-1 against unsharded stages", 1e-5)
                 self.same(sharded, plain, name + ": ZeRO-1 stages against data parallelism", 1e-3)
+            # (2,1,1,2) under ZeRO-3: each stage's units sharded over its two replicas, gathered for
+            # each step; the wte unit's chunks summed over the embedding group.
+            units, proc = train(tmp, "d2p2_zero3", "gpt2-tiny", 4, STAGES + ZERO3)
+            self.assertIn("zero_stage=3", proc.stderr)
+            self.same(units, os.path.join(tmp, "d2p2"), "(2,1,1,2): ZeRO-3 against unsharded stages", 1e-5)
+            self.same(units, plain, "(2,1,1,2): ZeRO-3 stages against data parallelism", 1e-3)
+            # Rank 0 (stage 0) gathered its stage's units, no more: wpe, wte and its blocks.
+            held = int(re.search(r"\((\d+) parameters, (\d+) held on rank 0\)", proc.stderr).group(2))
+            gathered = int(re.search(r"--zero_stage 3 held at most (\d+) bytes", proc.stderr).group(1))
+            self.assertGreaterEqual(gathered, 4 * held)
+            self.assertLess(gathered, 4 * held + 4 * 64 * 2)  # each unit padded to a multiple of 2
             # Interleaved: stage 0's process also holds the third of four virtual stages.
             interleaved, _ = train(tmp, "interleaved_zero", "gpt2-tiny", 4,
                                    ["--pipeline_parallel_size", "2", "--n_chunk", "2", "--pipeline_schedule",
@@ -60,11 +75,12 @@ class ShardedStages(unittest.TestCase):
                      "--workdir", os.path.join(tmp, name), "--model", "gpt2-tiny"] + COMMON + extra, timeout=600)
                 return [torch.load(os.path.join(grads, f"model{r}_gradients.pth")) for r in range(world)]
             expected = gradients("dp2", 2, [])
-            got = gradients("d2p2", 4, STAGES + ZERO)
-            for rank, grads in enumerate(got):
-                want = expected[rank % 2]  # rank = p * D + d: its data-parallel rank is rank % 2
-                self.assertEqual(sorted(grads), sorted(want), f"rank {rank}")
-                self.assertEqual(gradient_problems(grads, want), [], f"rank {rank}")
+            for name, zero in (("d2p2", ZERO), ("d2p2_zero3", ZERO3)):
+                got = gradients(name, 4, STAGES + zero)
+                for rank, grads in enumerate(got):
+                    want = expected[rank % 2]  # rank = p * D + d: its data-parallel rank is rank % 2
+                    self.assertEqual(sorted(grads), sorted(want), f"{name}, rank {rank}")
+                    self.assertEqual(gradient_problems(grads, want), [], f"{name}, rank {rank}")
 
 
 class ShardedStageCheckpoints(unittest.TestCase):
@@ -79,7 +95,10 @@ class ShardedStageCheckpoints(unittest.TestCase):
                 timeout=600)
             checkpoint = os.path.join(src, "checkpoints", "step-00000004")
             checkpoint = resume_without_learning(self, ["--world_size", "1"], checkpoint, tmp, "one", epochs=2)
-            resume_without_learning(self, sharded, checkpoint, tmp, "back", epochs=3)
+            checkpoint = resume_without_learning(self, sharded, checkpoint, tmp, "back", epochs=3)
+            # And as ZeRO-3's units of the stages: each stage's chunks from the unsplit state.
+            units = ["--world_size", "4", "--pipeline_parallel_size", "2"] + ZERO3
+            resume_without_learning(self, units, checkpoint, tmp, "units", epochs=4)
 
     def test_a_sharded_stage_run_resumed_continues_like_the_run_left_alone(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -119,8 +119,9 @@ class ZeroStageThree(unittest.TestCase):
             self.assertAlmostEqual(got, want, delta=1e-4 * abs(want))
 
     def test_refusals_name_the_reason(self):
-        for extra, needle in ((["--pipeline_parallel_size", "2"], "it does not combine with --pipeline_parallel_size 2"),
-                              (["--zero_prefetch", "-1"], "--zero_prefetch -1")):
+        # (Inside pipeline stages it runs: test_pipeline_zero.py.)
+        for extra, needle in ((["--zero_prefetch", "-1"], "--zero_prefetch -1"),
+                              (["--grad_sync", "naive"], "it needs --grad_sync bucketed, not naive")):
             proc = run([DP, "--world_size", "2", "--zero_stage", "3"] + extra + TINY, check=False)
             self.assertNotEqual(proc.returncode, 0)
             self.assertIn(needle, proc.stderr)

@@ -171,6 +171,14 @@ TEST(MemoryPlan, StagesOfAPipelineShardTheirOwnState) {
   EXPECT_EQ(plan.kinds[1].weight_bytes, 462592);     // 4 x 115648
   EXPECT_EQ(plan.kinds[1].optimizer_bytes, 462592);  // 8 x 57824
   EXPECT_EQ(plan.largest_model_state().who, "ranks 0-1");
+  // ZeRO-3: a stage's chunks, and every unit of it gathered for the whole step (weights, and
+  // gradients until the last micro-batch's backward).
+  in.zero_stage = 3;
+  const MemoryPlan units = plan_memory(in);
+  EXPECT_EQ(units.kinds[0].weight_bytes, 742272);     // 4 x 61856 + 4 x 123712
+  EXPECT_EQ(units.kinds[0].gradient_bytes, 742272);
+  EXPECT_EQ(units.kinds[0].optimizer_bytes, 494848);  // 8 x 61856
+  EXPECT_EQ(units.kinds[1].weight_bytes, 693888);     // 4 x 57824 + 4 x 115648
 }
 
 TEST(MemoryPlan, ActivationsOfOneRankFollowTheShapes) {

@@ -62,6 +62,38 @@ class ForwardBackward {
   }
 };
 
+// A part that changes what another does around it (context parallelism's shards, a pipeline
+// stage's gathered ZeRO-3 units): every call goes to `inner` unless the wrapper says otherwise.
+class WrappedForwardBackward : public ForwardBackward {
+ public:
+  at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
+                 model::Precision precision) override {
+    return inner_->run(batch, weight_sum, k, precision);
+  }
+  void finish_gradients() override { inner_->finish_gradients(); }
+  double step_loss(const at::Tensor& local) override { return inner_->step_loss(local); }
+  int64_t gradient_accumulations(const data::Batch& batch) const override {
+    return inner_->gradient_accumulations(batch);
+  }
+  c10::Device input_device() const override { return inner_->input_device(); }
+  c10::Device loss_device() const override { return inner_->loss_device(); }
+  void set_global_step(int64_t global_step) override { inner_->set_global_step(global_step); }
+  std::optional<double> validation_loss(data::BatchLoader& loader) override { return inner_->validation_loss(loader); }
+  std::optional<std::vector<std::string>> generate(const data::Tokenizer& tokenizer,
+                                                   const std::vector<data::TranslationExample>& examples,
+                                                   int64_t model_max_length, bool show_progress) override {
+    return inner_->generate(tokenizer, examples, model_max_length, show_progress);
+  }
+
+ protected:
+  // Throws std::invalid_argument, naming `what`, when `inner` is null.
+  WrappedForwardBackward(std::unique_ptr<ForwardBackward> inner, const std::string& what);
+  ForwardBackward& inner() { return *inner_; }
+
+ private:
+  std::unique_ptr<ForwardBackward> inner_;
+};
+
 // The model's own forward(), then backward from the loss.
 std::unique_ptr<ForwardBackward> whole_model(model::GPT2LMHeadModel model);
 

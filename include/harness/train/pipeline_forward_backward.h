@@ -139,6 +139,9 @@ class PipelineForwardBackward final : public ForwardBackward {
   std::vector<std::string> held_parameters() const;
   // Which schedule device's stage owns `name` (wte: the first stage's).
   int owner_of(const std::string& name) const;
+  // Processes: where the first and last stages keep the tied wte's gradient from now on
+  // (PipelineProcesses::tied_gradient), for a synchronizer built over what the stages hold.
+  void set_tied_gradient(std::function<at::Tensor()> tied_gradient);
   // What the last run ran: its schedule and each device's peak of held forwards (this process's
   // only, with processes).
   const pipeline::TrainingSchedule& last_schedule() const { return last_schedule_; }

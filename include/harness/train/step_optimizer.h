@@ -119,5 +119,10 @@ struct PipelineStageParameters {
 std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                            PipelineStageParameters stage,
                                            data_parallel::BucketedAllReduce* zero = nullptr);
+// ZeRO-3 inside the stages: the held parameters' weights, gradients and moments are `units`'
+// chunks over the stage's data-parallel group (the step's synchronizer, built over the held
+// parameters; train/zero3_step.h's stage_units), as unit_adamw keeps a whole model's.
+std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
+                                           PipelineStageParameters stage, data_parallel::ShardedUnits& units);
 
 }  // namespace harness::train

@@ -16,6 +16,9 @@
 #pragma once
 
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/zero3.h"
@@ -32,6 +35,24 @@ std::vector<data_parallel::ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model
 // The order a training step uses the units in: 0, the blocks, 0 (the head), then the blocks
 // from the last to the first (their backward).
 std::vector<size_t> zero3_use_order(int64_t n_layer);
+
+// The units of pipeline stages that are processes (`held`: the parameters this process's stages
+// use, pipeline_forward_backward.h): each block's parameters held here (a block cut between two
+// stages: this stage's part of it), the tied wte alone (so that the first and the last stage's
+// chunks of it are the same elements, summed over the embedding group), and the rest held here
+// (wpe on the first stage; ln_f on the last) together. One accumulation per micro-batch each
+// (P > 1: the first and the last stage are never one process's).
+std::vector<data_parallel::ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::vector<std::string>& held);
+// The unit of `units` that is the tied wte alone (stage_units), if any.
+std::optional<size_t> tied_wte_unit(const data_parallel::ShardedUnits& units);
+
+// Pipeline stages (`stages`) under ZeRO-3, as torchtitan runs FSDP inside pipeline stages: every
+// unit of this process's stages is gathered before a step's first micro-batch and kept through
+// its schedule, since 1F1B runs a micro-batch's forward between others' backwards. A unit's
+// gradients are reduce-scattered as soon as its last micro-batch's backward completes them, and
+// its full weights let go then. Evaluation and generation gather every unit for their run.
+std::unique_ptr<ForwardBackward> gathered_stages(std::unique_ptr<ForwardBackward> stages,
+                                                 data_parallel::ShardedUnits& units);
 
 struct Zero3Parts {
   std::unique_ptr<data_parallel::ShardedUnits> units;  // the step's synchronizer
