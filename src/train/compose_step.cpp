@@ -6,9 +6,9 @@
 
 #include "harness/context_parallel/group.h"
 #include "harness/data_parallel/bucketed_all_reduce.h"
-#include "harness/data_parallel/zero3.h"
+#include "harness/train/zero/sharded_units.h"
 #include "harness/train/context_parallel_step.h"
-#include "harness/train/zero3_step.h"
+#include "harness/train/zero/zero3_step.h"
 
 namespace harness::train {
 namespace {
@@ -60,11 +60,11 @@ StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& lay
     return parts;
   }
   if (s.zero_stage == 3) {  // the units of what the stages hold, sharded over the stage's replicas
-    auto units = std::make_unique<dp::ShardedUnits>(groups.gradient, stage_units(model, held.held));
-    if (const std::optional<size_t> wte = tied_wte_unit(*units); wte && groups.embedding) {
+    auto units = std::make_unique<zero::ShardedUnits>(groups.gradient, zero::stage_units(model, held.held));
+    if (const std::optional<size_t> wte = zero::tied_wte_unit(*units); wte && groups.embedding) {
       parts.stages->set_tied_gradient([zero = units.get(), u = *wte] { return zero->gradient_chunk(u); });
     }
-    parts.forward_backward = gathered_stages(std::move(parts.forward_backward), *units);
+    parts.forward_backward = zero::gathered_stages(std::move(parts.forward_backward), *units);
     parts.optimizer = stage_adamw(model, settings.optimizer, std::move(held), *units);
     parts.sync = std::move(units);
     return parts;
@@ -91,13 +91,13 @@ StepParts in_process_stages(model::GPT2LMHeadModel model, const StepComposition&
 // P = 1: the whole model (or this rank's tensor-parallel slices of it) on this rank, its gradients
 // averaged over the replicas: replicated AdamW, ZeRO-1/2's over the buckets its reduce-scattering
 // synchronizer hands it, or ZeRO-3's units gathered around their forward and backward
-// (zero3_step.h), which are the step's synchronizer.
+// (train/zero/zero3_step.h), which are the step's synchronizer.
 StepParts whole_model_step(model::GPT2LMHeadModel model, const parallel::ProcessGroups& groups,
                            const StepComposition& settings) {
   const DataParallelSettings& s = settings.data_parallel;
   StepParts parts;
   if (s.zero_stage == 3) {
-    Zero3Parts zero3 = make_zero3(model, groups.gradient, settings.optimizer, s.zero_prefetch);
+    zero::Zero3Parts zero3 = zero::make_zero3(model, groups.gradient, settings.optimizer, s.zero_prefetch);
     parts.forward_backward = std::move(zero3.forward_backward);
     parts.optimizer = std::move(zero3.optimizer);
     parts.sync = std::move(zero3.units);

@@ -15,8 +15,8 @@
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/sharded_loader.h"
-#include "harness/data_parallel/zero.h"
-#include "harness/data_parallel/zero3.h"
+#include "harness/train/zero/sharded_adamw.h"
+#include "harness/train/zero/sharded_units.h"
 #include "harness/model/safetensors.h"
 #include "harness/parallel/layout.h"
 #include "harness/parallel/process_groups.h"
@@ -30,7 +30,7 @@
 #include "harness/train/programs.h"
 #include "harness/train/rank_agreement.h"
 #include "harness/train/compose_step.h"
-#include "harness/train/zero3_step.h"
+#include "harness/train/zero/zero3_step.h"
 
 namespace harness::train {
 namespace {
@@ -336,7 +336,7 @@ void print_zero_state(const DataParallelConfig& flags, int shards, model::GPT2LM
 
 // Rank 0's lines after training: what ZeRO-3 gathered at once and what the synchronizer sent.
 void print_after_training(const DataParallelConfig& flags, const dp::GradientSynchronizer* sync) {
-  if (const auto* units = dynamic_cast<const dp::ShardedUnits*>(sync); units != nullptr) {
+  if (const auto* units = dynamic_cast<const zero::ShardedUnits*>(sync); units != nullptr) {
     int64_t largest = 0;
     for (size_t u = 0; u < units->size(); ++u) largest = std::max(largest, units->full_bytes(u));
     std::cerr << "run_data_parallel: --zero_stage 3 held at most " << units->peak_bytes()

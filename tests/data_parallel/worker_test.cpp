@@ -21,11 +21,14 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/ring_all_reduce.h"
-#include "harness/data_parallel/zero.h"
+#include "harness/train/zero/sharded_adamw.h"
 #include "test_support.h"
 
 namespace harness::data_parallel {
 namespace {
+
+using zero::AdamWHyperparameters;
+using zero::ShardedAdamW;
 
 [[noreturn]] void sleep_then_exit(int seconds) {
   for (int i = 0; i < seconds * 10; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));

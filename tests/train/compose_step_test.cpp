@@ -9,7 +9,7 @@
 
 #include "../data_parallel/test_support.h"
 #include "harness/data_parallel/bucketed_all_reduce.h"
-#include "harness/data_parallel/zero3.h"
+#include "harness/train/zero/sharded_units.h"
 
 namespace harness::train {
 namespace {
@@ -55,7 +55,7 @@ TEST(ComposeStep, EachDataParallelChoiceGivesItsParts) {
     EXPECT_EQ(parts.stages, nullptr);
     const bool bucketed = dynamic_cast<dp::BucketedAllReduce*>(parts.sync.get()) != nullptr;
     const bool naive = dynamic_cast<dp::NaiveAllReduce*>(parts.sync.get()) != nullptr;
-    const bool units = dynamic_cast<dp::ShardedUnits*>(parts.sync.get()) != nullptr;
+    const bool units = dynamic_cast<zero::ShardedUnits*>(parts.sync.get()) != nullptr;
     EXPECT_EQ(bucketed, c.sync_kind == "bucketed");
     EXPECT_EQ(naive, c.sync_kind == "naive");
     EXPECT_EQ(units, c.sync_kind == "units");

@@ -19,6 +19,8 @@
 
 namespace harness::data_parallel {
 class BucketedAllReduce;
+}
+namespace harness::zero {
 class ShardedUnits;
 }
 
@@ -86,20 +88,20 @@ std::unique_ptr<StepOptimizer> replicated_adamw(model::GPT2LMHeadModel model, co
 
 // ZeRO-1: `gradients` (a BucketedAllReduce in kReduceScatter mode over the data-parallel group,
 // the step's synchronizer) is attached to `model` here; each rank keeps AdamW's moments for its
-// chunks (data_parallel/zero.h). The norm sums the squares of every rank's chunks of the averaged
+// chunks (train/zero/sharded_adamw.h). The norm sums the squares of every rank's chunks of the averaged
 // gradient. Split over a tensor-parallel group, each rank shards its slices over its data-parallel
 // group, and checkpoints gather the chunks, then unsplit them.
 std::unique_ptr<StepOptimizer> sharded_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
                                              data_parallel::BucketedAllReduce& gradients);
 
 // ZeRO-3: every weight, gradient and AdamW moment is `units`' chunks over the data-parallel group
-// (data_parallel/zero3.h; the step's synchronizer, built over `model`'s parameters). AdamW steps
+// (train/zero/sharded_units.h; the step's synchronizer, built over `model`'s parameters). AdamW steps
 // the chunks; the norm sums the squares of every rank's chunks (over the tensor-parallel group
 // too where the model is split, the replicated parameters once); checkpoints and the saved model
 // gather one unit at a time, then unsplit each tensor; gather_weights() gathers every unit for an
 // evaluation, until the next zero_grad().
 std::unique_ptr<StepOptimizer> unit_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
-                                          data_parallel::ShardedUnits& units);
+                                          zero::ShardedUnits& units);
 
 // Pipeline stages that are processes: what this rank's stages hold and who owns each parameter.
 struct PipelineStageParameters {
@@ -121,8 +123,8 @@ std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const O
                                            data_parallel::BucketedAllReduce* zero = nullptr);
 // ZeRO-3 inside the stages: the held parameters' weights, gradients and moments are `units`'
 // chunks over the stage's data-parallel group (the step's synchronizer, built over the held
-// parameters; train/zero3_step.h's stage_units), as unit_adamw keeps a whole model's.
+// parameters; train/zero/zero3_step.h's stage_units), as unit_adamw keeps a whole model's.
 std::unique_ptr<StepOptimizer> stage_adamw(model::GPT2LMHeadModel model, const OptimizerSettings& settings,
-                                           PipelineStageParameters stage, data_parallel::ShardedUnits& units);
+                                           PipelineStageParameters stage, zero::ShardedUnits& units);
 
 }  // namespace harness::train

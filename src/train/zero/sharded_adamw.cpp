@@ -1,14 +1,18 @@
-// ShardedAdamW (see zero.h). A bucket's flat layout is its parameters, each flattened, in
+// ShardedAdamW (see sharded_adamw.h). A bucket's flat layout is its parameters, each flattened, in
 // bucket_plan() order (as BucketedAllReduce concatenates them), zero-padded to world size x chunk;
 // rank r owns [r * chunk, (r + 1) * chunk).
-#include "harness/data_parallel/zero.h"
+#include "harness/train/zero/sharded_adamw.h"
 
 #include <torch/torch.h>
 
 #include <cmath>
 #include <stdexcept>
 
-namespace harness::data_parallel {
+namespace harness::zero {
+
+using data_parallel::ChunkOverlap;
+using data_parallel::chunk_overlap;
+using data_parallel::DistContext;
 
 ShardedAdamW::ShardedAdamW(const BucketedAllReduce& gradients, std::vector<at::Tensor> parameters,
                            AdamWHyperparameters options)
@@ -123,4 +127,4 @@ int64_t ShardedAdamW::state_bytes() const {
   return bytes;
 }
 
-}  // namespace harness::data_parallel
+}  // namespace harness::zero

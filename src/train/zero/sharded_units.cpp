@@ -1,6 +1,6 @@
-// ShardedUnits (see zero3.h). A unit's flat layout is its parameters, each flattened, in order,
+// ShardedUnits (see sharded_units.h). A unit's flat layout is its parameters, each flattened, in order,
 // zero-padded to world size x chunk; rank r owns [r * chunk, (r + 1) * chunk).
-#include "harness/data_parallel/zero3.h"
+#include "harness/train/zero/sharded_units.h"
 
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/function.h>
@@ -12,7 +12,11 @@
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/host_memory.h"
 
-namespace harness::data_parallel {
+namespace harness::zero {
+
+using data_parallel::Backend;
+using data_parallel::ChunkOverlap;
+using data_parallel::chunk_overlap;
 
 ShardedUnits::ShardedUnits(DistContext ctx, std::vector<ShardedUnit> units) : ctx_(std::move(ctx)) {
   torch::NoGradGuard no_grad;
@@ -136,7 +140,7 @@ void ShardedUnits::gather(size_t u) {
   if (ctx_.backend == Backend::kGloo) {  // as BucketedAllReduce's gathers: an all-to-all is faster here
     unit.gather_send = pooled_empty_locked(unit.chunk * ctx_.world_size, unit.weights.options());
     unit.gather_send.view({ctx_.world_size, unit.chunk}).copy_(unit.weights.unsqueeze(0).expand({ctx_.world_size, unit.chunk}));
-    unit.gathering = all_to_all_even(*ctx_.group, unit.full, unit.gather_send);
+    unit.gathering = data_parallel::all_to_all_even(*ctx_.group, unit.full, unit.gather_send);
   } else {
     unit.gathering = ctx_.group->_allgather_base(unit.full, unit.weights);
   }
@@ -250,7 +254,7 @@ void ShardedUnits::launch_reduce_locked(Unit& unit) {
   communicated_bytes_ += unit.buffer.numel() * static_cast<int64_t>(unit.buffer.element_size());
   if (ctx_.backend == Backend::kGloo) {  // every rank's copy of this rank's chunk, summed when settled
     unit.received = pooled_empty_locked(unit.buffer.numel(), unit.buffer.options());
-    unit.reducing = all_to_all_even(*ctx_.group, unit.received, unit.buffer);
+    unit.reducing = data_parallel::all_to_all_even(*ctx_.group, unit.received, unit.buffer);
   } else {
     unit.received = pooled_empty_locked(unit.chunk, unit.buffer.options());
     c10d::ReduceScatterOptions options;
@@ -349,7 +353,7 @@ std::vector<at::Tensor> ShardedUnits::gather_unit(size_t u, const at::Tensor& ch
   at::Tensor all = torch::empty({unit.chunk * ctx_.world_size}, mine.options());
   if (ctx_.backend == Backend::kGloo) {
     at::Tensor send = mine.repeat({ctx_.world_size});
-    all_to_all_even(*ctx_.group, all, send)->wait();
+    data_parallel::all_to_all_even(*ctx_.group, all, send)->wait();
   } else {
     ctx_.group->_allgather_base(all, mine)->wait();
   }
@@ -378,4 +382,4 @@ void ShardedUnits::copy_into_chunk(const Unit& unit, size_t k, const at::Tensor&
       .copy_(full.reshape({-1}).narrow(0, mine.in_tensor, mine.length).to(chunk.device(), chunk.scalar_type()));
 }
 
-}  // namespace harness::data_parallel
+}  // namespace harness::zero

@@ -31,7 +31,9 @@ namespace torch::autograd {
 struct Node;
 }
 
-namespace harness::data_parallel {
+namespace harness::zero {
+
+using data_parallel::DistContext;
 
 struct ShardedUnit {
   std::string name;                    // e.g. "h.3"
@@ -43,7 +45,7 @@ struct ShardedUnit {
   std::vector<int64_t> accumulations;
 };
 
-class ShardedUnits final : public GradientSynchronizer {
+class ShardedUnits final : public data_parallel::GradientSynchronizer {
  public:
   // Every rank passes the same units with the same values (rank 0's, broadcast): each keeps its
   // chunks of them, and the parameters become views of full copies, released.
@@ -148,4 +150,4 @@ class ShardedUnits final : public GradientSynchronizer {
   mutable std::mutex mutex_;
 };
 
-}  // namespace harness::data_parallel
+}  // namespace harness::zero

@@ -1,5 +1,5 @@
 // --zero_stage 3's step parts (see zero3_step.h).
-#include "harness/train/zero3_step.h"
+#include "harness/train/zero/zero3_step.h"
 
 #include <torch/torch.h>
 
@@ -9,14 +9,15 @@
 
 #include "harness/model/precision.h"
 
-namespace harness::train {
+namespace harness::zero {
 namespace {
 
-namespace dp = harness::data_parallel;
+using train::ForwardBackward;
+using train::WrappedForwardBackward;
 
 class Zero3ForwardBackward final : public ForwardBackward {
  public:
-  Zero3ForwardBackward(model::GPT2LMHeadModel model, dp::ShardedUnits& units, int prefetch)
+  Zero3ForwardBackward(model::GPT2LMHeadModel model, ShardedUnits& units, int prefetch)
       : model_(std::move(model)), units_(units), prefetch_(prefetch), order_(zero3_use_order(model_->config().n_layer)) {}
 
   at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
@@ -66,14 +67,14 @@ class Zero3ForwardBackward final : public ForwardBackward {
   }
 
   model::GPT2LMHeadModel model_;
-  dp::ShardedUnits& units_;
+  ShardedUnits& units_;
   int prefetch_;
   std::vector<size_t> order_;
 };
 
 class GatheredStages final : public WrappedForwardBackward {
  public:
-  GatheredStages(std::unique_ptr<ForwardBackward> stages, dp::ShardedUnits& units)
+  GatheredStages(std::unique_ptr<ForwardBackward> stages, ShardedUnits& units)
       : WrappedForwardBackward(std::move(stages), "gathered_stages"), units_(units) {}
 
   at::Tensor run(const data::Batch& batch, const at::Tensor& weight_sum, int64_t k,
@@ -98,23 +99,23 @@ class GatheredStages final : public WrappedForwardBackward {
  private:
   // Every unit gathered for an evaluation, let go after it (an error too).
   struct Everything {
-    explicit Everything(dp::ShardedUnits& units) : units(units) { units.gather_all(); }
+    explicit Everything(ShardedUnits& units) : units(units) { units.gather_all(); }
     ~Everything() { units.release_all(); }
     Everything(const Everything&) = delete;
     Everything& operator=(const Everything&) = delete;
-    dp::ShardedUnits& units;
+    ShardedUnits& units;
   };
 
-  dp::ShardedUnits& units_;
+  ShardedUnits& units_;
 };
 
 const char* const kTiedWte = "transformer.wte.weight";
 
 }  // namespace
 
-std::vector<dp::ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::vector<std::string>& held) {
+std::vector<ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::vector<std::string>& held) {
   const std::string blocks = "transformer.h.";
-  std::vector<dp::ShardedUnit> units;
+  std::vector<ShardedUnit> units;
   std::map<std::string, size_t> unit_of;  // a unit's name -> its place, in the order first met
   for (const auto& item : model->named_parameters()) {
     const std::string& name = item.key();
@@ -127,7 +128,7 @@ std::vector<dp::ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const st
     }
     auto [it, added] = unit_of.emplace(unit, units.size());
     if (added) units.push_back({unit, {}, {}, {}});
-    dp::ShardedUnit& u = units[it->second];
+    ShardedUnit& u = units[it->second];
     u.names.push_back(name);
     u.parameters.push_back(item.value());
     u.accumulations.push_back(1);
@@ -136,20 +137,20 @@ std::vector<dp::ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const st
   return units;
 }
 
-std::optional<size_t> tied_wte_unit(const dp::ShardedUnits& units) {
+std::optional<size_t> tied_wte_unit(const ShardedUnits& units) {
   for (size_t u = 0; u < units.size(); ++u) {
     if (units.unit(u).name == kTiedWte) return u;
   }
   return std::nullopt;
 }
 
-std::unique_ptr<ForwardBackward> gathered_stages(std::unique_ptr<ForwardBackward> stages, dp::ShardedUnits& units) {
+std::unique_ptr<ForwardBackward> gathered_stages(std::unique_ptr<ForwardBackward> stages, ShardedUnits& units) {
   return std::make_unique<GatheredStages>(std::move(stages), units);
 }
 
-std::vector<dp::ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model) {
+std::vector<ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model) {
   const int64_t L = model->config().n_layer;
-  std::vector<dp::ShardedUnit> units(static_cast<size_t>(L + 1));
+  std::vector<ShardedUnit> units(static_cast<size_t>(L + 1));
   units[0].name = "embeddings, ln_f and the tied head";
   for (int64_t i = 0; i < L; ++i) units[static_cast<size_t>(i + 1)].name = "h." + std::to_string(i);
   const std::string blocks = "transformer.h.";
@@ -173,14 +174,14 @@ std::vector<size_t> zero3_use_order(int64_t n_layer) {
   return order;
 }
 
-Zero3Parts make_zero3(model::GPT2LMHeadModel model, const dp::DistContext& data, const OptimizerSettings& settings,
+Zero3Parts make_zero3(model::GPT2LMHeadModel model, const DistContext& data, const train::OptimizerSettings& settings,
                       int prefetch) {
   if (prefetch < 0) throw std::invalid_argument("--zero_prefetch " + std::to_string(prefetch) + " must be >= 0");
   Zero3Parts parts;
-  parts.units = std::make_unique<dp::ShardedUnits>(data, gpt2_units(model));
+  parts.units = std::make_unique<ShardedUnits>(data, gpt2_units(model));
   parts.forward_backward = std::make_unique<Zero3ForwardBackward>(model, *parts.units, prefetch);
-  parts.optimizer = unit_adamw(model, settings, *parts.units);
+  parts.optimizer = train::unit_adamw(model, settings, *parts.units);
   return parts;
 }
 
-}  // namespace harness::train
+}  // namespace harness::zero

@@ -16,7 +16,9 @@
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/optim/fused_adamw.h"
 
-namespace harness::data_parallel {
+namespace harness::zero {
+
+using data_parallel::BucketedAllReduce;
 
 using optim::AdamWHyperparameters;  // torch::optim::AdamWOptions' defaults
 
@@ -72,4 +74,4 @@ class ShardedAdamW {
   int64_t gathered_bytes_ = 0;
 };
 
-}  // namespace harness::data_parallel
+}  // namespace harness::zero

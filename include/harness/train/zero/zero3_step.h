@@ -1,4 +1,4 @@
-// --zero_stage 3's parts of a training step (train_step.h), over one data_parallel::ShardedUnits:
+// --zero_stage 3's parts of a training step (train_step.h), over one ShardedUnits (sharded_units.h):
 // GPT-2 cut into units (each transformer block, and the embeddings with ln_f and the tied head),
 // each data-parallel rank holding 1/N of every unit.
 //   - the forward-backward gathers each unit right before its forward and lets it go after, and
@@ -21,16 +21,16 @@
 #include <vector>
 
 #include "harness/data_parallel/process_group.h"
-#include "harness/data_parallel/zero3.h"
 #include "harness/model/gpt2.h"
 #include "harness/train/forward_backward.h"
 #include "harness/train/step_optimizer.h"
+#include "harness/train/zero/sharded_units.h"
 
-namespace harness::train {
+namespace harness::zero {
 
 // GPT-2's units: 0 the embeddings with ln_f and the tied head (wte's two uses summed by autograd
 // into one accumulation, at the end of the backward), then block i as unit i + 1.
-std::vector<data_parallel::ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model);
+std::vector<ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model);
 
 // The order a training step uses the units in: 0, the blocks, 0 (the head), then the blocks
 // from the last to the first (their backward).
@@ -42,27 +42,27 @@ std::vector<size_t> zero3_use_order(int64_t n_layer);
 // chunks of it are the same elements, summed over the embedding group), and the rest held here
 // (wpe on the first stage; ln_f on the last) together. One accumulation per micro-batch each
 // (P > 1: the first and the last stage are never one process's).
-std::vector<data_parallel::ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::vector<std::string>& held);
+std::vector<ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::vector<std::string>& held);
 // The unit of `units` that is the tied wte alone (stage_units), if any.
-std::optional<size_t> tied_wte_unit(const data_parallel::ShardedUnits& units);
+std::optional<size_t> tied_wte_unit(const ShardedUnits& units);
 
 // Pipeline stages (`stages`) under ZeRO-3, as torchtitan runs FSDP inside pipeline stages: every
 // unit of this process's stages is gathered before a step's first micro-batch and kept through
 // its schedule, since 1F1B runs a micro-batch's forward between others' backwards. A unit's
 // gradients are reduce-scattered as soon as its last micro-batch's backward completes them, and
 // its full weights let go then. Evaluation and generation gather every unit for their run.
-std::unique_ptr<ForwardBackward> gathered_stages(std::unique_ptr<ForwardBackward> stages,
-                                                 data_parallel::ShardedUnits& units);
+std::unique_ptr<train::ForwardBackward> gathered_stages(std::unique_ptr<train::ForwardBackward> stages,
+                                                 ShardedUnits& units);
 
 struct Zero3Parts {
-  std::unique_ptr<data_parallel::ShardedUnits> units;  // the step's synchronizer
-  std::unique_ptr<ForwardBackward> forward_backward;
-  std::unique_ptr<StepOptimizer> optimizer;
+  std::unique_ptr<ShardedUnits> units;  // the step's synchronizer
+  std::unique_ptr<train::ForwardBackward> forward_backward;
+  std::unique_ptr<train::StepOptimizer> optimizer;
 };
 
 // The three parts for `model` (whole or this rank's tensor-parallel slices, on this rank's device,
 // the same weights on every rank of `data`) sharded over `data`; `prefetch` >= 0 units gathered ahead (--zero_prefetch).
 Zero3Parts make_zero3(model::GPT2LMHeadModel model, const data_parallel::DistContext& data,
-                      const OptimizerSettings& settings, int prefetch);
+                      const train::OptimizerSettings& settings, int prefetch);
 
-}  // namespace harness::train
+}  // namespace harness::zero
