@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
       model::GPT2LMHeadModel model = train::build_model(source, config, 1234);
       train::PipelineStepOptions o;
       o.devices = devices;
-      o.schedule = c.schedule;
+      o.schedule = pipeline::parse_schedule_kind(c.schedule);
       o.virtual_stages = c.virtual_stages;
       o.micro_batches = c.micro_batches;
       o.checkpointing = pipeline::parse_activation_checkpointing(c.checkpointing);

@@ -1,4 +1,5 @@
-// The pipeline flags of both programs (SPEC §7.1, §7.2), declared and read in one place.
+// The pipeline flags of both programs (SPEC §7.1, §7.2), declared and read in one place: the
+// schedule, the activation checkpointing and the balance parsed here, each error naming its flag.
 #pragma once
 
 #include <string>
@@ -20,10 +21,10 @@ inline void add_pipeline_options(cxxopts::Options& options, const std::string& w
 inline train::PipelineScheduleConfig read_pipeline_flags(const cxxopts::ParseResult& result) {
   train::PipelineScheduleConfig c;
   c.n_chunk = result["n_chunk"].as<int64_t>();
-  c.schedule = result["pipeline_schedule"].as<std::string>();
+  c.schedule = pipeline::parse_schedule_kind(result["pipeline_schedule"].as<std::string>());
   c.virtual_stages = result["virtual_stages"].as<int>();
-  c.activation_checkpointing = result["activation_checkpointing"].as<std::string>();
-  c.balance = result["balance"].as<std::string>();
+  c.activation_checkpointing = pipeline::parse_activation_checkpointing(result["activation_checkpointing"].as<std::string>());
+  c.balance = pipeline::parse_balance(result["balance"].as<std::string>());
   return c;
 }
 

@@ -364,25 +364,37 @@ std::string format_timeline(const Timeline& timeline) {
   return format_rows("clock", header, rows, "device ");
 }
 
-void check_schedule_name(const std::string& name, int virtual_stages) {
+ScheduleKind parse_schedule_kind(const std::string& text) {
+  for (ScheduleKind kind : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved}) {
+    if (text == to_string(kind)) return kind;
+  }
+  throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b or interleaved, got '" + text + "'");
+}
+
+std::string to_string(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kGpipe: return "gpipe";
+    case ScheduleKind::kOneFOneB: return "1f1b";
+    case ScheduleKind::kInterleaved: return "interleaved";
+  }
+  return "?";
+}
+
+void check_schedule_kind(ScheduleKind kind, int virtual_stages) {
   if (virtual_stages < 1) {
     throw std::invalid_argument("--virtual_stages must be >= 1, got " + std::to_string(virtual_stages));
   }
-  if (name == "interleaved") return;
-  if (name != "gpipe" && name != "1f1b") {
-    throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b or interleaved, got '" + name + "'");
-  }
-  if (virtual_stages != 1) {
+  if (kind != ScheduleKind::kInterleaved && virtual_stages != 1) {
     throw std::invalid_argument("--virtual_stages " + std::to_string(virtual_stages) +
-                                " needs --pipeline_schedule interleaved (got " + name +
+                                " needs --pipeline_schedule interleaved (got " + to_string(kind) +
                                 "); gpipe and 1f1b run one stage per device");
   }
 }
 
-void check_schedule_flags(const std::string& name, int micro_batches, int devices, int virtual_stages) {
+void check_schedule_flags(ScheduleKind kind, int micro_batches, int devices, int virtual_stages) {
   if (micro_batches < 1) throw std::invalid_argument("--n_chunk must be >= 1, got " + std::to_string(micro_batches));
-  check_schedule_name(name, virtual_stages);
-  if (name == "interleaved" && micro_batches % devices != 0) {
+  check_schedule_kind(kind, virtual_stages);
+  if (kind == ScheduleKind::kInterleaved && micro_batches % devices != 0) {
     throw std::invalid_argument("--pipeline_schedule interleaved needs --n_chunk to be a multiple of the " +
                                 std::to_string(devices) + " devices (Megatron's rule), got " +
                                 std::to_string(micro_batches));

@@ -115,9 +115,7 @@ std::vector<int> stage_halves(const MemoryPlanInput& in, int S) {
 }
 
 pipeline::TrainingSchedule schedule_of(const MemoryPlanInput& in) {
-  const int M = in.micro_batches, P = in.pipeline_devices, V = in.virtual_stages;
-  if (in.schedule == "interleaved" && M % P != 0) return pipeline::gpipe_schedule(M, P, V);
-  return make_training_schedule(in.schedule, M, P, V);
+  return make_training_schedule(in.schedule, in.micro_batches, in.pipeline_devices, in.virtual_stages);
 }
 
 // The most activation bytes device d holds along its schedule (the header's walk).
@@ -402,7 +400,7 @@ MemoryPlanInput memory_plan_input(const DataParallelConfig& flags, const model::
     in.micro_batches = options.micro_batches;
     in.checkpointing = options.checkpointing;
     in.balance_halves = options.balance_halves;
-    if (pipeline::parse_balance(flags.pipe.balance).automatic) {
+    if (flags.pipe.balance.automatic) {
       in.balance_note = "--balance auto is timed at start; planned with the default balance";
     }
   }
@@ -426,7 +424,7 @@ MemoryPlanInput memory_plan_input(const PipelineConfig& flags, const model::GPT2
   }
   PipelineScheduleConfig pipe = flags.pipe;
   if (flags.mode != ModelParallelMode::kPipelineParallel) {  // model parallel: GPipe's order with one micro-batch
-    pipe.schedule = "gpipe";
+    pipe.schedule = pipeline::ScheduleKind::kGpipe;
     pipe.virtual_stages = 1;
     pipe.n_chunk = 1;
   }
@@ -438,7 +436,7 @@ MemoryPlanInput memory_plan_input(const PipelineConfig& flags, const model::GPT2
   in.micro_batches = options.micro_batches;
   in.checkpointing = options.checkpointing;
   in.balance_halves = options.balance_halves;
-  if (pipeline::parse_balance(pipe.balance).automatic) {
+  if (pipe.balance.automatic) {
     in.balance_note = "--balance auto is timed at start; planned with the default balance";
   }
   return in;
@@ -509,7 +507,7 @@ std::string format_memory_plan(const MemoryPlan& plan, const AvailableMemory& av
   out << ", --precision " << precision_name(in) << ", " << in.rows_per_replica << " rows x " << in.tokens
       << " tokens per " << (in.device_names.empty() ? "data-parallel rank" : "batch");
   if (in.pipeline) {
-    out << ", schedule " << in.schedule << ", n_chunk " << in.micro_batches << ", virtual_stages "
+    out << ", schedule " << pipeline::to_string(in.schedule) << ", n_chunk " << in.micro_batches << ", virtual_stages "
         << in.virtual_stages << ", activation_checkpointing " << pipeline::to_string(in.checkpointing);
   }
   out << "\n";

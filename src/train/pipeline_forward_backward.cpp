@@ -16,16 +16,17 @@
 
 namespace harness::train {
 
-pipeline::TrainingSchedule make_training_schedule(const std::string& name, int micro_batches,
+pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, int micro_batches,
                                                   int devices, int virtual_stages) {
-  pipeline::check_schedule_name(name, virtual_stages);
-  if (name == "interleaved") {
-    return micro_batches % devices == 0
-               ? pipeline::interleaved_schedule(micro_batches, devices, virtual_stages)
-               : pipeline::gpipe_schedule(micro_batches, devices, virtual_stages);
+  pipeline::check_schedule_kind(kind, virtual_stages);
+  switch (kind) {
+    case pipeline::ScheduleKind::kInterleaved:
+      return micro_batches % devices == 0 ? pipeline::interleaved_schedule(micro_batches, devices, virtual_stages)
+                                          : pipeline::gpipe_schedule(micro_batches, devices, virtual_stages);
+    case pipeline::ScheduleKind::kGpipe: return pipeline::gpipe_schedule(micro_batches, devices);
+    case pipeline::ScheduleKind::kOneFOneB: return pipeline::one_f_one_b_schedule(micro_batches, devices);
   }
-  return name == "gpipe" ? pipeline::gpipe_schedule(micro_batches, devices)
-                         : pipeline::one_f_one_b_schedule(micro_batches, devices);
+  throw std::invalid_argument("make_training_schedule: unknown schedule kind");
 }
 
 PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, int devices) {
@@ -33,9 +34,9 @@ PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, i
   options.schedule = flags.schedule;
   options.virtual_stages = flags.virtual_stages;
   options.micro_batches = static_cast<int>(flags.n_chunk);
-  options.checkpointing = pipeline::parse_activation_checkpointing(flags.activation_checkpointing);
+  options.checkpointing = flags.activation_checkpointing;
   pipeline::check_schedule_flags(flags.schedule, options.micro_batches, devices, flags.virtual_stages);
-  options.balance_halves = pipeline::parse_balance(flags.balance).halves_per_stage;
+  options.balance_halves = flags.balance.halves_per_stage;
   return options;
 }
 
@@ -149,7 +150,7 @@ pipeline::TrainingSchedule PipelineForwardBackward::schedule_for(int64_t rows) {
   const int D = schedule_devices();
   const int M = static_cast<int>(std::min<int64_t>(options_.micro_batches, rows));
   pipeline::TrainingSchedule schedule = make_training_schedule(options_.schedule, M, D, options_.virtual_stages);
-  if (schedule.name != options_.schedule && !told_fallback_) {
+  if (options_.schedule == pipeline::ScheduleKind::kInterleaved && M % D != 0 && !told_fallback_) {
     told_fallback_ = true;
     std::cerr << "pipeline: a batch of " << rows << " rows gives " << M << " micro-batches, not a multiple of the "
               << D << " devices interleaving needs; such batches run GPipe's order over the same stages" << std::endl;

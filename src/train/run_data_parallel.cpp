@@ -120,7 +120,7 @@ PipelineStepOptions stage_options(const DataParallelConfig& flags, const paralle
   }
   PipelineStepOptions options = pipeline_step_options(pipe, P);
   // "auto" is timed on the model later; the timed balance goes through the same check there.
-  if (!pipeline::parse_balance(pipe.balance).automatic) {
+  if (!pipe.balance.automatic) {
     (void)pipeline::stage_halves(stage_split_flags(options), static_cast<int>(config.n_layer), P,
                                  stages_from(P, options.virtual_stages, /*processes=*/true));
   }
@@ -246,7 +246,7 @@ PipelineStepOptions agreed_stage_options(const DataParallelConfig& flags, const 
   PipelineStepOptions stage = stage_options(flags, layout, model->config());
   stage.devices = {device};
   stage.seed = f.seed + static_cast<uint64_t>(layout.coordinates_of(rank).data);
-  if (!pipeline::parse_balance(flags.pipe.balance).automatic) return stage;
+  if (!flags.pipe.balance.automatic) return stage;
   const int P = layout.pipeline_parallel_size();
   const int64_t device_batch = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
   const int64_t rows = std::max<int64_t>(1, device_batch / stage.micro_batches);
@@ -304,10 +304,10 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
   }
   if (parts.stages) {
     std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
-              << " pipeline_schedule=" << flags.pipe.schedule << " n_chunk=" << flags.pipe.n_chunk
+              << " pipeline_schedule=" << pipeline::to_string(flags.pipe.schedule) << " n_chunk=" << flags.pipe.n_chunk
               << " virtual_stages=" << flags.pipe.virtual_stages << " stages=" << parts.stages->stages()
               << " balance=" << parts.stages->balance_text()
-              << " activation_checkpointing=" << flags.pipe.activation_checkpointing;
+              << " activation_checkpointing=" << pipeline::to_string(flags.pipe.activation_checkpointing);
   }
   std::cerr << std::endl << layout.coordinates_table() << std::flush;
   try {

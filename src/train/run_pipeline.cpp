@@ -79,9 +79,8 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
   const RunConfig& f = pipeline.run;
   const PipelineScheduleConfig& pipe = pipeline.pipe;
   const bool pipelined = pipeline.mode == ModelParallelMode::kPipelineParallel;
-  pipeline::parse_activation_checkpointing(pipe.activation_checkpointing);  // checked here, used by the stages
-  const pipeline::BalanceSpec balance_spec = pipeline::parse_balance(pipe.balance);
-  if (!pipelined && (pipe.schedule != "1f1b" || pipe.virtual_stages != 1)) {
+  const pipeline::BalanceSpec& balance_spec = pipe.balance;
+  if (!pipelined && (pipe.schedule != pipeline::ScheduleKind::kOneFOneB || pipe.virtual_stages != 1)) {
     throw std::invalid_argument("--pipeline_schedule and --virtual_stages apply to --model_parallel_mode "
                                 "pipeline_parallel only");
   }
@@ -89,7 +88,7 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
   settings.precision = f.precision;
   *stages = nullptr;
   if (pipeline.mode == ModelParallelMode::kSingleDevice) {
-    if (!pipe.balance.empty()) throw std::invalid_argument("--balance needs --model_parallel_mode");
+    if (pipe.balance.given()) throw std::invalid_argument("--balance needs --model_parallel_mode");
     model->to(at.devices.front().torch_device());
     StepComposition composition;  // one process, no process group: the whole model and its AdamW
     composition.optimizer = f.optimizer_settings();
@@ -99,7 +98,7 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
   }
   PipelineScheduleConfig flags = pipe;
   if (!pipelined) {
-    flags.schedule = "gpipe";
+    flags.schedule = pipeline::ScheduleKind::kGpipe;
     flags.virtual_stages = 1;
     flags.n_chunk = 1;
   }
@@ -140,15 +139,13 @@ void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& a
             << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size() << "/"
             << corpus.test.size() << std::endl;
   if (stages) {
-    const bool automatic = pipeline::parse_balance(pipe.balance).automatic;
-    std::cerr << "run_pipeline: schedule=" << (pipelined ? pipe.schedule : "gpipe")
+    const bool automatic = pipe.balance.automatic;
+    std::cerr << "run_pipeline: schedule=" << (pipelined ? pipeline::to_string(pipe.schedule) : "gpipe")
               << " micro_batches=" << (pipelined ? pipe.n_chunk : 1)
               << " virtual_stages=" << (pipelined ? pipe.virtual_stages : 1) << " stages=" << stages->stages()
               << " balance=" << stages->balance_text()
-              << (automatic ? " (auto, by time)" : pipe.balance.empty() ? " (default)" : "")
-              << " activation_checkpointing="
-              << pipeline::to_string(pipeline::parse_activation_checkpointing(pipe.activation_checkpointing))
-              << std::endl;
+              << (automatic ? " (auto, by time)" : pipe.balance.given() ? "" : " (default)")
+              << " activation_checkpointing=" << pipeline::to_string(pipe.activation_checkpointing) << std::endl;
   }
   std::cerr << "run_pipeline: " << memory_line << std::endl;
 }

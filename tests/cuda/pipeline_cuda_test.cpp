@@ -183,12 +183,12 @@ TrainedRun train_pipeline(const model::GPT2Config& config, const Layout& layout,
 std::vector<Layout> every_layout() {
   std::vector<Layout> layouts;
   for (auto mode : {ActivationCheckpointing::kNever, ActivationCheckpointing::kAlways}) {
-    layouts.push_back({"gpipe", 1, 4, mode});
-    layouts.push_back({"1f1b", 1, 4, mode});
-    layouts.push_back({"interleaved", 2, 4, mode});
+    layouts.push_back({pipeline::ScheduleKind::kGpipe, 1, 4, mode});
+    layouts.push_back({pipeline::ScheduleKind::kOneFOneB, 1, 4, mode});
+    layouts.push_back({pipeline::ScheduleKind::kInterleaved, 2, 4, mode});
   }
-  layouts.push_back({"1f1b", 1, 4, ActivationCheckpointing::kExceptLast});
-  layouts.push_back({"1f1b", 1, 1, ActivationCheckpointing::kNever});  // model parallel
+  layouts.push_back({pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kExceptLast});
+  layouts.push_back({pipeline::ScheduleKind::kOneFOneB, 1, 1, ActivationCheckpointing::kNever});  // model parallel
   return layouts;
 }
 
@@ -236,8 +236,8 @@ TEST(CudaPipelineTrainStep, WithDropoutOnCuda0ASeedReproducesTheRun) {
   const model::GPT2Config config = cuda_testing::config_of("gpt2-tiny", 4, 0.1);
   const std::vector<data::Batch> batches = cuda_testing::make_batches(config, 2, 8, 16);
   const std::vector<Device> devices{Device::cuda(0), Device::cuda(0)};
-  for (const Layout& layout : {Layout{"1f1b", 1, 4, ActivationCheckpointing::kNever},
-                               Layout{"interleaved", 2, 4, ActivationCheckpointing::kNever}}) {
+  for (const Layout& layout : {Layout{pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kNever},
+                               Layout{pipeline::ScheduleKind::kInterleaved, 2, 4, ActivationCheckpointing::kNever}}) {
     const TrainedRun a = train_pipeline(config, layout, devices, batches);
     const TrainedRun b = train_pipeline(config, layout, devices, batches);
     Layout always = layout;

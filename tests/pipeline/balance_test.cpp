@@ -386,28 +386,28 @@ TEST(Balance, FormatRoundTripsThroughParse) {
 // returned in half blocks (blocks doubled; default_balance when none is given).
 TEST(Balance, StageHalvesChecksTheScheduleFlagsThenTheBalance) {
   const std::string from = "2 devices x 1 virtual stages";
-  EXPECT_EQ(stage_halves({"1f1b", 1, 4, {}, {}}, 4, 2, from), (std::vector<int>{4, 4}));
-  EXPECT_EQ(stage_halves({"gpipe", 1, 4, {3, 1}, {}}, 4, 2, from), (std::vector<int>{6, 2}));
-  EXPECT_EQ(stage_halves({"1f1b", 1, 4, {3, 1}, {5, 3}}, 4, 2, from), (std::vector<int>{5, 3}));
-  EXPECT_EQ(stage_halves({"interleaved", 2, 4, {}, {}}, 4, 2, "2 devices x 2 virtual stages"),
+  EXPECT_EQ(stage_halves({ScheduleKind::kOneFOneB, 1, 4, {}, {}}, 4, 2, from), (std::vector<int>{4, 4}));
+  EXPECT_EQ(stage_halves({ScheduleKind::kGpipe, 1, 4, {3, 1}, {}}, 4, 2, from), (std::vector<int>{6, 2}));
+  EXPECT_EQ(stage_halves({ScheduleKind::kOneFOneB, 1, 4, {3, 1}, {5, 3}}, 4, 2, from), (std::vector<int>{5, 3}));
+  EXPECT_EQ(stage_halves({ScheduleKind::kInterleaved, 2, 4, {}, {}}, 4, 2, "2 devices x 2 virtual stages"),
             (std::vector<int>{2, 2, 2, 2}));
-  EXPECT_EQ(error_of([&] { stage_halves({"1f1b", 1, 0, {}, {}}, 4, 2, from); }), "--n_chunk must be >= 1, got 0");
-  EXPECT_EQ(error_of([&] { stage_halves({"zigzag", 1, 4, {}, {}}, 4, 2, from); }),
+  EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 0, {}, {}}, 4, 2, from); }), "--n_chunk must be >= 1, got 0");
+  EXPECT_EQ(error_of([&] { parse_schedule_kind("zigzag"); }),
             "--pipeline_schedule must be gpipe, 1f1b or interleaved, got 'zigzag'");
-  EXPECT_EQ(error_of([&] { stage_halves({"1f1b", 0, 4, {}, {}}, 4, 2, from); }), "--virtual_stages must be >= 1, got 0");
-  EXPECT_EQ(error_of([&] { stage_halves({"1f1b", 2, 4, {}, {}}, 4, 2, from); }),
+  EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 0, 4, {}, {}}, 4, 2, from); }), "--virtual_stages must be >= 1, got 0");
+  EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 2, 4, {}, {}}, 4, 2, from); }),
             "--virtual_stages 2 needs --pipeline_schedule interleaved (got 1f1b); gpipe and 1f1b run one stage per "
             "device");
-  EXPECT_EQ(error_of([&] { stage_halves({"interleaved", 1, 3, {}, {}}, 4, 2, from); }),
+  EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kInterleaved, 1, 3, {}, {}}, 4, 2, from); }),
             "--pipeline_schedule interleaved needs --n_chunk to be a multiple of the 2 devices (Megatron's rule), got 3");
-  EXPECT_EQ(error_of([&] { stage_halves({"1f1b", 1, 4, {2, 1}, {}}, 4, 2, from); }),
+  EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 4, {2, 1}, {}}, 4, 2, from); }),
             "--balance 2,1 sums to 3 but the model has 4 blocks");
-  EXPECT_EQ(error_of([&] { stage_halves({"1f1b", 1, 4, {}, {3, 4}}, 4, 2, from); }),
+  EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 4, {}, {3, 4}}, 4, 2, from); }),
             "--balance 3,4 sums to 7 but the model has 8 blocks");
-  EXPECT_EQ(error_of([&] { stage_halves({"1f1b", 1, 4, {}, {8}}, 4, 2, from); }),
+  EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 4, {}, {8}}, 4, 2, from); }),
             "--balance 8 gives 1 stage but the pipeline has 2 (2 devices x 1 virtual stages, in half blocks)");
   EXPECT_EQ(error_of([&] {
-              stage_halves({"1f1b", 1, 4, {}, {}}, 2, 4, "--pipeline_parallel_size 4 x --virtual_stages 1");
+              stage_halves({ScheduleKind::kOneFOneB, 1, 4, {}, {}}, 2, 4, "--pipeline_parallel_size 4 x --virtual_stages 1");
             }),
             "--pipeline_parallel_size 4 x --virtual_stages 1 = 4 stages, but the model has 2 blocks (n_layer 2): " +
                 error_of([] { default_balance(2, 4); }));

@@ -90,7 +90,7 @@ TEST(ComposeStep, OneProcessWithoutAGroupGetsTheWholeModelOrItsStages) {
 
   PipelineStepOptions options;
   options.devices = {Device::cpu(0), Device::cpu(1)};
-  options.schedule = "1f1b";
+  options.schedule = pipeline::ScheduleKind::kOneFOneB;
   options.micro_batches = 2;
   options.threads_per_device = 1;
   settings.stages = options;

@@ -149,14 +149,14 @@ TEST(GradientAccumulation, ThroughThePipelineEqualsOneStepOnTheConcatenation) {
   const Groups groups = make_groups(config);
   GPT2TrainStep combined(make_model(config), 1e-3);
   const TrainedRun expected = train(combined, groups.combined);
-  for (const std::string schedule : {"gpipe", "1f1b"}) {
+  for (const pipeline::ScheduleKind schedule : {pipeline::ScheduleKind::kGpipe, pipeline::ScheduleKind::kOneFOneB}) {
     PipelineStepOptions options;
     options.devices = {Device::cpu(0), Device::cpu(1)};
     options.schedule = schedule;
     options.micro_batches = 2;
     options.threads_per_device = 1;
     PipelineTrainStep accumulated(make_model(config), 1e-3, options);
-    SCOPED_TRACE(schedule);
+    SCOPED_TRACE(pipeline::to_string(schedule));
     expect_same_run(train(accumulated, groups.accumulated), expected, 1e-5, 1e-3);
   }
 }

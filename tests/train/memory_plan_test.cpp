@@ -202,23 +202,23 @@ TEST(MemoryPlan, APipelineHoldsItsSchedulesMicroBatchesInFlight) {
   in.pipeline_devices = 2;
   in.micro_batches = 4;
   struct Row {
-    std::string schedule;
+    pipeline::ScheduleKind schedule;
     pipeline::ActivationCheckpointing checkpointing;
     int64_t device0, device1;
   };
   using AC = pipeline::ActivationCheckpointing;
   const Row table[] = {
-      {"1f1b", AC::kNever, 2 * 349440, 1025280},       // min(D - d, M) in flight
-      {"gpipe", AC::kNever, 4 * 349440, 4 * 1025280},  // all M
+      {pipeline::ScheduleKind::kOneFOneB, AC::kNever, 2 * 349440, 1025280},       // min(D - d, M) in flight
+      {pipeline::ScheduleKind::kGpipe, AC::kNever, 4 * 349440, 4 * 1025280},  // all M
       // the stage inputs (ids: 8 bytes, hidden states: 4C) of all M, then one stage recomputed
-      {"gpipe", AC::kAlways, 4 * 640 + 349440, 4 * 20480 + 1025280},
+      {pipeline::ScheduleKind::kGpipe, AC::kAlways, 4 * 640 + 349440, 4 * 20480 + 1025280},
   };
   for (const Row& row : table) {
     in.schedule = row.schedule;
     in.checkpointing = row.checkpointing;
     const MemoryPlan plan = plan_memory(in);
-    EXPECT_EQ(plan.kinds.at(0).activation_bytes, row.device0) << row.schedule;
-    EXPECT_EQ(plan.kinds.at(1).activation_bytes, row.device1) << row.schedule;
+    EXPECT_EQ(plan.kinds.at(0).activation_bytes, row.device0) << pipeline::to_string(row.schedule);
+    EXPECT_EQ(plan.kinds.at(1).activation_bytes, row.device1) << pipeline::to_string(row.schedule);
   }
 }
 

@@ -64,7 +64,7 @@ StageRun train_stage(const parallel::ProcessGroups& groups, const std::string& k
   model::GPT2LMHeadModel model(config);
   PipelineStepOptions options;
   options.devices = {Device::cpu(0)};
-  options.schedule = "1f1b";
+  options.schedule = pipeline::ScheduleKind::kOneFOneB;
   options.micro_batches = 4;
   auto forward_backward = std::make_unique<PipelineForwardBackward>(
       model, options, PipelineProcesses{groups.pipeline, groups.embedding, false});

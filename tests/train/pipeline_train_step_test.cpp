@@ -86,12 +86,12 @@ TEST(PipelineTrainStep, EveryScheduleCheckpointingAndVirtualStagesMatchesOneDevi
   std::vector<Layout> layouts;
   for (auto mode : {ActivationCheckpointing::kNever, ActivationCheckpointing::kExceptLast,
                     ActivationCheckpointing::kAlways}) {
-    layouts.push_back({"gpipe", 1, 4, mode});
-    layouts.push_back({"1f1b", 1, 4, mode});
-    layouts.push_back({"interleaved", 2, 4, mode});
+    layouts.push_back({pipeline::ScheduleKind::kGpipe, 1, 4, mode});
+    layouts.push_back({pipeline::ScheduleKind::kOneFOneB, 1, 4, mode});
+    layouts.push_back({pipeline::ScheduleKind::kInterleaved, 2, 4, mode});
   }
-  layouts.push_back({"1f1b", 1, 1, ActivationCheckpointing::kNever});  // model parallel
-  layouts.push_back({"1f1b", 1, 8, ActivationCheckpointing::kNever});  // one row per micro-batch
+  layouts.push_back({pipeline::ScheduleKind::kOneFOneB, 1, 1, ActivationCheckpointing::kNever});  // model parallel
+  layouts.push_back({pipeline::ScheduleKind::kOneFOneB, 1, 8, ActivationCheckpointing::kNever});  // one row per micro-batch
   for (const Layout& layout : layouts) {
     PipelineTrainStep step(make_model(config), 1e-3, options_for(layout));
     const TrainedRun actual = train(step, batches);
@@ -115,7 +115,7 @@ TEST(PipelineTrainStep, ABlockCutBetweenItsHalvesStaysExact) {
   GPT2TrainStep single(make_model(config), 1e-3);
   const TrainedRun expected = train(single, batches);
   for (const std::vector<int>& halves : {std::vector<int>{3, 5}, std::vector<int>{5, 3}, std::vector<int>{1, 7}}) {
-    PipelineStepOptions o = options_for({"1f1b", 1, 4, ActivationCheckpointing::kExceptLast});
+    PipelineStepOptions o = options_for({pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kExceptLast});
     o.balance_halves = halves;
     PipelineTrainStep step(make_model(config), 1e-3, o);
     const TrainedRun actual = train(step, batches);
@@ -125,7 +125,7 @@ TEST(PipelineTrainStep, ABlockCutBetweenItsHalvesStaysExact) {
       EXPECT_LE(relative(actual.first_gradients.at(name), grad), 1e-5) << what << ": " << name;
     }
   }
-  PipelineStepOptions o = options_for({"1f1b", 1, 4, ActivationCheckpointing::kNever});
+  PipelineStepOptions o = options_for({pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kNever});
   o.balance_halves = {3, 5};
   PipelineTrainStep step(make_model(config), 1e-3, o);
   EXPECT_EQ(step.balance_text(), "1.5,2.5");
@@ -142,7 +142,7 @@ TEST(PipelineTrainStep, ABatchInterleavingCannotTakeRunsGPipeOrderAndStaysExact)
   GPT2TrainStep single(make_model(config), 1e-3);
   const TrainedRun expected = train(single, batches);
   PipelineTrainStep step(make_model(config), 1e-3,
-                         options_for({"interleaved", 2, 4, ActivationCheckpointing::kNever}));
+                         options_for({pipeline::ScheduleKind::kInterleaved, 2, 4, ActivationCheckpointing::kNever}));
   const TrainedRun actual = train(step, batches);
   EXPECT_EQ(step.last_schedule().name, "gpipe");
   EXPECT_EQ(step.last_schedule().micro_batches, 3);
@@ -179,8 +179,8 @@ class Load {
 TEST(PipelineTrainStep, WithDropoutASeedReproducesTheRunBitForBitUnderLoad) {
   const model::GPT2Config config = tiny_config(0.1);
   const std::vector<data::Batch> batches = make_batches(config, 2, 8);
-  for (const Layout& layout : {Layout{"1f1b", 1, 4, ActivationCheckpointing::kNever},
-                               Layout{"interleaved", 2, 4, ActivationCheckpointing::kExceptLast}}) {
+  for (const Layout& layout : {Layout{pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kNever},
+                               Layout{pipeline::ScheduleKind::kInterleaved, 2, 4, ActivationCheckpointing::kExceptLast}}) {
     TrainedRun quiet, busy, checkpointed;
     {
       PipelineTrainStep step(make_model(config), 1e-3, options_for(layout));
@@ -212,7 +212,7 @@ TEST(PipelineTrainStep, WithDropoutASeedReproducesTheRunBitForBitUnderLoad) {
 TEST(PipelineTrainStep, TheGlobalStepPicksTheStreamsSoAResumedStepDrawsTheSameMasks) {
   const model::GPT2Config config = tiny_config(0.1);
   const std::vector<data::Batch> batches = make_batches(config, 2, 8);
-  const Layout layout{"1f1b", 1, 4, ActivationCheckpointing::kNever};
+  const Layout layout{pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kNever};
   PipelineTrainStep whole(make_model(config), 1e-3, options_for(layout));
   const TrainedRun expected = train(whole, batches);
 
@@ -246,9 +246,9 @@ TEST(PipelineTrainStepCuda, TwoStagesOnOneGpuThroughEveryScheduleMatchTheGpuAlon
   std::vector<data::Batch> on_gpu;
   for (const auto& b : batches) on_gpu.push_back(b.to(gpu));
   const TrainedRun expected = train(single, on_gpu);
-  for (const Layout& layout : {Layout{"gpipe", 1, 4, ActivationCheckpointing::kNever},
-                               Layout{"1f1b", 1, 4, ActivationCheckpointing::kExceptLast},
-                               Layout{"interleaved", 2, 4, ActivationCheckpointing::kAlways}}) {
+  for (const Layout& layout : {Layout{pipeline::ScheduleKind::kGpipe, 1, 4, ActivationCheckpointing::kNever},
+                               Layout{pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kExceptLast},
+                               Layout{pipeline::ScheduleKind::kInterleaved, 2, 4, ActivationCheckpointing::kAlways}}) {
     PipelineStepOptions o = options_for(layout);
     o.devices = {Device::cuda(0), Device::cuda(0)};
     PipelineTrainStep step(make_model(config), 1e-3, o);
@@ -262,7 +262,7 @@ TEST(PipelineTrainStepCuda, TwoStagesOnOneGpuThroughEveryScheduleMatchTheGpuAlon
     }
   }
   const model::GPT2Config noisy = tiny_config(0.1);
-  PipelineStepOptions o = options_for({"1f1b", 1, 4, ActivationCheckpointing::kExceptLast});
+  PipelineStepOptions o = options_for({pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kExceptLast});
   o.devices = {Device::cuda(0), Device::cuda(0)};
   PipelineTrainStep first(make_model(noisy), 1e-3, o), second(make_model(noisy), 1e-3, o);
   const TrainedRun a = train(first, batches), b = train(second, batches);
@@ -275,7 +275,7 @@ TEST(PipelineTrainStepCuda, TwoStagesOnOneGpuThroughEveryScheduleMatchTheGpuAlon
 
 TEST(PipelineTrainStep, BalancePlacesTheBlocksAndBadOptionsNameTheFlag) {
   const model::GPT2Config config = tiny_config(0.0);
-  PipelineStepOptions o = options_for({"1f1b", 1, 4, ActivationCheckpointing::kNever});
+  PipelineStepOptions o = options_for({pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kNever});
   o.balance = {3, 1};
   PipelineTrainStep step(make_model(config), 1e-3, o);
   const auto& blocks = step.model()->block_devices();
@@ -294,13 +294,24 @@ TEST(PipelineTrainStep, BalancePlacesTheBlocksAndBadOptionsNameTheFlag) {
   EXPECT_NE(message_of(bad).find("sums to 3 but the model has 4 blocks"), std::string::npos) << message_of(bad);
   bad = o;
   bad.balance = {};
-  bad.schedule = "zigzag";
-  EXPECT_NE(message_of(bad).find("--pipeline_schedule"), std::string::npos) << message_of(bad);
-  bad.schedule = "1f1b";
+  // An unknown schedule cannot reach the options: the flag's parser refuses its name.
+  EXPECT_THROW(
+      {
+        try {
+          pipeline::parse_schedule_kind("zigzag");
+        } catch (const std::invalid_argument& e) {
+          EXPECT_EQ(std::string(e.what()), "--pipeline_schedule must be gpipe, 1f1b or interleaved, got 'zigzag'");
+          throw;
+        }
+      },
+      std::invalid_argument);
+  EXPECT_EQ(pipeline::parse_schedule_kind("interleaved"), pipeline::ScheduleKind::kInterleaved);
+  EXPECT_EQ(pipeline::to_string(pipeline::ScheduleKind::kOneFOneB), "1f1b");
+  bad.schedule = pipeline::ScheduleKind::kOneFOneB;
   bad.virtual_stages = 2;
   EXPECT_NE(message_of(bad).find("--virtual_stages 2 needs --pipeline_schedule interleaved"), std::string::npos)
       << message_of(bad);
-  bad.schedule = "interleaved";
+  bad.schedule = pipeline::ScheduleKind::kInterleaved;
   bad.micro_batches = 3;
   EXPECT_NE(message_of(bad).find("multiple of the 2 devices"), std::string::npos) << message_of(bad);
 }
@@ -313,7 +324,7 @@ TEST(PipelineTrainStep, BalanceByTimeGivesEveryStageHalfBlocksAndLeavesNoGradien
   EXPECT_GE(halves[0], 1);
   EXPECT_GE(halves[1], 1);
   for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
-  PipelineStepOptions o = options_for({"1f1b", 1, 4, ActivationCheckpointing::kNever});
+  PipelineStepOptions o = options_for({pipeline::ScheduleKind::kOneFOneB, 1, 4, ActivationCheckpointing::kNever});
   o.balance_halves = halves;
   EXPECT_NO_THROW(PipelineTrainStep(model, 1e-3, o));
 }

@@ -70,7 +70,7 @@ TEST(PrecisionStep, PipelineWorkersRunTheirStagesUnderAutocastRecomputationInclu
   auto pipeline_step = [&](pipeline::ActivationCheckpointing checkpointing, model::Precision precision) {
     PipelineStepOptions options;
     options.devices = {Device::cpu(0), Device::cpu(1)};
-    options.schedule = "1f1b";
+    options.schedule = pipeline::ScheduleKind::kOneFOneB;
     options.micro_batches = 2;
     options.threads_per_device = 1;
     options.checkpointing = checkpointing;

@@ -19,12 +19,12 @@ namespace harness::train::testing {
 // One way to run the pipeline training step: schedule, virtual stages per device, micro-batches
 // and activation checkpointing (the train and CUDA tiers walk lists of them).
 struct Layout {
-  std::string schedule;
+  pipeline::ScheduleKind schedule;
   int virtual_stages;
   int micro_batches;
   pipeline::ActivationCheckpointing checkpointing;
   std::string name() const {
-    return schedule + " V=" + std::to_string(virtual_stages) + " M=" + std::to_string(micro_batches) + " " +
+    return pipeline::to_string(schedule) + " V=" + std::to_string(virtual_stages) + " M=" + std::to_string(micro_batches) + " " +
            pipeline::to_string(checkpointing);
   }
 };

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "harness/pipeline/training_schedule.h"
+
 namespace harness::pipeline {
 
 // What --balance said: automatic (time the blocks) or explicit blocks per stage.
@@ -13,6 +15,7 @@ struct BalanceSpec {
   bool automatic = false;
   std::vector<int> blocks_per_stage;  // empty when automatic, not given, or any item ends in .5
   std::vector<int> halves_per_stage;  // every item in half blocks ("2.5" -> 5); empty likewise
+  bool given() const { return automatic || !halves_per_stage.empty(); }  // "" says neither
 };
 
 // "auto" -> automatic; "3,3,2" -> {3,3,2}; "" -> neither (the caller uses default_balance).
@@ -82,7 +85,7 @@ std::vector<int> stage_of_each_block(const std::vector<int>& balance);
 // What a pipeline's flags say about its stages: the schedule flags and the balance, as
 // PipelineStepOptions holds them.
 struct StageSplitFlags {
-  std::string schedule;
+  ScheduleKind schedule = ScheduleKind::kOneFOneB;
   int virtual_stages = 1;
   int micro_batches = 1;              // M per full batch (--n_chunk)
   std::vector<int> balance;           // blocks per stage; empty: default_balance

@@ -98,18 +98,25 @@ TrainingSchedule one_f_one_b_schedule(int micro_batches, int devices);
 // Megatron requires too.
 TrainingSchedule interleaved_schedule(int micro_batches, int devices, int virtual_stages);
 
-// The schedule flags both programs take, checked once: --pipeline_schedule one of gpipe, 1f1b and
-// interleaved, --virtual_stages V >= 1 and V > 1 only when interleaved. Throws
-// std::invalid_argument naming the flag and the value:
+// --pipeline_schedule: GPipe's order (every forward, then every backward), 1F1B's, or Megatron's
+// interleaved 1F1B over V virtual stages a device.
+enum class ScheduleKind { kGpipe, kOneFOneB, kInterleaved };
+// "gpipe" | "1f1b" | "interleaved"; anything else throws std::invalid_argument naming the flag:
 //   "--pipeline_schedule must be gpipe, 1f1b or interleaved, got 'zigzag'"
+ScheduleKind parse_schedule_kind(const std::string& text);
+// The flag's value: "gpipe", "1f1b" or "interleaved".
+std::string to_string(ScheduleKind kind);
+
+// The schedule flags both programs take, checked once: --virtual_stages V >= 1 and V > 1 only when
+// interleaved. Throws std::invalid_argument naming the flag and the value:
 //   "--virtual_stages 2 needs --pipeline_schedule interleaved (got 1f1b); gpipe and 1f1b run one
 //    stage per device"
-void check_schedule_name(const std::string& name, int virtual_stages);
+void check_schedule_kind(ScheduleKind kind, int virtual_stages);
 // The same, and for a full batch of M = --n_chunk micro-batches on D devices: M >= 1, and
 // interleaving's M % D == 0 (Megatron's rule; a short last batch falls back to GPipe's order):
 //   "--pipeline_schedule interleaved needs --n_chunk to be a multiple of the 2 devices (Megatron's
 //    rule), got 3"
-void check_schedule_flags(const std::string& name, int micro_batches, int devices, int virtual_stages);
+void check_schedule_flags(ScheduleKind kind, int micro_batches, int devices, int virtual_stages);
 
 // Throws std::invalid_argument, naming the schedule, the device, the action's position in its list
 // and the reason, unless: D, V, M >= 1 and there is one list per device; every forward and backward

@@ -54,6 +54,7 @@
 #include "harness/device.h"
 #include "harness/model/config.h"
 #include "harness/pipeline/executor.h"
+#include "harness/pipeline/training_schedule.h"
 
 namespace harness::train {
 
@@ -76,7 +77,7 @@ struct MemoryPlanInput {
   int virtual_stages = 1;
   std::vector<int> balance_halves;   // half blocks per stage; empty: default_balance's blocks
   std::string balance_note;          // said in the header ("--balance auto: the default balance")
-  std::string schedule = "1f1b";     // gpipe | 1f1b | interleaved
+  pipeline::ScheduleKind schedule = pipeline::ScheduleKind::kOneFOneB;
   int micro_batches = 1;             // M (--n_chunk)
   pipeline::ActivationCheckpointing checkpointing = pipeline::ActivationCheckpointing::kNever;
   int zero_stage = 0;

@@ -37,7 +37,7 @@ namespace harness::train {
 struct PipelineStepOptions {
   // The schedule's devices, one worker each (in-process); with processes, this process's device.
   std::vector<Device> devices;
-  std::string schedule = "1f1b";      // "gpipe" | "1f1b" | "interleaved"
+  pipeline::ScheduleKind schedule = pipeline::ScheduleKind::kOneFOneB;
   int virtual_stages = 1;             // V, stages per device (interleaved only may use V > 1)
   int micro_batches = 1;              // M per full batch (--n_chunk; model parallel: 1)
   std::vector<int> balance;           // blocks per stage (D * V entries); empty: default_balance
@@ -53,17 +53,16 @@ struct PipelineStepOptions {
 // The pipeline flags both programs take (SPEC §7.1, §7.2): run_pipeline's in pipeline_parallel
 // mode, run_data_parallel's with --pipeline_parallel_size P > 1.
 struct PipelineScheduleConfig {
-  int64_t n_chunk = 4;                            // --n_chunk: micro-batches per batch
-  std::string schedule = "1f1b";                  // --pipeline_schedule
-  int virtual_stages = 1;                         // --virtual_stages
-  std::string activation_checkpointing = "never";  // --activation_checkpointing
-  std::string balance;                            // --balance: "", "auto" or "N,N,..."
+  int64_t n_chunk = 4;                                                  // --n_chunk: micro-batches per batch
+  pipeline::ScheduleKind schedule = pipeline::ScheduleKind::kOneFOneB;  // --pipeline_schedule
+  int virtual_stages = 1;                                               // --virtual_stages
+  pipeline::ActivationCheckpointing activation_checkpointing = pipeline::ActivationCheckpointing::kNever;
+  pipeline::BalanceSpec balance;  // --balance (pipeline::parse_balance): auto, per stage, or not given
 };
 
-// The step options the flags give for `devices` schedule devices: schedule, V, M and activation
-// checkpointing checked (pipeline::check_schedule_flags), a balance
-// given as numbers read into balance_halves (its sum is checked against the model later); "auto"
-// leaves it empty for the caller to time (pipeline::parse_balance says so). Devices, threads,
+// The step options the flags give for `devices` schedule devices: schedule, V and M checked
+// (pipeline::check_schedule_flags), a balance given as numbers in balance_halves (its sum is
+// checked against the model later); "auto" leaves it empty for the caller to time. Devices, threads,
 // seed and tracer are the caller's to fill.
 PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, int devices);
 
@@ -91,9 +90,8 @@ struct PipelineProcesses {
 
 // The training schedule `name` for M micro-batches on D devices with V stages each. Interleaving
 // cannot take M % D != 0 (a short last batch): that step runs GPipe's order over the same stages.
-// Throws std::invalid_argument naming --pipeline_schedule / --virtual_stages on an unknown name,
-// or V > 1 without interleaving.
-pipeline::TrainingSchedule make_training_schedule(const std::string& name, int micro_batches,
+// Throws std::invalid_argument naming --virtual_stages on V > 1 without interleaving.
+pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, int micro_batches,
                                                   int devices, int virtual_stages);
 
 class PipelineForwardBackward final : public ForwardBackward {
