@@ -14,15 +14,11 @@
 #include <stdexcept>
 #include <utility>
 
-#include "harness/data_parallel/partition.h"
 #include "harness/host_memory.h"
 #include "harness/model/tensor_parallel.h"
-#include "harness/parallel/layout.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/training_schedule.h"
-#include "harness/train/context_parallel_step.h"
 #include "harness/train/pipeline_forward_backward.h"
-#include "harness/train/programs.h"
 
 #ifdef HARNESS_WITH_NCCL
 #include <cuda_runtime_api.h>
@@ -361,85 +357,15 @@ MemoryPlan plan_memory(const MemoryPlanInput& in) {
   return plan;
 }
 
-MemoryPlanInput memory_plan_input(const DataParallelConfig& flags, const model::GPT2Config& config) {
-  const RunConfig& f = flags.run;
-  MemoryPlanInput in;
-  in.program = "run_data_parallel";
-  in.model_name = f.model.path.empty() ? f.model.preset : f.model.path;
-  in.config = config;
-  in.tensor_parallel_size = flags.tensor_parallel_size;
-  const int P = flags.pipeline_parallel_size;
-  const int model_ranks = flags.tensor_parallel_size * P;
-  if (model_ranks < 1 || flags.world_size % model_ranks != 0) {
-    throw std::invalid_argument("--world_size " + std::to_string(flags.world_size) + " is not a multiple of " +
-                                "--tensor_parallel_size x --pipeline_parallel_size = " + std::to_string(model_ranks));
-  }
-  // With C > 1 the D x C ranks of a slice share its state (ZeRO shards over them), while each
-  // replica's D rows are split along the sequence: S / C positions (padded to 2C chunks) a rank.
-  const int C = std::max(1, flags.context_parallel_size);
-  in.data_parallel_size = flags.world_size / model_ranks;
-  if (in.data_parallel_size % C != 0) {
-    throw std::invalid_argument("--world_size " + std::to_string(flags.world_size) + " is not a multiple of " +
-                                "--context_parallel_size x --tensor_parallel_size x --pipeline_parallel_size = " +
-                                std::to_string(C * model_ranks));
-  }
-  in.context_parallel_size = C;
-  in.rows_per_replica = data_parallel::per_device_batch_size(f.batch_size, in.data_parallel_size / C);
-  in.sequence_parallel = flags.sequence_parallel;
-  in.tokens = split_sequence_length(f.model_max_length, C, flags.sequence_parallel ? flags.tensor_parallel_size : 1) / C;
-  in.bf16 = f.precision == model::Precision::kBf16;
-  in.zero_stage = flags.zero_stage;
-  in.zero_prefetch = flags.zero_prefetch;
-  in.bucket_cap_mb = flags.bucket_cap_mb;
-  if (P > 1) {
-    const PipelineStepOptions options = pipeline_step_options(flags.pipe, P);
-    in.pipeline = true;
-    in.pipeline_devices = P;
-    in.virtual_stages = options.virtual_stages;
-    in.schedule = options.schedule;
-    in.micro_batches = options.micro_batches;
-    in.checkpointing = options.checkpointing;
-    in.balance_halves = options.balance_halves;
-    if (flags.pipe.balance.automatic) {
-      in.balance_note = "--balance auto is timed at start; planned with the default balance";
-    }
-  }
-  return in;
-}
-
-MemoryPlanInput memory_plan_input(const PipelineConfig& flags, const model::GPT2Config& config,
-                                  const std::vector<Device>& devices) {
-  const RunConfig& f = flags.run;
-  MemoryPlanInput in;
-  in.program = "run_pipeline";
-  in.model_name = f.model.path.empty() ? f.model.preset : f.model.path;
-  in.config = config;
-  in.rows_per_replica = f.batch_size;
-  in.tokens = f.model_max_length;
-  in.bf16 = f.precision == model::Precision::kBf16;
-  for (const Device& d : devices) in.device_names.push_back(d.str());
-  if (flags.mode == ModelParallelMode::kSingleDevice) {
-    in.device_names.resize(1);
-    return in;
-  }
-  PipelineScheduleConfig pipe = flags.pipe;
-  if (flags.mode != ModelParallelMode::kPipelineParallel) {  // model parallel: GPipe's order with one micro-batch
-    pipe.schedule = pipeline::ScheduleKind::kGpipe;
-    pipe.virtual_stages = 1;
-    pipe.n_chunk = 1;
-  }
-  const PipelineStepOptions options = pipeline_step_options(pipe, static_cast<int>(devices.size()));
+void plan_stages(MemoryPlanInput& in, int devices, const PipelineStepOptions& stages, bool balance_by_time) {
   in.pipeline = true;
-  in.pipeline_devices = static_cast<int>(devices.size());
-  in.virtual_stages = options.virtual_stages;
-  in.schedule = options.schedule;
-  in.micro_batches = options.micro_batches;
-  in.checkpointing = options.checkpointing;
-  in.balance_halves = options.balance_halves;
-  if (pipe.balance.automatic) {
-    in.balance_note = "--balance auto is timed at start; planned with the default balance";
-  }
-  return in;
+  in.pipeline_devices = devices;
+  in.virtual_stages = stages.virtual_stages;
+  in.schedule = stages.schedule;
+  in.micro_batches = stages.micro_batches;
+  in.checkpointing = stages.checkpointing;
+  in.balance_halves = stages.balance_halves;
+  if (balance_by_time) in.balance_note = "--balance auto is timed at start; planned with the default balance";
 }
 
 AvailableMemory available_memory(const std::vector<Device>& devices, bool release_gpu_context,
@@ -617,43 +543,6 @@ std::vector<Device> data_parallel_devices(DeviceChoice choice, int ranks_on_host
   std::vector<Device> devices;
   for (int r = 0; r < ranks_on_host; ++r) devices.push_back(gpus ? Device::cuda(r) : Device::cpu(r));
   return devices;
-}
-
-std::vector<Device> pipeline_devices(const PipelineConfig& flags) {
-  std::vector<Device> devices = flags.run.devices.empty() ? default_devices() : parse_device_list(flags.run.devices);
-  if (flags.mode == ModelParallelMode::kSingleDevice) devices.resize(1);
-  return devices;
-}
-
-int print_memory_plan(const DataParallelConfig& flags) {
-  // The sizes as a run checks them (the flags named); the ZeRO stage is planned even where this
-  // build cannot run it yet, and said so below.
-  parallel::LayoutSizes sizes;
-  sizes.tensor = flags.tensor_parallel_size;
-  sizes.context = flags.context_parallel_size;
-  sizes.pipeline = flags.pipeline_parallel_size;
-  (void)parallel::Layout::create(flags.world_size, sizes);
-  const MemoryPlan plan = plan_memory(memory_plan_input(flags, resolve_config(flags.run.model)));
-  std::vector<Device> devices = data_parallel_devices(flags.device, flags.world_size);
-  if (devices.front().is_cuda() && static_cast<int>(torch::cuda::device_count()) < flags.world_size) {
-    devices.resize(std::max<size_t>(1, torch::cuda::device_count()));  // the plan still prints
-  }
-  std::cout << format_memory_plan(plan, available_memory(devices)) << std::flush;
-  try {
-    sizes.zero_stage = flags.zero_stage;
-    sizes.sequence_parallel = flags.sequence_parallel;
-    (void)parallel::Layout::create(flags.world_size, sizes);
-  } catch (const std::invalid_argument& e) {
-    std::cout << "note: planned as asked, but this build cannot run it: " << e.what() << std::endl;
-  }
-  return 0;
-}
-
-int print_memory_plan(const PipelineConfig& flags) {
-  const std::vector<Device> devices = pipeline_devices(flags);
-  const MemoryPlan plan = plan_memory(memory_plan_input(flags, resolve_config(flags.run.model), devices));
-  std::cout << format_memory_plan(plan, available_memory(devices, false, "device")) << std::flush;
-  return 0;
 }
 
 }  // namespace harness::train

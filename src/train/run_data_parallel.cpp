@@ -88,12 +88,13 @@ parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   return parallel::Layout::create(world_size, sizes);
 }
 
-// With C > 1 each sequence is padded to a multiple of 2C positions (of 2C * T, or of T when
-// C = 1, with --sequence_parallel), which must still fit the model's position table.
-void check_context_parallel_length(const DataParallelConfig& flags, const model::GPT2Config& config) {
+// The positions each sequence is padded to: --model_max_length, or with C > 1 a multiple of 2C
+// (of 2C * T, or of T when C = 1, with --sequence_parallel), which must still fit the model's
+// position table.
+int64_t padded_sequence_length(const DataParallelConfig& flags, const model::GPT2Config& config) {
   const int C = flags.context_parallel_size;
   const int T = flags.sequence_parallel ? flags.tensor_parallel_size : 1;
-  if (C <= 1 && T <= 1) return;
+  if (C <= 1 && T <= 1) return flags.run.model_max_length;
   const int64_t padded = split_sequence_length(flags.run.model_max_length, C, T);
   if (padded > config.n_positions) {
     const int64_t unit = split_sequence_length(1, C, T);
@@ -105,14 +106,41 @@ void check_context_parallel_length(const DataParallelConfig& flags, const model:
                                 "), more than the model's n_positions " + std::to_string(config.n_positions) +
                                 ": lower --model_max_length to a multiple of " + std::to_string(unit));
   }
+  return padded;
 }
 
-// The stages' options from the pipeline flags (checked, the flags named), for P > 1; the balance
-// numbers are checked against the model's blocks here too.
+// The memory plan's input for this run (memory_plan.h): the layout's sizes, a replica's
+// `replica_rows`, the `sequence_length` positions a sequence is padded to (1/C of them a rank),
+// the precision, the ZeRO settings and, with P > 1, the stages' options.
+MemoryPlanInput plan_input(const DataParallelConfig& flags, const parallel::Layout& layout,
+                           const model::GPT2Config& config, int64_t replica_rows, int64_t sequence_length) {
+  const RunConfig& f = flags.run;
+  const int C = layout.context_parallel_size(), P = layout.pipeline_parallel_size();
+  MemoryPlanInput in;
+  in.program = "run_data_parallel";
+  in.model_name = f.model.path.empty() ? f.model.preset : f.model.path;
+  in.config = config;
+  in.tensor_parallel_size = layout.tensor_parallel_size();
+  // With C > 1 the D x C ranks of a slice share its state (ZeRO shards over them), while each
+  // replica's rows are split along the sequence: S / C positions a rank.
+  in.data_parallel_size = layout.gradient_group_size();
+  in.context_parallel_size = C;
+  in.rows_per_replica = replica_rows;
+  in.sequence_parallel = flags.sequence_parallel;
+  in.tokens = sequence_length / C;
+  in.bf16 = f.precision == model::Precision::kBf16;
+  in.zero_stage = flags.zero_stage;
+  in.zero_prefetch = flags.zero_prefetch;
+  in.bucket_cap_mb = flags.bucket_cap_mb;
+  if (P > 1) plan_stages(in, P, pipeline_step_options(flags.pipe, P), flags.pipe.balance.automatic);
+  return in;
+}
+
+// The stages' options from the pipeline flags (checked, the flags named), for P > 1 and a replica
+// batch of `replica_batch` rows; the balance numbers are checked against the model's blocks here too.
 PipelineStepOptions stage_options(const DataParallelConfig& flags, const parallel::Layout& layout,
-                                  const model::GPT2Config& config) {
+                                  const model::GPT2Config& config, int64_t replica_batch) {
   const int P = layout.pipeline_parallel_size();
-  const int64_t replica_batch = data_parallel::per_device_batch_size(flags.run.batch_size, layout.data_parallel_size());
   const PipelineScheduleConfig& pipe = flags.pipe;
   if (pipe.n_chunk < 1 || pipe.n_chunk > replica_batch) {
     throw std::invalid_argument("--n_chunk " + std::to_string(pipe.n_chunk) + " must be between 1 and the " +
@@ -149,7 +177,7 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   const RunConfig& f = flags.run;
   const parallel::Layout layout = run_layout(flags, flags.world_size);
   check_zero_stage(flags);
-  dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
+  const int64_t replica_batch = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
   dp::resolve_backend(flags.backend, worker_device(flags, flags.world_size - 1));
   check_writable_folder(f.workdir, "--workdir");
   if (flags.pytest) check_writable_folder(flags.grad_dir, "--grad_dir");
@@ -157,11 +185,11 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   const model::GPT2Config config = resolve_config(f.model);
   shipped_tokenizer(f.model, config);
   check_positions(config, f.model_max_length);
-  check_context_parallel_length(flags, config);
-  if (layout.pipeline_parallel_size() > 1) (void)stage_options(flags, layout, config);
+  const int64_t sequence_length = padded_sequence_length(flags, config);
+  if (layout.pipeline_parallel_size() > 1) (void)stage_options(flags, layout, config, replica_batch);
   if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
   // Each rank's model state against the memory each has on this machine, before any weight is read.
-  check_model_state_fits(plan_memory(memory_plan_input(flags, config)),
+  check_model_state_fits(plan_memory(plan_input(flags, layout, config, replica_batch, sequence_length)),
                          available_memory(data_parallel_devices(flags.device, flags.world_size),
                                           /*release_gpu_context=*/true),
                          [&flags](int stage) -> std::string {
@@ -177,6 +205,35 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
                          });
   // config.json against model.safetensors: the weights are read and checked as a worker would.
   if (!f.model.path.empty()) build_model(f.model, config, f.seed);
+}
+
+int print_memory_plan(const DataParallelConfig& flags) {
+  // The sizes as a run checks them (the flags named); the ZeRO stage is planned even where this
+  // build cannot run it yet, and said so below.
+  parallel::LayoutSizes sizes;
+  sizes.tensor = flags.tensor_parallel_size;
+  sizes.context = flags.context_parallel_size;
+  sizes.pipeline = flags.pipeline_parallel_size;
+  const parallel::Layout layout = parallel::Layout::create(flags.world_size, sizes);
+  const RunConfig& f = flags.run;
+  const int64_t sequence_length = split_sequence_length(
+      f.model_max_length, flags.context_parallel_size, flags.sequence_parallel ? flags.tensor_parallel_size : 1);
+  const MemoryPlan plan =
+      plan_memory(plan_input(flags, layout, resolve_config(f.model),
+                             dp::per_device_batch_size(f.batch_size, layout.data_parallel_size()), sequence_length));
+  std::vector<Device> devices = data_parallel_devices(flags.device, flags.world_size);
+  if (devices.front().is_cuda() && static_cast<int>(torch::cuda::device_count()) < flags.world_size) {
+    devices.resize(std::max<size_t>(1, torch::cuda::device_count()));  // the plan still prints
+  }
+  std::cout << format_memory_plan(plan, available_memory(devices)) << std::flush;
+  try {
+    sizes.zero_stage = flags.zero_stage;
+    sizes.sequence_parallel = flags.sequence_parallel;
+    (void)parallel::Layout::create(flags.world_size, sizes);
+  } catch (const std::invalid_argument& e) {
+    std::cout << "note: planned as asked, but this build cannot run it: " << e.what() << std::endl;
+  }
+  return 0;
 }
 
 namespace {
@@ -207,6 +264,8 @@ struct RankInputs {
   data::TranslationCorpus corpus;
   model::GPT2Config config;
   std::optional<data::Tokenizer> tokenizer;
+  int64_t rows = 0;             // of the global batch, on this rank's replica
+  int64_t sequence_length = 0;  // positions a sequence is padded to (padded_sequence_length)
 };
 
 // Every rank trains its own tokenizer; only rank 0 keeps the file, so the ranks need no shared
@@ -226,7 +285,7 @@ void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::Di
     apply_training_split_test_hook(rank, in.corpus.train);
     in.config = resolve_config(f.model);
     in.tokenizer.emplace(prepare_tokenizer(f.model, in.config, in.corpus.train, in.tokenizer_path));
-    check_context_parallel_length(flags, in.config);
+    in.sequence_length = padded_sequence_length(flags, in.config);
   } catch (const std::exception& e) {
     refusal = e.what();
   }
@@ -240,16 +299,15 @@ void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::Di
 // balance is everyone's. Each data-parallel replica draws its own dropout masks, the same on
 // every stage of it.
 PipelineStepOptions agreed_stage_options(const DataParallelConfig& flags, const parallel::Layout& layout,
-                                         model::GPT2LMHeadModel& model, const Device& device, int rank,
-                                         const dp::DistContext& world) {
+                                         const RankInputs& in, model::GPT2LMHeadModel& model, const Device& device,
+                                         int rank, const dp::DistContext& world) {
   const RunConfig& f = flags.run;
-  PipelineStepOptions stage = stage_options(flags, layout, model->config());
+  PipelineStepOptions stage = stage_options(flags, layout, model->config(), in.rows);
   stage.devices = {device};
   stage.seed = f.seed + static_cast<uint64_t>(layout.coordinates_of(rank).data);
   if (!flags.pipe.balance.automatic) return stage;
   const int P = layout.pipeline_parallel_size();
-  const int64_t device_batch = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
-  const int64_t rows = std::max<int64_t>(1, device_batch / stage.micro_batches);
+  const int64_t rows = std::max<int64_t>(1, in.rows / stage.micro_batches);
   std::vector<int> halves =
       pipeline::balance_gpt2_by_time(model, device, P * stage.virtual_stages, rows, f.model_max_length);
   at::Tensor agreed =
@@ -275,7 +333,7 @@ DataParallelSettings data_parallel_settings(const DataParallelConfig& flags) {
 // Rank 0's lines before training: the run, the layout's table and the memory plan.
 void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
                const Device& device, int threads, dp::Backend backend, model::GPT2LMHeadModel& model,
-               const data::Tokenizer& tokenizer, const StepParts& parts) {
+               const RankInputs& in, const StepParts& parts) {
   const RunConfig& f = flags.run;
   const int T = layout.tensor_parallel_size(), P = layout.pipeline_parallel_size();
   const int dp_size = layout.data_parallel_size();
@@ -286,8 +344,8 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
             << (T > 1 && P == 1 ? ", " + std::to_string(model::count_parameters(*model)) + " on each rank"
                 : P > 1         ? ", " + std::to_string(model::count_parameters(*model)) + " held on rank 0"
                                 : std::string())
-            << ") vocab=" << tokenizer.vocab_size() << " batch_size=" << f.batch_size << " (per rank "
-            << dp::per_device_batch_size(f.batch_size, dp_size) << ")"
+            << ") vocab=" << in.tokenizer->vocab_size() << " batch_size=" << f.batch_size << " (per rank "
+            << in.rows << ")"
             << " grad_sync=" << dp::to_string(flags.grad_sync) << " allreduce=" << dp::to_string(flags.allreduce)
             << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
             << " precision=" << model::to_string(f.precision) << " grad_reduce_dtype=" << (flags.grad_reduce_dtype == at::kBFloat16 ? "bf16" : "fp32")
@@ -298,9 +356,8 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
   if (T > 1) std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
   if (layout.sequence_parallel()) std::cerr << " sequence_parallel=true";
   if (const int C = layout.context_parallel_size(); C > 1) {
-    const int64_t length = context_parallel_length(f.model_max_length, C);
     std::cerr << " context_parallel_size=" << C << (T > 1 ? "" : " data_parallel_size=" + std::to_string(dp_size))
-              << " sequence_length=" << length << " (" << length / C << " positions per rank)";
+              << " sequence_length=" << in.sequence_length << " (" << in.sequence_length / C << " positions per rank)";
   }
   if (parts.stages) {
     std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
@@ -314,7 +371,8 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
     const int ranks_here = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
     const std::vector<Device> here = device.is_cuda() ? std::vector<Device>{device} : std::vector<Device>(ranks_here, device);
     std::cerr << "run_data_parallel: "
-              << memory_plan_line(plan_memory(memory_plan_input(flags, model->config())), available_memory(here))
+              << memory_plan_line(plan_memory(plan_input(flags, layout, model->config(), in.rows, in.sequence_length)),
+                                  available_memory(here))
               << std::endl;
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: memory plan: not made: " << e.what() << std::endl;
@@ -390,6 +448,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   const int rank = env.rank;
   const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
   RankInputs in;
+  in.rows = dp::per_device_batch_size(f.batch_size, dp_size);
   prepare_rank_inputs(flags, rank, world, in);
   const data::Tokenizer& tokenizer = *in.tokenizer;
 
@@ -407,7 +466,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   composition.data_parallel = data_parallel_settings(flags);
   composition.debug_sync = flags.debug_sync;
   if (layout.pipeline_parallel_size() > 1) {
-    composition.stages = agreed_stage_options(flags, layout, model, device, rank, world);
+    composition.stages = agreed_stage_options(flags, layout, in, model, device, rank, world);
   }
   StepParts parts = compose_step(model, layout, groups, composition);
   if (flags.zero_stage >= 1 && rank == 0) print_zero_state(flags, layout.gradient_group_size(), model, *parts.optimizer);
@@ -417,7 +476,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   settings.precision = f.precision;
   settings.tracer = tracer.get();
   settings.trace_track = track;
-  if (rank == 0) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, tokenizer, parts);
+  if (rank == 0) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, parts);
   GPT2TrainStep step(model, std::move(parts.forward_backward), std::move(parts.optimizer), parts.sync.get(), settings);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same

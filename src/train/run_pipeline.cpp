@@ -70,6 +70,40 @@ PipelineDevices devices_of_run(const PipelineConfig& pipeline) {
   return out;
 }
 
+// The schedule flags the mode runs: model parallel is the pipeline with one micro-batch (GPipe's
+// order over the same stages, one virtual stage each).
+PipelineScheduleConfig schedule_of_mode(const PipelineConfig& pipeline) {
+  PipelineScheduleConfig flags = pipeline.pipe;
+  if (pipeline.mode != ModelParallelMode::kPipelineParallel) {
+    flags.schedule = pipeline::ScheduleKind::kGpipe;
+    flags.virtual_stages = 1;
+    flags.n_chunk = 1;
+  }
+  return flags;
+}
+
+// The memory plan's input (memory_plan.h) for the mode on `devices`: the batch and sequence of
+// the flags, and with a mode its stages' options.
+MemoryPlanInput plan_input(const PipelineConfig& pipeline, const model::GPT2Config& config,
+                           const std::vector<Device>& devices) {
+  const RunConfig& f = pipeline.run;
+  MemoryPlanInput in;
+  in.program = "run_pipeline";
+  in.model_name = f.model.path.empty() ? f.model.preset : f.model.path;
+  in.config = config;
+  in.rows_per_replica = f.batch_size;
+  in.tokens = f.model_max_length;
+  in.bf16 = f.precision == model::Precision::kBf16;
+  for (const Device& d : devices) in.device_names.push_back(d.str());
+  if (pipeline.mode == ModelParallelMode::kSingleDevice) {
+    in.device_names.resize(1);
+    return in;
+  }
+  const int D = static_cast<int>(devices.size());
+  plan_stages(in, D, pipeline_step_options(schedule_of_mode(pipeline), D), pipeline.pipe.balance.automatic);
+  return in;
+}
+
 // The step of the mode: the model on one device, or its stages over the devices (model parallel is
 // the pipeline with one micro-batch: GPipe's order over the same stages). Everything a schedule
 // needs is checked before the model is placed or a batch is read. `stages` is set for the stages.
@@ -96,13 +130,7 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
     return std::make_unique<GPT2TrainStep>(model, std::move(parts.forward_backward), std::move(parts.optimizer),
                                            nullptr, settings);
   }
-  PipelineScheduleConfig flags = pipe;
-  if (!pipelined) {
-    flags.schedule = pipeline::ScheduleKind::kGpipe;
-    flags.virtual_stages = 1;
-    flags.n_chunk = 1;
-  }
-  PipelineStepOptions options = pipeline_step_options(flags, static_cast<int>(at.devices.size()));
+  PipelineStepOptions options = pipeline_step_options(schedule_of_mode(pipeline), static_cast<int>(at.devices.size()));
   options.devices = at.devices;
   options.threads_per_device = at.threads;
   options.seed = f.seed;
@@ -169,6 +197,13 @@ TrainingOptions pipeline_training_options(const PipelineConfig& pipeline, const 
 
 }  // namespace
 
+int print_memory_plan(const PipelineConfig& pipeline) {
+  const std::vector<Device> devices = devices_of_run(pipeline).devices;
+  const MemoryPlan plan = plan_memory(plan_input(pipeline, resolve_config(pipeline.run.model), devices));
+  std::cout << format_memory_plan(plan, available_memory(devices, false, "device")) << std::flush;
+  return 0;
+}
+
 int run_pipeline(const PipelineConfig& pipeline) {
   const RunConfig& f = pipeline.run;
   check_writable_folder(f.workdir, "--workdir");
@@ -181,7 +216,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
   if (f.fit_vocab) fit_vocabulary(config, f.model, tokenizer);
   config.save_json_file(f.workdir + "/config.json");  // as the original, at start
   // Each device's model state against the memory it has, before the model is built.
-  const MemoryPlan memory = plan_memory(memory_plan_input(pipeline, config, at.devices));
+  const MemoryPlan memory = plan_memory(plan_input(pipeline, config, at.devices));
   const AvailableMemory available = available_memory(at.devices, false, "device");
   check_model_state_fits(memory, available, [](int) {
     return std::string("run_pipeline trains one replica, and ZeRO shards over data-parallel replicas "

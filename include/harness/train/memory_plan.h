@@ -58,8 +58,7 @@
 
 namespace harness::train {
 
-struct DataParallelConfig;
-struct PipelineConfig;
+struct PipelineStepOptions;
 
 // The layout, model and batch a plan is made for.
 struct MemoryPlanInput {
@@ -120,10 +119,10 @@ int64_t gpt2_parameter_count(const model::GPT2Config& config);
 // model does not divide, or a balance that does not fit the model and the stages.
 MemoryPlan plan_memory(const MemoryPlanInput& input);
 
-// The programs' inputs from their flags and the model's resolved config.
-MemoryPlanInput memory_plan_input(const DataParallelConfig& flags, const model::GPT2Config& config);
-MemoryPlanInput memory_plan_input(const PipelineConfig& flags, const model::GPT2Config& config,
-                                  const std::vector<Device>& devices);
+// A pipeline's part of `in`: `devices` schedule devices running `stages` (their schedule, V, M,
+// activation checkpointing and balance; `balance_by_time`: --balance auto, planned with the
+// default balance and said so).
+void plan_stages(MemoryPlanInput& in, int devices, const PipelineStepOptions& stages, bool balance_by_time);
 
 // What one rank may use, and how that was found.
 struct AvailableMemory {
@@ -159,12 +158,5 @@ void check_model_state_fits(const MemoryPlan& plan, const AvailableMemory& avail
 // The devices of run_data_parallel's ranks on this host for --device (auto: GPUs 0 .. ranks - 1
 // when there are GPUs), one entry per rank, as its workers choose them.
 std::vector<Device> data_parallel_devices(DeviceChoice choice, int ranks_on_host);
-// run_pipeline's devices for --devices and --model_parallel_mode (one device without a mode).
-std::vector<Device> pipeline_devices(const PipelineConfig& flags);
-
-// --memory_plan: the plan of the run the flags describe, printed on stdout, before any process
-// group, model or data exists. Returns the exit status, 0.
-int print_memory_plan(const DataParallelConfig& flags);
-int print_memory_plan(const PipelineConfig& flags);
 
 }  // namespace harness::train

@@ -112,4 +112,9 @@ int run_data_parallel_worker(const DataParallelConfig& config, const data_parall
 // positions, the tensor-parallel split, and the GPUs --device needs on this machine.
 void check_data_parallel_run(const DataParallelConfig& config);
 
+// --memory_plan: the plan of the run the flags describe (train/memory_plan.h), printed on stdout,
+// before any process group, model or data exists. Returns the exit status, 0.
+int print_memory_plan(const DataParallelConfig& config);
+int print_memory_plan(const PipelineConfig& config);
+
 }  // namespace harness::train
