@@ -204,11 +204,21 @@ at::Tensor assemble_keep_mask(const RingState& state, const Ring& ring, const at
   return full;
 }
 
+// On a CPU without dropout each block runs PyTorch's fused flash-attention kernels (what
+// scaled_dot_product_attention runs there for one device): a block's scores never exist whole,
+// and its backward takes the final output and log-sum-exp, as FlashAttention's does.
+bool fused_blocks(const at::Tensor& q, const RingState& state) { return q.device().is_cpu() && state.dropout_p == 0; }
+
 // One block's output, normalised over the block alone, and its log-sum-exp (fp32). Under dropout
 // the block's keep-mask is drawn into `keep` and applied to the normalised probabilities.
 std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 CausalBlock kind, const RingState& state,
                                                 const std::optional<at::Generator>& generator, at::Tensor& keep) {
+  if (fused_blocks(q, state)) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, kind == CausalBlock::kDiagonal,
+                                                                      std::nullopt, state.scale);
+    return {std::move(out), std::move(lse)};
+  }
   const at::Tensor scores = block_scores(q, k, kind, state.scale);
   at::Tensor lse = scores.logsumexp(-1);
   at::Tensor probs = (scores - lse.unsqueeze(-1)).exp_();
@@ -220,10 +230,20 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
 }
 
 // One block's share of dQ, dK and dV (added into the given views), FlashAttention's backward:
-// P from the final lse, Z = P * keep / (1 - p), dV = Z^T dO, dS = P * (dZ * keep / (1 - p) - D).
+// P from the final lse, Z = P * keep / (1 - p), dV = Z^T dO, dS = P * (dZ * keep / (1 - p) - D)
+// (`out`: the queries' final output, of which D = rowsum(dO * O)).
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out,
-                    const at::Tensor& lse, const at::Tensor& delta, CausalBlock kind, const RingState& state,
-                    const at::Tensor& keep, at::Tensor grad_q, at::Tensor grad_k, at::Tensor grad_v) {
+                    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& delta, CausalBlock kind,
+                    const RingState& state, const at::Tensor& keep, at::Tensor grad_q, at::Tensor grad_k,
+                    at::Tensor grad_v) {
+  if (fused_blocks(q, state)) {
+    const auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, kind == CausalBlock::kDiagonal, std::nullopt, state.scale);
+    grad_q.add_(dq);
+    grad_k.add_(dk);
+    grad_v.add_(dv);
+    return;
+  }
   const at::Tensor probs = (block_scores(q, k, kind, state.scale) - lse.unsqueeze(-1)).exp_();
   const double keep_scale = 1 / (1 - state.dropout_p);
   const at::Tensor dropped = keep.defined() ? probs * keep * keep_scale : probs;
@@ -282,9 +302,9 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     const Ring ring{group.rank(), group.size()};
     // Every rank must take part in the ring even when its output had no gradient.
     const at::Tensor grad_out = grads[0].defined() ? grads[0].to(at::kFloat) : at::zeros_like(out, at::kFloat);
-    const at::Tensor q32 = q.to(at::kFloat);
+    const at::Tensor q32 = q.to(at::kFloat), out32 = out.to(at::kFloat);
     // D_i = sum_j P_ij dP_ij = dO_i . O_i, also under dropout (it scales P and dP alike).
-    const at::Tensor delta = (grad_out * out.to(at::kFloat)).sum(-1);
+    const at::Tensor delta = (grad_out * out32).sum(-1);
     at::Tensor grad_q = at::zeros_like(q32);
 
     at::Tensor kv = at::stack({k, v});
@@ -300,7 +320,7 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
           if (kind == CausalBlock::kSkip) continue;
           const at::Tensor& keep = state->keep_masks[Ring::mask_index(step, qi, kj)];
           block_backward(half_of(q32, qi), half_of(kv32[0], kj), half_of(kv32[1], kj), half_of(grad_out, qi),
-                         rows_half_of(state->lse, qi), rows_half_of(delta, qi), kind, *state, keep,
+                         half_of(out32, qi), rows_half_of(state->lse, qi), rows_half_of(delta, qi), kind, *state, keep,
                          half_of(grad_q, qi), half_of(grad_kv[0], kj), half_of(grad_kv[1], kj));
         }
       }
