@@ -16,7 +16,9 @@
 //
 // where one bucket is --bucket_cap_mb (at most 4Ψ) and u = (zero_prefetch + 1) x 4 x the largest
 // unit's parameters (a block, or the embeddings wte + wpe, gathered whole): the units prefetched
-// plus the one being computed. The same accounting as DeepSpeed's
+// plus the one being computed (inside pipeline stages u = 4Ψ: every unit of the stages is
+// gathered for the whole step, and its gradients kept until its last micro-batch's backward).
+// The same accounting as DeepSpeed's
 // estimate_zero2_model_states_mem_needs / estimate_zero3_model_states_mem_needs, with fp32 weights
 // and gradients instead of fp16 ones. A pipeline's first stage holds wte and wpe, its last stage
 // ln_f and its own copy of the tied wte (both step it).
