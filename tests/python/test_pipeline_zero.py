@@ -6,8 +6,8 @@ embedding group). After three AdamW steps with dropout 0 the weights equal the u
 gradients are the whole model's with the tied embeddings summed; the stage's state is half its
 unsharded size on two data-parallel ranks; a sharded stage checkpoint resumes unsharded elsewhere
 and an unsharded one resumes sharded. Under ZeRO-3 each stage's units (its blocks, wte alone, and
-wpe or ln_f) are sharded the same way and gathered for each step: (2,1,1,2) trains like the
-unsharded stages, its gradients are the whole model's, and a checkpoint resumes into it bit for
+wpe or ln_f) are sharded the same way and gathered for each step: (2,1,1,2) and (2,1,2,2) train
+like the unsharded stages, its gradients are the whole model's, and a checkpoint resumes into it bit for
 bit. gpt2-tiny, a few batches, at most 8 processes."""
 import os
 import re
@@ -41,17 +41,19 @@ class ShardedStages(unittest.TestCase):
                 self.assertIn("zero_stage=1", proc.stderr)
                 self.same(sharded, unsharded, name + ": ZeRO-1 against unsharded stages", 1e-5)
                 self.same(sharded, plain, name + ": ZeRO-1 stages against data parallelism", 1e-3)
-            # (2,1,1,2) under ZeRO-3: each stage's units sharded over its two replicas, gathered for
-            # each step; the wte unit's chunks summed over the embedding group.
-            units, proc = train(tmp, "d2p2_zero3", "gpt2-tiny", 4, STAGES + ZERO3)
-            self.assertIn("zero_stage=3", proc.stderr)
-            self.same(units, os.path.join(tmp, "d2p2"), "(2,1,1,2): ZeRO-3 against unsharded stages", 1e-5)
-            self.same(units, plain, "(2,1,1,2): ZeRO-3 stages against data parallelism", 1e-3)
-            # Rank 0 (stage 0) gathered its stage's units, no more: wpe, wte and its blocks.
-            held = int(re.search(r"\((\d+) parameters, (\d+) held on rank 0\)", proc.stderr).group(2))
-            gathered = int(re.search(r"--zero_stage 3 held at most (\d+) bytes", proc.stderr).group(1))
-            self.assertGreaterEqual(gathered, 4 * held)
-            self.assertLess(gathered, 4 * held + 4 * 64 * 2)  # each unit padded to a multiple of 2
+            # (2,1,1,2) and (2,1,2,2) under ZeRO-3: each stage's units (each tensor-parallel rank's
+            # slices of them) sharded over its two replicas, gathered for each step; the wte unit's
+            # chunks summed over the embedding group.
+            for name, world, layout in (("d2p2", 4, STAGES), ("d2t2p2", 8, STAGES + ["--tensor_parallel_size", "2"])):
+                units, proc = train(tmp, name + "_zero3", "gpt2-tiny", world, layout + ZERO3)
+                self.assertIn("zero_stage=3", proc.stderr)
+                self.same(units, os.path.join(tmp, name), name + ": ZeRO-3 against unsharded stages", 1e-5)
+                self.same(units, plain, name + ": ZeRO-3 stages against data parallelism", 1e-3)
+                if name == "d2p2":  # rank 0 (stage 0) gathered its stage's units, no more: wpe, wte, its blocks
+                    held = int(re.search(r"\((\d+) parameters, (\d+) held on rank 0\)", proc.stderr).group(2))
+                    gathered = int(re.search(r"--zero_stage 3 held at most (\d+) bytes", proc.stderr).group(1))
+                    self.assertGreaterEqual(gathered, 4 * held)
+                    self.assertLess(gathered, 4 * held + 4 * 64 * 2)  # each unit padded to a multiple of 2
             # Interleaved: stage 0's process also holds the third of four virtual stages.
             interleaved, _ = train(tmp, "interleaved_zero", "gpt2-tiny", 4,
                                    ["--pipeline_parallel_size", "2", "--n_chunk", "2", "--pipeline_schedule",
