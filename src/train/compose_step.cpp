@@ -34,15 +34,9 @@ std::unique_ptr<dp::BucketedAllReduce> zero_buckets(const DataParallelSettings& 
 StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& layout,
                        const parallel::ProcessGroups& groups, const StepComposition& settings) {
   const DataParallelSettings& s = settings.data_parallel;
-  std::unique_ptr<dp::BucketedAllReduce> buckets = zero_buckets(s, groups.gradient);
-  PipelineProcesses processes{groups.pipeline, groups.embedding, settings.debug_sync, {}};
-  if (buckets && groups.embedding) {
-    const at::Tensor wte = model->transformer->wte->weight;
-    buckets->keep_apart(wte);
-    processes.tied_gradient = [zero = buckets.get(), wte] { return zero->gradient_shard_of(wte); };
-  }
   StepParts parts;
-  auto stages = std::make_unique<PipelineForwardBackward>(model, *settings.stages, std::move(processes));
+  auto stages = std::make_unique<PipelineForwardBackward>(
+      model, *settings.stages, PipelineProcesses{groups.pipeline, groups.embedding, settings.debug_sync});
   parts.stages = stages.get();
   parts.forward_backward = std::move(stages);
 
@@ -54,7 +48,12 @@ StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& lay
     held.owner[item.key()] = parts.stages->owner_of(item.key());
     if (std::find(held.held.begin(), held.held.end(), item.key()) != held.held.end()) parameters.push_back(item.value());
   }
-  if (buckets) {
+  if (std::unique_ptr<dp::BucketedAllReduce> buckets = zero_buckets(s, groups.gradient)) {
+    if (groups.embedding) {
+      const at::Tensor wte = model->transformer->wte->weight;
+      buckets->keep_apart(wte);  // before stage_adamw attaches the buckets
+      parts.stages->set_tied_gradient([zero = buckets.get(), wte] { return zero->gradient_shard_of(wte); });
+    }
     parts.optimizer = stage_adamw(model, settings.optimizer, std::move(held), buckets.get());
     parts.sync = std::move(buckets);
     return parts;

@@ -233,7 +233,7 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
 
 void PipelineForwardBackward::set_tied_gradient(std::function<at::Tensor()> tied_gradient) {
   if (!processes_) throw std::logic_error("PipelineForwardBackward: a tied gradient's place is for stages that are processes");
-  processes_->tied_gradient = std::move(tied_gradient);
+  tied_gradient_ = std::move(tied_gradient);
 }
 
 void PipelineForwardBackward::finish_gradients() {
@@ -255,8 +255,8 @@ void PipelineForwardBackward::finish_gradients() {
   // The embedding's gradient (first stage) and the head's (last stage), each already averaged over
   // its data-parallel group, summed: both copies of wte then take the same step.
   std::vector<at::Tensor> tensors;
-  if (processes_->tied_gradient) {
-    tensors.push_back(processes_->tied_gradient());
+  if (tied_gradient_) {
+    tensors.push_back(tied_gradient_());
   } else {
     if (!wte.grad().defined()) wte.mutable_grad() = at::zeros_like(wte);
     tensors.push_back(wte.mutable_grad());

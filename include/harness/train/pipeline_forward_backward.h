@@ -82,13 +82,9 @@ struct PipelineProcesses {
   // --debug_sync: each exchange recorded in the pipeline group's store, so that a stage that
   // waits in vain says what its peers were waiting for (process_transport.h).
   bool debug_sync = false;
-  // Where the first and last stages keep the tied wte's gradient, once averaged over their
-  // data-parallel group, for the embedding group's sum: wte's .grad() when unset; ZeRO-1's chunk
-  // of it (the same elements on both stages: data_parallel::BucketedAllReduce::keep_apart) when set.
-  std::function<at::Tensor()> tied_gradient;
 };
 
-// The training schedule `name` for M micro-batches on D devices with V stages each. Interleaving
+// The training schedule of `kind` for M micro-batches on D devices with V stages each. Interleaving
 // cannot take M % D != 0 (a short last batch): that step runs GPipe's order over the same stages.
 // Throws std::invalid_argument naming --virtual_stages on V > 1 without interleaving.
 pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, int micro_batches,
@@ -137,8 +133,10 @@ class PipelineForwardBackward final : public ForwardBackward {
   std::vector<std::string> held_parameters() const;
   // Which schedule device's stage owns `name` (wte: the first stage's).
   int owner_of(const std::string& name) const;
-  // Processes: where the first and last stages keep the tied wte's gradient from now on
-  // (PipelineProcesses::tied_gradient), for a synchronizer built over what the stages hold.
+  // Processes: where the first and last stages keep the tied wte's gradient, once averaged over
+  // their data-parallel group, for the embedding group's sum: wte's .grad() unless set; ZeRO's
+  // chunk of it when set (the same elements on both stages: a bucket or a unit of its own), for a
+  // synchronizer built over what the stages hold.
   void set_tied_gradient(std::function<at::Tensor()> tied_gradient);
   // What the last run ran: its schedule and each device's peak of held forwards (this process's
   // only, with processes).
@@ -164,6 +162,7 @@ class PipelineForwardBackward final : public ForwardBackward {
   model::GPT2LMHeadModel model_;
   PipelineStepOptions options_;
   std::optional<PipelineProcesses> processes_;
+  std::function<at::Tensor()> tied_gradient_;  // set_tied_gradient's
   std::vector<int> halves_;
   // halves_' running sums: stage s runs block halves [first_unit_of_stage_[s], first_unit_of_stage_[s + 1])
   // (2b: block b's attention half, 2b + 1 its MLP half).
