@@ -231,7 +231,8 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
 
 // One block's share of dQ, dK and dV (added into the given views), FlashAttention's backward:
 // P from the final lse, Z = P * keep / (1 - p), dV = Z^T dO, dS = P * (dZ * keep / (1 - p) - D)
-// (`out`: the queries' final output, of which D = rowsum(dO * O)).
+// (`out`: the queries' final output, of which D = rowsum(dO * O); the fused kernel takes `out`,
+// the matmuls `delta`).
 void block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& grad_out,
                     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& delta, CausalBlock kind,
                     const RingState& state, const at::Tensor& keep, at::Tensor grad_q, at::Tensor grad_k,
@@ -303,8 +304,9 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
     // Every rank must take part in the ring even when its output had no gradient.
     const at::Tensor grad_out = grads[0].defined() ? grads[0].to(at::kFloat) : at::zeros_like(out, at::kFloat);
     const at::Tensor q32 = q.to(at::kFloat), out32 = out.to(at::kFloat);
-    // D_i = sum_j P_ij dP_ij = dO_i . O_i, also under dropout (it scales P and dP alike).
-    const at::Tensor delta = (grad_out * out32).sum(-1);
+    // D_i = sum_j P_ij dP_ij = dO_i . O_i, also under dropout (it scales P and dP alike); the fused
+    // kernels compute it themselves from the output.
+    const at::Tensor delta = fused_blocks(q32, *state) ? at::Tensor() : (grad_out * out32).sum(-1);
     at::Tensor grad_q = at::zeros_like(q32);
 
     at::Tensor kv = at::stack({k, v});
@@ -320,7 +322,8 @@ struct RingAttentionFunction : torch::autograd::Function<RingAttentionFunction> 
           if (kind == CausalBlock::kSkip) continue;
           const at::Tensor& keep = state->keep_masks[Ring::mask_index(step, qi, kj)];
           block_backward(half_of(q32, qi), half_of(kv32[0], kj), half_of(kv32[1], kj), half_of(grad_out, qi),
-                         half_of(out32, qi), rows_half_of(state->lse, qi), rows_half_of(delta, qi), kind, *state, keep,
+                         half_of(out32, qi), rows_half_of(state->lse, qi),
+                         delta.defined() ? rows_half_of(delta, qi) : delta, kind, *state, keep,
                          half_of(grad_q, qi), half_of(grad_kv[0], kj), half_of(grad_kv[1], kj));
         }
       }
