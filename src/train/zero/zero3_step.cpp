@@ -111,10 +111,16 @@ class GatheredStages final : public WrappedForwardBackward {
 
 const char* const kTiedWte = "transformer.wte.weight";
 
+// The block a parameter belongs to ("transformer.h.3.attn.c_attn.weight" -> 3); none outside the blocks.
+std::optional<int64_t> block_of(const std::string& name) {
+  const std::string blocks = "transformer.h.";
+  if (name.rfind(blocks, 0) != 0) return std::nullopt;
+  return std::stoll(name.substr(blocks.size()));
+}
+
 }  // namespace
 
 std::vector<ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::vector<std::string>& held) {
-  const std::string blocks = "transformer.h.";
   std::vector<ShardedUnit> units;
   std::map<std::string, size_t> unit_of;  // a unit's name -> its place, in the order first met
   for (const auto& item : model->named_parameters()) {
@@ -123,8 +129,8 @@ std::vector<ShardedUnit> stage_units(model::GPT2LMHeadModel& model, const std::v
     std::string unit = "wpe and ln_f";
     if (name == kTiedWte) {
       unit = kTiedWte;
-    } else if (name.rfind(blocks, 0) == 0) {
-      unit = "h." + name.substr(blocks.size(), name.find('.', blocks.size()) - blocks.size());
+    } else if (const std::optional<int64_t> block = block_of(name)) {
+      unit = "h." + std::to_string(*block);
     }
     auto [it, added] = unit_of.emplace(unit, units.size());
     if (added) units.push_back({unit, {}, {}, {}});
@@ -153,10 +159,9 @@ std::vector<ShardedUnit> gpt2_units(model::GPT2LMHeadModel& model) {
   std::vector<ShardedUnit> units(static_cast<size_t>(L + 1));
   units[0].name = "embeddings, ln_f and the tied head";
   for (int64_t i = 0; i < L; ++i) units[static_cast<size_t>(i + 1)].name = "h." + std::to_string(i);
-  const std::string blocks = "transformer.h.";
   for (const auto& item : model->named_parameters()) {
-    size_t u = 0;
-    if (item.key().rfind(blocks, 0) == 0) u = static_cast<size_t>(std::stoll(item.key().substr(blocks.size()))) + 1;
+    const std::optional<int64_t> block = block_of(item.key());
+    const size_t u = block ? static_cast<size_t>(*block) + 1 : 0;
     units.at(u).names.push_back(item.key());
     units.at(u).parameters.push_back(item.value());
     // One accumulation per backward each: autograd sums the tied wte's two uses (the embedding
