@@ -13,6 +13,7 @@
 #include "common.h"
 #include "pipeline_flags.h"
 #include "harness/host_memory.h"
+#include "harness/pipeline/activation_meter.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
@@ -127,6 +128,8 @@ std::string env_or(const char* name, const std::string& fallback) {
 int main(int argc, char** argv) {
   harness::keep_freed_host_memory();  // reuse, not re-fault, the large tensors of each step
   using namespace harness::apps;
+  // Counts every CPU tensor allocation; each rank reports its peak after training (docs/performance.md).
+  if (env_or("HARNESS_COUNT_CPU_TENSORS", "0") == "1") harness::pipeline::install_activation_meter();
   const DataParallelFlags flags = parse(argc, argv);
   const harness::train::DataParallelConfig& config = flags.config;
   try {

@@ -19,21 +19,31 @@ constexpr int kMaxDevices = 64;
 thread_local int scope_device = -1;
 std::array<std::atomic<int64_t>, kMaxDevices> live{};
 std::array<std::atomic<int64_t>, kMaxDevices> peak{};
+std::atomic<int64_t> process_live{0};  // every metered allocation, in a scope or not
+std::atomic<int64_t> process_peak{0};
+std::atomic<int64_t> window_start{0};  // what was live when the window began
+std::atomic<int64_t> window_peak{0};
 
 struct Charge {
   int64_t bytes;
-  int device;
+  int device;  // -1: made outside any scope, counted for the process only
   c10::DeleterFnPtr deleter;  // the wrapped allocator's
 };
 std::mutex charges_mutex;
 std::unordered_map<void*, Charge> charges;  // metered allocations by address
 c10::Allocator* wrapped = nullptr;
 
-void charge(int device, int64_t bytes) {
-  const int64_t now = live[device].fetch_add(bytes) + bytes;
-  int64_t seen = peak[device].load();
-  while (now > seen && !peak[device].compare_exchange_weak(seen, now)) {
+void raise_peak(std::atomic<int64_t>& peak_bytes, int64_t now) {
+  int64_t seen = peak_bytes.load();
+  while (now > seen && !peak_bytes.compare_exchange_weak(seen, now)) {
   }
+}
+
+void charge(int device, int64_t bytes) {
+  const int64_t now = process_live.fetch_add(bytes) + bytes;
+  raise_peak(process_peak, now);
+  raise_peak(window_peak, now);
+  if (device >= 0) raise_peak(peak[device], live[device].fetch_add(bytes) + bytes);
 }
 
 // The deleter of every metered allocation, and the raw deleter: addresses it did not meter go to
@@ -48,8 +58,9 @@ void release(void* data) {
       charges.erase(it);
     }
   }
-  if (c.device >= 0) {
-    live[c.device].fetch_sub(c.bytes);
+  if (c.deleter != nullptr) {
+    process_live.fetch_sub(c.bytes);
+    if (c.device >= 0) live[c.device].fetch_sub(c.bytes);
     c.deleter(data);
   } else {
     wrapped->raw_deleter()(data);
@@ -62,7 +73,7 @@ class MeteredCPUAllocator final : public c10::Allocator {
     c10::DataPtr inner = wrapped->allocate(n);
     const int device = scope_device;
     // Only simple allocations (the data is its own context) can be re-wrapped without a context.
-    if (device < 0 || n == 0 || inner.get() != inner.get_context()) return inner;
+    if (n == 0 || inner.get() != inner.get_context()) return inner;
     void* data = inner.get();
     const c10::DeleterFnPtr deleter = inner.get_deleter();
     (void)inner.release_context();
@@ -121,5 +132,17 @@ std::vector<int64_t> activation_peak_bytes(int devices) {
 void reset_activation_peaks() {
   for (int d = 0; d < kMaxDevices; ++d) peak[d] = live[d].load();
 }
+
+int64_t cpu_tensor_live_bytes() { return process_live.load(); }
+
+int64_t cpu_tensor_peak_bytes() { return process_peak.load(); }
+
+void restart_cpu_tensor_window() {
+  const int64_t now = process_live.load();
+  window_start = now;
+  window_peak = now;
+}
+
+int64_t cpu_tensor_window_increase() { return window_peak.load() - window_start.load(); }
 
 }  // namespace harness::pipeline

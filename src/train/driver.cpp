@@ -18,6 +18,7 @@
 #include "harness/data_parallel/checkpoint_io.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/model/safetensors.h"
+#include "harness/pipeline/activation_meter.h"
 #include "harness/trace.h"
 #include "harness/train/async_checkpoint.h"
 #include "harness/train/bleu.h"
@@ -503,6 +504,12 @@ class TrainingRun {
   TrainingSummary summary_;
   std::optional<MetricsLog> metrics_;
   std::optional<AsyncCheckpoints> async_;
+  // With the CPU tensor counter on (HARNESS_COUNT_CPU_TENSORS=1): steps taken in this process, and
+  // the most a step after the first allocated at once over what it holds once its gradients are
+  // let go (the step's window, see GPT2TrainStep::step): its activations, and the gradients made
+  // while they are held.
+  int64_t counted_steps_ = 0;
+  int64_t step_tensor_increase_ = 0;
 };
 
 // Which checkpoint, if any: every rank decides alone, then all must agree before anything that
@@ -570,6 +577,10 @@ void TrainingRun::train() {
 // checkpoint (the last batch of an epoch is checkpointed after its evaluation, in end_epoch).
 void TrainingRun::after_step(int64_t epoch, int64_t total, const EpochTiming& so_far) {
   ++at_.global_step;
+  // The first step also allocates the gradients and AdamW's state: the model state, not activations.
+  if (pipeline::activation_meter_installed() && ++counted_steps_ > 1) {
+    step_tensor_increase_ = std::max(step_tensor_increase_, pipeline::cpu_tensor_window_increase());
+  }
   if (metrics_) {
     metrics_->log(StepMetrics{at_.global_step, epoch, so_far.last_loss, step_.learning_rate(), step_.last_grad_norm(),
                               so_far.last_step_tokens,
@@ -660,6 +671,11 @@ TrainingSummary TrainingRun::finish() {
               << ": avg:" << format_number(time_stats.mean) << ", std:" << format_number(time_stats.std)
               << ", tokens_per_second: avg: " << format_number(rate_stats.mean)
               << ", std:" << format_number(rate_stats.std) << std::endl;
+  }
+  if (pipeline::activation_meter_installed()) {
+    std::cerr << o_.program << ": rank " << o_.rank << "'s CPU tensors peaked at " << pipeline::cpu_tensor_peak_bytes()
+              << " bytes; a training step after the first allocated at most " << step_tensor_increase_
+              << " bytes over what it held once its gradients were cleared" << std::endl;
   }
   // Split or sharded, every rank takes part in gathering the weights; the writer writes them.
   step_.save_model(o_.save_dir, /*write=*/!o_.save_dir.empty());

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "harness/data_parallel/grad_sync.h"
+#include "harness/pipeline/activation_meter.h"
 #include "harness/trace.h"
 #include "harness/model/loss.h"
 #include "harness/train/loss.h"
@@ -47,6 +48,9 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
   if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
   ForwardBackward& run = *forward_backward_;
   optimizer_->zero_grad();
+  // What the step allocates from here (activations, gradients) is what the CPU tensor counter's
+  // window measures, where it is on.
+  if (pipeline::activation_meter_installed()) pipeline::restart_cpu_tensor_window();
   const at::Tensor weight_sum =
       batches.size() > 1 ? combined_label_weight(batches, run.loss_device()) : at::Tensor();
   at::Tensor total;

@@ -32,6 +32,29 @@ TEST(ActivationMeter, ChargesAllocationsInsideAScopeUntilFreed) {
   EXPECT_THROW(ActivationScope(64), std::invalid_argument);
 }
 
+TEST(ActivationMeter, CountsEveryAllocationForTheProcessAndItsWindow) {
+  install_activation_meter();
+  const int64_t before = cpu_tensor_live_bytes();
+  at::Tensor kept = torch::empty({2000}, torch::kFloat32);  // outside any scope: the process's only
+  EXPECT_EQ(cpu_tensor_live_bytes(), before + 8000);
+  EXPECT_GE(cpu_tensor_peak_bytes(), before + 8000);
+  restart_cpu_tensor_window();
+  EXPECT_EQ(cpu_tensor_window_increase(), 0);
+  kept = at::Tensor();  // let go after the window began: the window's base stays where it was
+  {
+    at::Tensor a = torch::empty({1000}, torch::kFloat32);
+    {
+      ActivationScope scope(5);
+      at::Tensor b = torch::empty({3000}, torch::kFloat32);
+      EXPECT_EQ(cpu_tensor_live_bytes(), before + 16000);
+    }
+  }
+  EXPECT_EQ(cpu_tensor_live_bytes(), before);
+  EXPECT_EQ(cpu_tensor_window_increase(), 8000) << "16000 bytes at the most, over the 8000 live at the restart";
+  restart_cpu_tensor_window();
+  EXPECT_EQ(cpu_tensor_window_increase(), 0);
+}
+
 // Peak held activation bytes of the first device for one step of a 2-stage toy model.
 int64_t first_device_held(const TrainingSchedule& schedule, ActivationCheckpointing mode) {
   torch::manual_seed(3);

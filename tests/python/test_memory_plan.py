@@ -1,6 +1,7 @@
 """--memory_plan end to end through both programs: the plan's figures for gpt2-tiny (whole, as
 pipeline stages, on one device and on two) printed with exit 0 before anything is started or
-written, the one line of it every run prints at start, and the refusal of a run whose model state
+written, the one line of it every run prints at start, its activation estimate against the bytes a
+step's tensors took (HARNESS_COUNT_CPU_TENSORS=1), and the refusal of a run whose model state
 does not fit the memory a rank has, naming the bytes and the ZeRO stage that would fit (the memory
 available set through the HARNESS_TEST_AVAILABLE_MEMORY_BYTES test hook)."""
 import os
@@ -19,6 +20,10 @@ TINY = ["--model", "gpt2-tiny", "--model_max_length", "40", "--train_size", "16"
 # gpt2-tiny: 173824 parameters; as two pipeline stages 123712 (wte, wpe, block 0) and 115648
 # (block 1, ln_f, the tied head's copy of wte).
 ROW = re.compile(r"^  (\S+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  (.+)$", re.M)
+PLAN_LINE = re.compile(r"weights (\d+) \+ gradients (\d+) \+ optimizer (\d+) = model state \d+ bytes, "
+                       r"activations ~(\d+) bytes")
+COUNTED = re.compile(r"rank (\d+)'s CPU tensors peaked at (\d+) bytes; a training step after the first allocated "
+                     r"at most (\d+) bytes over what it held once its gradients were cleared")
 
 
 def plan_rows(text):
@@ -85,6 +90,32 @@ class StartLine(unittest.TestCase):
                 self.assertEqual(proc.stderr.count("memory plan per"), 1, proc.stderr)
                 self.assertIn(line, proc.stderr)
                 self.assertRegex(proc.stdout, r"Epoch 0(?: on Rank 0)?: Training Time = ")
+
+
+class PlanAgainstCountedTensors(unittest.TestCase):
+    """Two steps with every CPU tensor allocation counted: each rank's step (from its cleared
+    gradients to its peak) took what the plan estimates for activations, within 15%, at D = 2 and
+    with context, tensor and sequence parallelism at once (the vocabulary-parallel loss, the ring's
+    buffers); and the run's peak held the weights and AdamW's state besides."""
+
+    def test_a_step_takes_the_planned_activations(self):
+        two_steps = TINY[:-1] + ["2"]
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, layout in (("data", ["--world_size", "2"]),
+                                 ("context_tensor_sequence", ["--world_size", "4", "--context_parallel_size", "2",
+                                                              "--tensor_parallel_size", "2", "--sequence_parallel"])):
+                with self.subTest(layout=name):
+                    proc = ck.run([DP, "--workdir", os.path.join(tmp, name), "--master_port", str(ck.free_port())]
+                                  + two_steps + layout, env=env_with(HARNESS_COUNT_CPU_TENSORS=1))
+                    weights, _, optimizer, planned = (int(v) for v in PLAN_LINE.search(proc.stderr).groups())
+                    counted = {int(m[1]): (int(m[2]), int(m[3])) for m in COUNTED.finditer(proc.stderr)}
+                    ranks = int(layout[1])
+                    self.assertEqual(sorted(counted), list(range(ranks)), proc.stderr)
+                    for rank, (peak, step) in counted.items():
+                        self.assertGreater(step, 0)
+                        self.assertGreaterEqual(peak, weights + optimizer + step, f"rank {rank}")
+                        self.assertLess(abs(planned / step - 1.0), 0.15,
+                                        f"rank {rank}: planned {planned} bytes of activations, a step took {step}")
 
 
 class Refusal(unittest.TestCase):

@@ -12,7 +12,8 @@
 namespace harness::pipeline {
 
 // Installs the counting allocator as torch's CPU allocator (idempotent). Memory allocated outside
-// any scope passes through uncounted; allocations made before stay as they were.
+// any scope is charged to no device (only to the process's figures below); allocations made
+// before stay as they were.
 void install_activation_meter();
 bool activation_meter_installed();
 
@@ -33,5 +34,17 @@ class ActivationScope {
 std::vector<int64_t> activation_live_bytes(int devices);
 std::vector<int64_t> activation_peak_bytes(int devices);
 void reset_activation_peaks();
+
+// Every CPU allocation made since the meter was installed, in a scope or not, on any thread: the
+// bytes still allocated and the most there ever were at once. The CPU's analogue of CUDA's
+// allocated-bytes statistics (torch.cuda.max_memory_allocated): the tensors alone, without the
+// allocator's free space or the libraries' own memory that a resident-set figure also holds.
+int64_t cpu_tensor_live_bytes();
+int64_t cpu_tensor_peak_bytes();
+
+// A window over the process's figures, as torch.cuda.reset_peak_memory_stats() opens one: the most
+// bytes allocated at once since the last restart, over what was live at that restart.
+void restart_cpu_tensor_window();
+int64_t cpu_tensor_window_increase();
 
 }  // namespace harness::pipeline
