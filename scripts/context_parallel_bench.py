@@ -13,13 +13,18 @@ tokens per sequence:
     recorded as absent otherwise);
 every run of 2 processes x 1 thread (the one-process run 1 thread), taking turns for --rounds
 rounds so that a slow spell of this shared machine falls on all of them. For each run: tokens/s
-(the reporting ranks' sum, median over the measured epochs), each rank's peak resident memory
-(VmHWM of the worker processes, read from /proc while they run), and the program's own memory plan
-line (model state and the activation estimate, per rank).
-
-The activations' measured share of a peak is the peak at L tokens less the peak of the same layout
-at --base-length tokens (one run each, taken in the first round), beside the plan's estimate over
-the same difference: the model state, the tokenizer and the libraries are in both.
+(the reporting ranks' sum, median over the measured epochs), the program's own memory plan line
+(model state and the activation estimate, per rank), and two peaks per rank:
+  * the CPU tensors' peaks: the program run with HARNESS_COUNT_CPU_TENSORS=1 counts every tensor
+    allocation (the CPU's analogue of torch.cuda.max_memory_allocated) and each rank prints the
+    most bytes its tensors held at once, and the most a training step after the first allocated
+    over what it held once its gradients were cleared: the weights and AdamW's state are what is
+    left, so the excess is the step's activations (with the gradients made while they are held).
+    That is the measured activation peak the plan's estimate is held to;
+  * the peak resident memory (VmHWM of the worker processes, read from /proc while they run), which
+    also holds the libraries, the tokenizer's and loader's work, and the free space inside glibc's
+    heap that the program keeps for reuse (docs/performance.md). Its increase over the same layout's
+    run at --base-length tokens (one run each, in the first round) is reported beside.
 
 Writes WORKDIR/context_parallel/*.log, OUT_DIR/context_parallel.json and draws
 OUT_DIR/context_parallel.png. On CPUs a "device" is one core of a shared 2-core machine.
@@ -49,6 +54,8 @@ LAYOUTS = {
 }
 SEQUENCE_PARALLEL = "tensor T=2 + sequence parallel"
 
+TENSOR_PEAK = re.compile(r"rank (\d+)'s CPU tensors peaked at (\d+) bytes; a training step after the first "
+                         r"allocated at most (\d+) bytes over what it held once its gradients were cleared")
 PLAN_LINE = re.compile(r"memory plan per rank \(the most: ([^)]*)\): weights (\d+) \+ gradients (\d+) \+ "
                        r"optimizer (\d+) = model state (\d+) bytes, activations ~(\d+) bytes")
 
@@ -59,6 +66,15 @@ def plan_of(stderr, log):
     if not m:
         raise BenchmarkError(f"{log}: no memory plan line")
     return {"who": m[1], "model_state_bytes": int(m[5]), "activation_bytes": int(m[6])}
+
+
+def tensor_peaks_of(stderr, log, ranks):
+    """The most-loaded rank's counted CPU tensor peak, and the most a training step allocated over
+    what it held once its gradients were cleared (HARNESS_COUNT_CPU_TENSORS=1's closing lines)."""
+    found = {int(m[1]): (int(m[2]), int(m[3])) for m in TENSOR_PEAK.finditer(stderr)}
+    if sorted(found) != list(range(ranks)):
+        raise BenchmarkError(f"{log}: CPU tensor peaks from ranks {sorted(found)}, not from all {ranks}")
+    return {"peak": max(p for p, _ in found.values()), "step": max(a for _, a in found.values())}
 
 
 def make_model(args):
@@ -92,13 +108,16 @@ def run_layout(args, model, name, length, tag):
            str(length), "--n_epochs", str(args.epochs), "--max_batches", str(args.max_batches),
            "--threads_per_device", "1", "--benchmark_only", "--no_progress", "--dropout", "0",
            "--master_port", str(free_port()), "--workdir", work] + LAYOUTS[name]
-    run = run_watched(cmd, args.run_timeout)
+    run = run_watched(cmd, args.run_timeout, env=dict(os.environ, HARNESS_COUNT_CPU_TENSORS="1"))
     log = work + ".log"
     write_log(log, cmd, run)
     if run.returncode != 0:
         raise BenchmarkError(f"{name} at {length} tokens exited {run.returncode} ({error_line(run.stderr)}); see {log}")
+    ranks = int(LAYOUTS[name][LAYOUTS[name].index("--world_size") + 1])
+    tensors = tensor_peaks_of(run.stderr, log, ranks)
     return {"tokens_per_sec": statistics.median(tokens_per_sec(run.stdout, args.warmup_epochs, log)),
-            "peak_rss_bytes": max(run.peaks.values()), "plan": plan_of(run.stderr, log)}
+            "peak_rss_bytes": max(run.peaks.values()), "tensor_peak_bytes": tensors["peak"],
+            "step_tensor_increase_bytes": tensors["step"], "plan": plan_of(run.stderr, log)}
 
 
 def median_of(rounds, name, key):
@@ -111,26 +130,26 @@ def ratio(rounds, numerator, denominator, key="tokens_per_sec"):
 
 
 def summarise(length, layouts, rounds, bases):
-    """Per-layout medians over rounds, the activations' measured and planned shares of the peak,
-    and the ratios the goals read."""
+    """Per-layout medians over rounds, the activations' measured and planned peaks, and the ratios
+    the goals read."""
     out = {"tokens": length, "layouts": {}, "per_round": rounds}
     for name in layouts:
-        peak = median_of(rounds, name, "peak_rss_bytes")
         plan = rounds[0][name]["plan"]
-        measured = peak - bases[name]["peak_rss_bytes"]
-        planned = plan["activation_bytes"] - bases[name]["plan"]["activation_bytes"]
+        measured = median_of(rounds, name, "step_tensor_increase_bytes")
+        peak_rss = median_of(rounds, name, "peak_rss_bytes")
         out["layouts"][name] = {
             "tokens_per_sec": median_of(rounds, name, "tokens_per_sec"),
-            "peak_rss_bytes": peak,
             "model_state_bytes": plan["model_state_bytes"],
+            "tensor_peak_bytes": median_of(rounds, name, "tensor_peak_bytes"),
+            "measured_activation_bytes": measured,
             "planned_activation_bytes": plan["activation_bytes"],
-            "measured_activation_increase_bytes": measured,
-            "planned_activation_increase_bytes": planned,
-            "plan_over_measured": planned / measured if measured > 0 else None,
+            "plan_over_measured": plan["activation_bytes"] / measured if measured > 0 else None,
+            "peak_rss_bytes": peak_rss,
+            "rss_increase_over_base_bytes": peak_rss - bases[name]["peak_rss_bytes"],
         }
     one, context = out["layouts"]["one process (1,1)"], out["layouts"]["context (1,2)"]
-    out["context_activations_over_one_process"] = (context["measured_activation_increase_bytes"] /
-                                                    one["measured_activation_increase_bytes"])
+    out["context_activations_over_one_process"] = (context["measured_activation_bytes"] /
+                                                    one["measured_activation_bytes"])
     out["context_over_data_tokens_per_sec"] = ratio(rounds, "context (1,2)", "data (2,1)")
     if SEQUENCE_PARALLEL in layouts:
         out["sequence_parallel_over_tensor_tokens_per_sec"] = ratio(rounds, SEQUENCE_PARALLEL, "tensor T=2")
@@ -154,13 +173,13 @@ def goals(results, sequence_parallel):
     if sequence_parallel:
         sp, t = longest["layouts"][SEQUENCE_PARALLEL], longest["layouts"]["tensor T=2"]
         g[f"sequence parallelism lowers the activation peak {tag}"] = \
-            sp["measured_activation_increase_bytes"] < t["measured_activation_increase_bytes"]
+            sp["measured_activation_bytes"] < t["measured_activation_bytes"]
         g[f"sequence parallelism tokens/s >= 0.95x T = 2 without it {tag}"] = \
             longest["sequence_parallel_over_tensor_tokens_per_sec"]["median"] >= 0.95
     return g
 
 
-def draw(results, path):
+def draw(results, path, base_length):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -171,15 +190,18 @@ def draw(results, path):
     for i, name in enumerate(names):
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(lengths))]
         speed.bar(xs, [r["layouts"][name]["tokens_per_sec"] for r in results], width, label=name)
-        memory.bar(xs, [r["layouts"][name]["measured_activation_increase_bytes"] / 2**20 for r in results], width,
+        memory.bar(xs, [r["layouts"][name]["measured_activation_bytes"] / 2**20 for r in results], width,
                    label=name)
-        memory.scatter(xs, [r["layouts"][name]["planned_activation_increase_bytes"] / 2**20 for r in results],
+        memory.scatter(xs, [r["layouts"][name]["planned_activation_bytes"] / 2**20 for r in results],
                        marker="_", s=200, color="black", zorder=3, label="memory plan" if i == 0 else None)
+        memory.scatter(xs, [r["layouts"][name]["rss_increase_over_base_bytes"] / 2**20 for r in results],
+                       marker=".", s=40, color="grey", zorder=3,
+                       label=f"resident set's increase over a {base_length}-token run" if i == 0 else None)
     for ax in (speed, memory):
         ax.set_xticks(range(len(lengths)))
         ax.set_xticklabels([f"{n} tokens" for n in lengths])
     speed.set_ylabel("tokens/s (sum over replicas, median over rounds)")
-    memory.set_ylabel("activations per rank, MiB (peak RSS over the short run's)")
+    memory.set_ylabel("activations per rank, MiB (a step's counted CPU tensors)")
     memory.legend(fontsize=8)
     speed.set_title("speed, same global batch")
     memory.set_title("activation memory per rank: measured (bars), planned (ticks)")
@@ -222,7 +244,7 @@ def main(argv=None):
             rounds.append({name: run_layout(args, model, name, length, f"r{r}") for name in order})
             print(f"[context_parallel] {length} tokens, round {r}: " +
                   ", ".join(f"{n} {rounds[-1][n]['tokens_per_sec']:.0f} tok/s "
-                            f"{rounds[-1][n]['peak_rss_bytes'] / 2**20:.0f} MiB" for n in layouts), file=sys.stderr)
+                            f"{rounds[-1][n]['tensor_peak_bytes'] / 2**20:.0f} MiB" for n in layouts), file=sys.stderr)
         results.append(summarise(length, layouts, rounds, bases))
     out = {
         "device": f"CPU processes, one core each, of a shared 2-core machine ({cpu_model_name()})",
@@ -235,7 +257,7 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "context_parallel.json"), "w") as f:
         json.dump(out, f, indent=2)
-    draw(results, os.path.join(args.out_dir, "context_parallel.png"))
+    draw(results, os.path.join(args.out_dir, "context_parallel.png"), args.base_length)
     print(json.dumps({"goals": out["goals"],
                       "tokens_per_sec": {r["tokens"]: {n: round(v["tokens_per_sec"]) for n, v in r["layouts"].items()}
                                          for r in results}}, indent=2))

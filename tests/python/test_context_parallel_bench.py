@@ -1,5 +1,6 @@
-"""scripts/context_parallel_bench.py's pure parts: the memory plan line read from a run (a run
-without it refused by name), the activations' measured and planned shares taken over the short
+"""scripts/context_parallel_bench.py's pure parts: the memory plan line and each rank's counted CPU
+tensor lines read from a run (a run without them refused by name), the activations measured by a
+step's counted tensors beside the plan's estimate and the resident set's increase over the short
 run's, and the goals read off the longest length."""
 import os
 import sys
@@ -16,8 +17,13 @@ PLAN = ("memory plan per rank (the most: rank 0): weights 17 + gradients 17 + op
         "activations ~{} bytes (estimate), total 1 GiB; available per rank 20 GiB (MemAvailable)")
 
 
-def run(tokens_per_sec, peak_mib, planned_mib):
+COUNTED = ("run_data_parallel: rank {}'s CPU tensors peaked at {} bytes; a training step after the first allocated at "
+           "most {} bytes over what it held once its gradients were cleared")
+
+
+def run(tokens_per_sec, peak_mib, planned_mib, step_mib=0):
     return {"tokens_per_sec": tokens_per_sec, "peak_rss_bytes": peak_mib * MiB,
+            "tensor_peak_bytes": (step_mib + 70) * MiB, "step_tensor_increase_bytes": step_mib * MiB,
             "plan": {"who": "rank 0", "model_state_bytes": 68, "activation_bytes": planned_mib * MiB}}
 
 
@@ -26,10 +32,11 @@ BASES = {name: run(0.0, 500, 4) for name in LAYOUTS}
 
 
 def rounds():
-    # one process: 100 MiB of activations planned 92 (0.92); context: 55 measured, 46 planned; C = 2's speed
-    # 0.9x then 0.8x then 0.7x D = 2's (median 0.8).
-    return [{"one process (1,1)": run(1000.0, 600, 96), "data (2,1)": run(2000.0, 550, 50),
-             "context (1,2)": run(2000.0 * f, 555, 50), "tensor T=2": run(1500.0, 580, 60)}
+    # one process: a step took 100 MiB, the plan says 92 (0.92), the resident set grew 100 MiB over
+    # the short run; context: 55 counted, 46 planned (0.84); C = 2's speed 0.9x then 0.8x then 0.7x
+    # D = 2's (median 0.8).
+    return [{"one process (1,1)": run(1000.0, 600, 92, 100), "data (2,1)": run(2000.0, 550, 46, 50),
+             "context (1,2)": run(2000.0 * f, 555, 46, 55), "tensor T=2": run(1500.0, 580, 60, 60)}
             for f in (0.9, 0.8, 0.7)]
 
 
@@ -43,14 +50,26 @@ class PlanLine(unittest.TestCase):
             cpb.plan_of("memory plan per rank: unreadable", "c2.log")
 
 
+class CountedTensors(unittest.TestCase):
+    def test_the_most_loaded_ranks_figures_are_read(self):
+        text = "\n".join([COUNTED.format(1, 500, 300), "other", COUNTED.format(0, 400, 320)])
+        self.assertEqual(cpb.tensor_peaks_of(text, "log", 2), {"peak": 500, "step": 320})
+
+    def test_a_run_missing_a_ranks_line_is_refused_naming_its_log(self):
+        with self.assertRaisesRegex(BenchmarkError, r"t2.log: CPU tensor peaks from ranks \[1\], not from all 2"):
+            cpb.tensor_peaks_of(COUNTED.format(1, 500, 300), "t2.log", 2)
+
+
 class Summary(unittest.TestCase):
-    def test_activations_are_the_peaks_over_the_short_runs_beside_the_plans_difference(self):
+    def test_activations_are_a_steps_counted_tensors_beside_the_plan_and_the_resident_set(self):
         out = cpb.summarise(1024, LAYOUTS, rounds(), BASES)
         one, context = out["layouts"]["one process (1,1)"], out["layouts"]["context (1,2)"]
-        self.assertEqual(one["measured_activation_increase_bytes"], 100 * MiB)
-        self.assertEqual(one["planned_activation_increase_bytes"], 92 * MiB)
+        self.assertEqual(one["measured_activation_bytes"], 100 * MiB)
+        self.assertEqual(one["planned_activation_bytes"], 92 * MiB)
         self.assertAlmostEqual(one["plan_over_measured"], 0.92)
-        self.assertEqual(context["measured_activation_increase_bytes"], 55 * MiB)
+        self.assertEqual(one["rss_increase_over_base_bytes"], 100 * MiB)
+        self.assertEqual(one["tensor_peak_bytes"], 170 * MiB)
+        self.assertEqual(context["measured_activation_bytes"], 55 * MiB)
         self.assertAlmostEqual(out["context_activations_over_one_process"], 0.55)
         self.assertAlmostEqual(out["context_over_data_tokens_per_sec"]["median"], 0.8)
         self.assertEqual(context["tokens_per_sec"], 1600.0)
