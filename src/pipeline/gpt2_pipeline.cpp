@@ -1,4 +1,5 @@
-// GPT-2 in a pipeline: its blocks as a pipelined Sequential, and its balance by measured time.
+// GPT-2 in a pipeline: its blocks as a pipelined Sequential, and its balance by estimated or
+// measured cost.
 #include "harness/pipeline/gpt2_pipeline.h"
 
 #include <torch/torch.h>
@@ -45,8 +46,65 @@ std::shared_ptr<Pipe> enable_pipeline(model::GPT2LMHeadModel& model, const std::
 
 void disable_pipeline(model::GPT2LMHeadModel& model) { model->set_blocks_executor({}); }
 
+Gpt2PieceCosts estimate_gpt2_costs(const model::GPT2Config& config, int64_t rows, int64_t tokens) {
+  if (rows < 1 || tokens < 1) {
+    throw std::invalid_argument("estimate_gpt2_costs: micro-batches of " + std::to_string(rows) + " x " +
+                                std::to_string(tokens) + " tokens; need at least one of each");
+  }
+  const double C = static_cast<double>(config.n_embd), I = static_cast<double>(config.inner_dim());
+  const double V = static_cast<double>(config.vocab_size);
+  const double L = static_cast<double>(std::min<int64_t>(tokens, config.n_positions));
+  const double N = static_cast<double>(rows) * L;  // tokens in a micro-batch
+  const double e = kGpt2ElementCost;
+  // Elements of memory-bound work per token, forward and backward: a LayerNorm 6C (read, write;
+  // its backward twice that), a dropout 4C, a residual add 3C; attention's q/k/v split and merge
+  // 12C; GELU 5I; the loss's softmax 6V.
+  const double layer_norm = 6 * C, dropout = 4 * C, residual = 3 * C;
+  Gpt2PieceCosts costs;
+  costs.attention = N * (3 * (8 * C * C + 2 * C * (L + 1)) + e * (layer_norm + 12 * C + dropout + residual));
+  costs.mlp = N * (3 * 4 * C * I + e * (layer_norm + 5 * I + dropout + residual));
+  // wte's V x C gradient, on the first stage a dense one zeroed and filled by the lookups' backward,
+  // on the last the head's product: each added into the stage's .grad once per micro-batch.
+  const double wte_gradient = e * 3 * V * C;
+  costs.head = N * (3 * 2 * C * V + e * (layer_norm + 6 * V)) + wte_gradient;
+  costs.embedding = N * e * (2 * C + dropout) + wte_gradient;  // the lookups and their dropout
+  return costs;
+}
+
+std::vector<int> balance_gpt2(const Gpt2PieceCosts& costs, int64_t n_layer, int stages) {
+  std::vector<double> unit_costs;
+  for (int64_t b = 0; b < n_layer; ++b) {
+    unit_costs.push_back(costs.attention);
+    unit_costs.push_back(costs.mlp);
+  }
+  return balance_by_cost(unit_costs, stages, costs.embedding, costs.head);
+}
+
+std::vector<double> gpt2_stage_costs(const Gpt2PieceCosts& costs, const std::vector<int>& halves) {
+  std::vector<double> out;
+  int unit = 0;
+  for (int h : halves) {
+    double cost = 0.0;
+    for (int k = 0; k < h; ++k, ++unit) cost += unit % 2 == 0 ? costs.attention : costs.mlp;
+    out.push_back(cost);
+  }
+  if (!out.empty()) {
+    out.front() += costs.embedding;
+    out.back() += costs.head;
+  }
+  return out;
+}
+
+std::vector<int> balance_gpt2_by_cost(const model::GPT2Config& config, int stages, int64_t rows, int64_t tokens) {
+  return balance_gpt2(estimate_gpt2_costs(config, rows, tokens), config.n_layer, stages);
+}
+
 std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
                                       int64_t rows, int64_t tokens) {
+  return balance_gpt2(time_gpt2_costs(model, device, rows, tokens), model->config().n_layer, stages);
+}
+
+Gpt2PieceCosts time_gpt2_costs(model::GPT2LMHeadModel& model, const Device& device, int64_t rows, int64_t tokens) {
   model::GPT2LMHeadModelImpl& gpt2 = *model;
   const model::GPT2Config& config = gpt2.config();
   const c10::Device where = device.torch_device();
@@ -97,12 +155,12 @@ std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Devic
   });
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
   model->train(was_training);
-  std::vector<double> unit_costs;
-  for (int64_t b = 0; b < config.n_layer; ++b) {
-    unit_costs.push_back(attention);
-    unit_costs.push_back(mlp);
-  }
-  return balance_by_cost(unit_costs, stages, embed, head);
+  Gpt2PieceCosts costs;
+  costs.embedding = embed;
+  costs.attention = attention;
+  costs.mlp = mlp;
+  costs.head = head;
+  return costs;
 }
 
 int gpt2_stage_of_parameter(const std::string& name, const std::vector<int64_t>& first_unit_of_stage) {

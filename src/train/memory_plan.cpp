@@ -17,6 +17,7 @@
 #include "harness/host_memory.h"
 #include "harness/model/tensor_parallel.h"
 #include "harness/pipeline/balance.h"
+#include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/pipeline/training_schedule.h"
 #include "harness/train/pipeline_forward_backward.h"
 
@@ -302,6 +303,10 @@ std::vector<RankMemory> pipeline_memory(const MemoryPlanInput& in) {
   }
   const pipeline::TrainingSchedule schedule = schedule_of(in);
   const std::vector<std::vector<bool>> checkpointed = pipeline::checkpoint_plan(schedule, in.checkpointing);
+  const std::vector<double> work =
+      pipeline::gpt2_stage_costs(pipeline::estimate_gpt2_costs(c, micro_rows, in.tokens), halves);
+  double all_work = 0.0;
+  for (double w : work) all_work += w;
 
   std::vector<RankMemory> kinds;
   for (int d = 0; d < P; ++d) {
@@ -314,8 +319,10 @@ std::vector<RankMemory> pipeline_memory(const MemoryPlanInput& in) {
     r.who = rank_label(in, r.ranks);
     std::vector<int> stages;
     std::string units;
+    r.work_share = 0.0;
     for (int s = d; s < S; s += P) {
       stages.push_back(s);
+      r.work_share += work[static_cast<size_t>(s)] / all_work;
       units += (units.empty() ? "" : ",") + run_text(first_unit[s], first_unit[s + 1]);
       for (int64_t u = first_unit[s]; u < first_unit[s + 1]; ++u) r.parameters += unit_parameters(c, T, u);
     }
@@ -365,7 +372,7 @@ void plan_stages(MemoryPlanInput& in, int devices, const PipelineStepOptions& st
   in.micro_batches = stages.micro_batches;
   in.checkpointing = stages.checkpointing;
   in.balance_halves = stages.balance_halves;
-  if (balance_by_time) in.balance_note = "--balance auto is timed at start; planned with the default balance";
+  if (balance_by_time) in.balance_note = "--balance auto is timed at start; planned with the default split, by estimated cost";
 }
 
 AvailableMemory available_memory(const std::vector<Device>& devices, bool release_gpu_context,
@@ -470,6 +477,16 @@ std::string format_memory_plan(const MemoryPlan& plan, const AvailableMemory& av
          "not measured):\n";
   line(header);
   for (const auto& row : rows) line(row);
+  if (in.pipeline) {
+    out << "share of a micro-batch's forward and backward work (GPT-2's pieces costed from their shapes):";
+    const char* separator = " ";
+    for (const RankMemory& r : plan.kinds) {
+      out << separator << (in.device_names.empty() ? numbers_text(r.ranks) : r.who) << " " << std::fixed
+          << std::setprecision(1) << 100.0 * r.work_share << "%" << std::defaultfloat;
+      separator = ", ";
+    }
+    out << "\n";
+  }
   const RankMemory& largest = plan.largest_model_state();
   out << "available per " << unit << ": "
       << (available.bytes_per_rank < 0 ? std::string("unknown") : bytes_text(available.bytes_per_rank)) << " ("

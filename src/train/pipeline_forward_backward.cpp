@@ -40,6 +40,22 @@ PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, i
   return options;
 }
 
+PipelineStepOptions balanced_pipeline_options(const PipelineScheduleConfig& flags, int devices, bool processes,
+                                              const model::GPT2Config& config, int64_t rows, int64_t tokens) {
+  PipelineStepOptions options = pipeline_step_options(flags, devices);
+  if (!options.balance_halves.empty()) return options;
+  const int S = devices * options.virtual_stages;
+  const int64_t micro_batch_rows = std::max<int64_t>(1, (rows + options.micro_batches - 1) / options.micro_batches);
+  try {
+    options.balance_halves = pipeline::balance_gpt2_by_cost(config, S, micro_batch_rows, tokens);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(stages_from(devices, options.virtual_stages, processes) + " = " + std::to_string(S) +
+                                " stages, but the model has " + std::to_string(2 * config.n_layer) +
+                                " block halves (n_layer " + std::to_string(config.n_layer) + "): " + e.what());
+  }
+  return options;
+}
+
 pipeline::StageSplitFlags stage_split_flags(const PipelineStepOptions& options) {
   return {options.schedule, options.virtual_stages, options.micro_batches, options.balance, options.balance_halves};
 }

@@ -132,7 +132,10 @@ MemoryPlanInput plan_input(const DataParallelConfig& flags, const parallel::Layo
   in.zero_stage = flags.zero_stage;
   in.zero_prefetch = flags.zero_prefetch;
   in.bucket_cap_mb = flags.bucket_cap_mb;
-  if (P > 1) plan_stages(in, P, pipeline_step_options(flags.pipe, P), flags.pipe.balance.automatic);
+  if (P > 1) {
+    plan_stages(in, P, balanced_pipeline_options(flags.pipe, P, /*processes=*/true, config, replica_rows, sequence_length),
+                flags.pipe.balance.automatic);
+  }
   return in;
 }
 
@@ -146,7 +149,8 @@ PipelineStepOptions stage_options(const DataParallelConfig& flags, const paralle
     throw std::invalid_argument("--n_chunk " + std::to_string(pipe.n_chunk) + " must be between 1 and the " +
                                 std::to_string(replica_batch) + " rows each data-parallel replica trains on");
   }
-  PipelineStepOptions options = pipeline_step_options(pipe, P);
+  PipelineStepOptions options = balanced_pipeline_options(pipe, P, /*processes=*/true, config, replica_batch,
+                                                          flags.run.model_max_length);
   // "auto" is timed on the model later; the timed balance goes through the same check there.
   if (!pipe.balance.automatic) {
     (void)pipeline::stage_halves(stage_split_flags(options), static_cast<int>(config.n_layer), P,
@@ -364,6 +368,7 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
               << " pipeline_schedule=" << pipeline::to_string(flags.pipe.schedule) << " n_chunk=" << flags.pipe.n_chunk
               << " virtual_stages=" << flags.pipe.virtual_stages << " stages=" << parts.stages->stages()
               << " balance=" << parts.stages->balance_text()
+              << (flags.pipe.balance.automatic ? " (auto, by time)" : flags.pipe.balance.given() ? "" : " (default, by cost)")
               << " activation_checkpointing=" << pipeline::to_string(flags.pipe.activation_checkpointing);
   }
   std::cerr << std::endl << layout.coordinates_table() << std::flush;

@@ -82,6 +82,15 @@ PipelineScheduleConfig schedule_of_mode(const PipelineConfig& pipeline) {
   return flags;
 }
 
+// The stages' options of the mode on `devices` devices: a pipeline's split balanced by default,
+// model parallel's SPEC §4 placement.
+PipelineStepOptions stage_options_of_mode(const PipelineConfig& pipeline, int devices, const model::GPT2Config& config) {
+  const PipelineScheduleConfig flags = schedule_of_mode(pipeline);
+  if (pipeline.mode != ModelParallelMode::kPipelineParallel) return pipeline_step_options(flags, devices);
+  return balanced_pipeline_options(flags, devices, /*processes=*/false, config, pipeline.run.batch_size,
+                                   pipeline.run.model_max_length);
+}
+
 // The memory plan's input (memory_plan.h) for the mode on `devices`: the batch and sequence of
 // the flags, and with a mode its stages' options.
 MemoryPlanInput plan_input(const PipelineConfig& pipeline, const model::GPT2Config& config,
@@ -100,7 +109,7 @@ MemoryPlanInput plan_input(const PipelineConfig& pipeline, const model::GPT2Conf
     return in;
   }
   const int D = static_cast<int>(devices.size());
-  plan_stages(in, D, pipeline_step_options(schedule_of_mode(pipeline), D), pipeline.pipe.balance.automatic);
+  plan_stages(in, D, stage_options_of_mode(pipeline, D, config), pipeline.pipe.balance.automatic);
   return in;
 }
 
@@ -130,7 +139,7 @@ std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, mo
     return std::make_unique<GPT2TrainStep>(model, std::move(parts.forward_backward), std::move(parts.optimizer),
                                            nullptr, settings);
   }
-  PipelineStepOptions options = pipeline_step_options(schedule_of_mode(pipeline), static_cast<int>(at.devices.size()));
+  PipelineStepOptions options = stage_options_of_mode(pipeline, static_cast<int>(at.devices.size()), model->config());
   options.devices = at.devices;
   options.threads_per_device = at.threads;
   options.seed = f.seed;
@@ -172,7 +181,10 @@ void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& a
               << " micro_batches=" << (pipelined ? pipe.n_chunk : 1)
               << " virtual_stages=" << (pipelined ? pipe.virtual_stages : 1) << " stages=" << stages->stages()
               << " balance=" << stages->balance_text()
-              << (automatic ? " (auto, by time)" : pipe.balance.given() ? "" : " (default)")
+              << (automatic            ? " (auto, by time)"
+                  : pipe.balance.given() ? ""
+                  : pipelined            ? " (default, by cost)"
+                                         : " (default)")
               << " activation_checkpointing=" << pipeline::to_string(pipe.activation_checkpointing) << std::endl;
   }
   std::cerr << "run_pipeline: " << memory_line << std::endl;

@@ -1,5 +1,6 @@
 // GPT-2 through enable_pipeline: logits and gradients in model-parallel and pipeline mode equal
-// the single-device ones (dropout off), and a timing printout of the pipelined backward.
+// the single-device ones (dropout off), a timing printout of the pipelined backward, and the
+// default split's cost estimate against hand-worked figures and a literal table.
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -10,6 +11,7 @@
 #include <map>
 
 #include "harness/model/gpt2.h"
+#include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
 
 namespace harness::pipeline {
@@ -149,6 +151,66 @@ TEST(Gpt2PipelineTiming, PrintsModelParallelVersusPipeline) {
               static_cast<long long>(batch), static_cast<long long>(seq), model_parallel,
               pipeline_engine, model_parallel / pipeline_engine, pipeline, model_parallel / pipeline);
   EXPECT_GT(pipeline, 0.0);
+}
+
+// The estimate's figures, worked by hand from the header's formulas: gpt2-tiny (C 64, I 256,
+// V 1024) at micro-batches of 2 x 16 tokens (N = 32), an element at 64 FLOPs.
+//   attention  32 x (3 x (8 x 64^2 + 2 x 64 x 17) + 64 x 25 x 64)              =  6,631,424
+//   MLP        32 x (3 x 4 x 64 x 256 + 64 x (13 x 64 + 5 x 256))               = 10,616,832
+//   head       32 x (3 x 2 x 64 x 1024 + 64 x (6 x 64 + 6 x 1024)) + 64 x 3 x 1024 x 64
+//                                                                               = 38,535,168
+//   embedding  32 x 64 x (2 x 64 + 4 x 64) + 64 x 3 x 1024 x 64                 = 13,369,344
+TEST(Gpt2Cost, TheEstimateIsTheHeadersFormulas) {
+  const Gpt2PieceCosts c = estimate_gpt2_costs(tiny_config(2), 2, 16);
+  EXPECT_DOUBLE_EQ(c.attention, 6631424.0);
+  EXPECT_DOUBLE_EQ(c.mlp, 10616832.0);
+  EXPECT_DOUBLE_EQ(c.head, 38535168.0);
+  EXPECT_DOUBLE_EQ(c.embedding, 13369344.0);
+  // Tokens past n_positions (128) are costed at n_positions.
+  const Gpt2PieceCosts capped = estimate_gpt2_costs(tiny_config(2), 1, 4096);
+  const Gpt2PieceCosts at_positions = estimate_gpt2_costs(tiny_config(2), 1, 128);
+  EXPECT_DOUBLE_EQ(capped.attention, at_positions.attention);
+  EXPECT_THROW(estimate_gpt2_costs(tiny_config(2), 0, 16), std::invalid_argument);
+}
+
+TEST(Gpt2Cost, StageCostsAddTheHalvesTheEmbeddingAndTheHead) {
+  const Gpt2PieceCosts c{1.0, 10.0, 100.0, 1000.0};  // embedding, attention, MLP, head
+  EXPECT_EQ(gpt2_stage_costs(c, {3, 1}), (std::vector<double>{1 + 10 + 100 + 10, 100 + 1000}));
+  EXPECT_EQ(gpt2_stage_costs(c, {4}), (std::vector<double>{1 + 220 + 1000}));
+}
+
+// The default split, as a table: the head costs several blocks wherever the vocabulary is wide
+// against the width, and the last stage gets fewer half blocks to match. Micro-batches of 8 x 128.
+TEST(Gpt2Cost, TheDefaultSplitAsALiteralTable) {
+  auto config = [](const std::string& preset, int64_t vocab, int64_t n_layer) {
+    model::GPT2Config c = model::GPT2Config::preset(preset);
+    c.vocab_size = vocab;
+    if (n_layer > 0) c.n_layer = n_layer;
+    return c;
+  };
+  struct Row {
+    model::GPT2Config config;
+    int stages;
+    std::string split;
+  };
+  const std::vector<Row> table = {
+      {config("gpt2-mini", 8192, 4), 2, "3.5,0.5"},  // 4 blocks of width 256: the head costs 2.8 blocks
+      {config("gpt2-mini", 8192, 4), 4, "1,1,1.5,0.5"},
+      {config("gpt2", 50257, 0), 2, "9,3"},  // GPT-2 124M: the head costs 5.6 blocks
+      {config("gpt2", 50257, 0), 4, "3.5,4,4,0.5"},
+      {config("gpt2", 1417, 0), 2, "6,6"},  // a narrow vocabulary: the head costs 0.16 blocks
+      {config("gpt2", 1417, 0), 4, "3,3,3,3"},
+      {config("gpt2-mini", 1417, 0), 2, "2.5,1.5"},
+      {config("gpt2-mini", 4096, 0), 4, "1,1,1.5,0.5"},
+  };
+  for (const Row& row : table) {
+    EXPECT_EQ(format_halves(balance_gpt2_by_cost(row.config, row.stages, 8, 128)), row.split)
+        << "n_layer " << row.config.n_layer << ", n_embd " << row.config.n_embd << ", vocab "
+        << row.config.vocab_size << ", " << row.stages << " stages";
+  }
+  // gpt2-tiny's 2 blocks over 4 stages: a half block each, where SPEC's runs leave stages empty.
+  EXPECT_EQ(format_halves(balance_gpt2_by_cost(tiny_config(2), 4, 8, 128)), "0.5,0.5,0.5,0.5");
+  EXPECT_THROW(balance_gpt2_by_cost(tiny_config(2), 5, 8, 128), std::invalid_argument);
 }
 
 }  // namespace

@@ -17,8 +17,9 @@ DP, PP = ck.DP, ck.PP
 TINY = ["--model", "gpt2-tiny", "--model_max_length", "40", "--train_size", "16", "--validation_size", "8",
         "--test_size", "2", "--no_progress", "--benchmark_only", "--batch_size", "8", "--n_epochs", "1",
         "--max_batches", "1"]
-# gpt2-tiny: 173824 parameters; as two pipeline stages 123712 (wte, wpe, block 0) and 115648
-# (block 1, ln_f, the tied head's copy of wte).
+# gpt2-tiny: 173824 parameters. As two pipeline stages by the default split, 1.5 and 0.5 blocks:
+# 140480 (wte 65536, wpe 8192, block 0 49984, block 1's ln_1 and attention 16768) and 98880
+# (block 1's ln_2 and MLP 33216, ln_f 128, the tied head's copy of wte 65536).
 ROW = re.compile(r"^  (\S+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  (.+)$", re.M)
 PLAN_LINE = re.compile(r"weights (\d+) \+ gradients (\d+) \+ optimizer (\d+) = model state \d+ bytes, "
                        r"activations ~(\d+) bytes")
@@ -60,9 +61,13 @@ class PrintedPlan(unittest.TestCase):
             proc = ck.run([DP, "--world_size", "2", "--pipeline_parallel_size", "2", "--n_chunk", "2",
                            "--memory_plan"] + TINY)
             rows = plan_rows(proc.stdout)
-            self.assertEqual(rows["0"][:4], (123712, 494848, 494848, 989696), proc.stdout)
-            self.assertEqual(rows["1"][:4], (115648, 462592, 462592, 925184), proc.stdout)
-            self.assertIn("stage 1: block halves 2-3, ln_f, wte (tied head)", proc.stdout)
+            self.assertEqual(rows["0"][:4], (140480, 561920, 561920, 1123840), proc.stdout)
+            self.assertEqual(rows["1"][:4], (98880, 395520, 395520, 791040), proc.stdout)
+            self.assertIn("stage 0: block halves 0-2, wte, wpe", proc.stdout)
+            self.assertIn("stage 1: block halves 3, ln_f, wte (tied head)", proc.stdout)
+            # The split is the default, by cost: half blocks cannot even out the head's 2.2 blocks.
+            self.assertIn("forward and backward work (GPT-2's pieces costed from their shapes): 0 41.5%, 1 58.5%",
+                          proc.stdout)
 
     def test_pipeline_plans_each_device(self):
         proc = ck.run([PP, "--memory_plan"] + TINY)
@@ -71,8 +76,8 @@ class PrintedPlan(unittest.TestCase):
         proc = ck.run([PP, "--model_parallel_mode", "pipeline_parallel", "--devices", "cpu:0,cpu:1", "--n_chunk", "2",
                        "--memory_plan"] + TINY)
         rows = plan_rows(proc.stdout)
-        self.assertEqual(rows["cpu:0"][:4], (123712, 494848, 494848, 989696), proc.stdout)
-        self.assertEqual(rows["cpu:1"][:4], (115648, 462592, 462592, 925184), proc.stdout)
+        self.assertEqual(rows["cpu:0"][:4], (140480, 561920, 561920, 1123840), proc.stdout)
+        self.assertEqual(rows["cpu:1"][:4], (98880, 395520, 395520, 791040), proc.stdout)
         self.assertRegex(proc.stdout, r"\(MemAvailable \d+ bytes / 2 devices on this host\)")
         self.assertNotIn("Epoch", proc.stdout)
 

@@ -61,7 +61,7 @@ class EqualToOneDevice(unittest.TestCase):
                                     "--virtual_stages", "2", "--n_chunk", "4"])
             self.check_same(one, interleaved, "interleaved V=2")
             four, proc = train(tmp, "four", "gpt2-mini", 4, ["--pipeline_parallel_size", "4", "--n_chunk", "4"])
-            self.assertIn("stages=4 balance=1,1,1,1", proc.stderr)
+            self.assertIn("stages=4 balance=1,1,1.5,0.5 (default, by cost)", proc.stderr)
             # Stage 0 keeps only its own weights (wte, wpe and one block of four) while it trains.
             total, held = map(int, re.search(r"\((\d+) parameters, (\d+) held on rank 0\)", proc.stderr).groups())
             self.assertLess(held, total * 0.75)
@@ -172,7 +172,8 @@ class Refused(unittest.TestCase):
     def test_bad_layouts_and_flags_are_refused_before_launch_naming_the_flags(self):
         self.refused(["--world_size", "3", "--pipeline_parallel_size", "2"], "--world_size 3", "--pipeline_parallel_size 2")
         self.refused(["--world_size", "2", "--pipeline_parallel_size", "4"], "--pipeline_parallel_size 4")
-        self.refused(["--world_size", "4", "--pipeline_parallel_size", "4"], "4 stages", "2 blocks")
+        # gpt2-tiny's 2 blocks are 4 halves: 4 stages take one each (the default split), 8 cannot.
+        self.refused(["--world_size", "8", "--pipeline_parallel_size", "8"], "8 stages", "4 block halves")
         self.refused(["--world_size", "2", "--pipeline_parallel_size", "2", "--pipeline_schedule", "zigzag"],
                      "--pipeline_schedule", "zigzag")
         self.refused(["--world_size", "2", "--pipeline_parallel_size", "2", "--n_chunk", "9"], "--n_chunk 9")

@@ -1,6 +1,7 @@
 // GPT-2 in a pipeline. Its blocks driven by a Pipe: model parallel placement first, then each
 // block pinned to its device and the whole run of blocks executed by the Pipe on the devices'
-// worker threads. And --balance auto: GPT-2's own pieces timed, then balanced by cost.
+// worker threads. And the balance of its stages: GPT-2's own pieces costed from their shapes (the
+// default) or timed (--balance auto), then cut by cost.
 #pragma once
 
 #include <cstdint>
@@ -25,12 +26,50 @@ std::shared_ptr<Pipe> enable_pipeline(model::GPT2LMHeadModel& model, const std::
 // Restores the model's own sequential walk over the blocks (placement is kept).
 void disable_pipeline(model::GPT2LMHeadModel& model);
 
-// torchgpipe's balance_by_time on GPT-2, on `device` (the model is moved there), at half-block
-// grain: times the forward and backward of a block's attention half and MLP half, of the
-// embedding and of ln_f + head + loss on micro-batches of `rows` x `tokens` tokens (median of 3
-// after a warm-up; GPT-2's blocks are identical, so one stands for all), then balance_by_cost over
-// `stages` stages with the embedding on the first and the head on the last. Returns half blocks per
-// stage: the head's cost can then be evened out by cutting a block between its halves.
+// What GPT-2's pieces cost for one micro-batch, forward and backward: a block's attention half
+// (ln_1, attention, c_proj) and MLP half (ln_2, the MLP), the embedding (first stage) and ln_f
+// with the tied head and the loss (last stage). Seconds when timed, FLOP-equivalents when
+// estimated; only their ratios matter to a balance.
+struct Gpt2PieceCosts {
+  double embedding = 0.0;
+  double attention = 0.0;
+  double mlp = 0.0;
+  double head = 0.0;
+};
+
+// The estimate from the shapes alone, for micro-batches of `rows` x `tokens` (tokens capped at
+// n_positions): the same on every rank, machine and run. With C = n_embd, I = the MLP's width,
+// V = vocab_size and L = tokens, per token and forward (the backward counted as twice the
+// forward's matmuls):
+//   attention  8C^2 (c_attn, c_proj) + 2C(L+1) (causal scores and their weighted sum)
+//   MLP        4CI (c_fc, c_proj)
+//   head       2CV (the tied head's logits)
+// plus the memory-bound work (LayerNorms, GELU, dropout, residual adds, the softmax over V, and
+// wte's V x C gradient added up once per micro-batch on the first and on the last stage), each
+// element counted as kGpt2ElementCost FLOPs: about what a matmul's FLOP/s over an element-wise
+// kernel's elements/s is in fp32 on a CPU core and on a GPU alike. Tensor parallelism divides
+// every piece's matmuls alike and is left out.
+constexpr double kGpt2ElementCost = 64.0;
+Gpt2PieceCosts estimate_gpt2_costs(const model::GPT2Config& config, int64_t rows, int64_t tokens);
+
+// torchgpipe's balance_by_time measurements on GPT-2, on `device` (the model is moved there):
+// the forward and backward of a block's attention half and MLP half, of the embedding and of
+// ln_f + head + loss on micro-batches of `rows` x `tokens` tokens (median of 3 after a warm-up;
+// GPT-2's blocks are identical, so one stands for all), in seconds.
+Gpt2PieceCosts time_gpt2_costs(model::GPT2LMHeadModel& model, const Device& device, int64_t rows, int64_t tokens);
+
+// balance_by_cost over the 2 x n_layer block halves with the embedding on the first stage and the
+// head on the last: half blocks per stage, so that the head's cost can be evened out by cutting a
+// block between its halves.
+std::vector<int> balance_gpt2(const Gpt2PieceCosts& costs, int64_t n_layer, int stages);
+
+// Each stage's cost under `halves` (half blocks per stage, summing to 2 x n_layer).
+std::vector<double> gpt2_stage_costs(const Gpt2PieceCosts& costs, const std::vector<int>& halves);
+
+// The pipelines' default split: balance_gpt2 on estimate_gpt2_costs.
+std::vector<int> balance_gpt2_by_cost(const model::GPT2Config& config, int stages, int64_t rows, int64_t tokens);
+
+// --balance auto: balance_gpt2 on time_gpt2_costs.
 std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
                                       int64_t rows, int64_t tokens);
 

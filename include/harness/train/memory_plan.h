@@ -101,6 +101,9 @@ struct RankMemory {
   int64_t gradient_bytes = 0;
   int64_t optimizer_bytes = 0;
   int64_t activation_bytes = 0;  // the estimate of the header
+  // Pipelines: this device's share of a micro-batch's forward and backward work, its stages' costs
+  // by pipeline::estimate_gpt2_costs over all stages' (0 to 1); -1 without stages.
+  double work_share = -1.0;
   int64_t model_state_bytes() const { return weight_bytes + gradient_bytes + optimizer_bytes; }
   int64_t total_bytes() const { return model_state_bytes() + activation_bytes; }
 };
