@@ -59,12 +59,12 @@ ordered_json compare(const std::string& item, int stages, int64_t rows, int64_t 
   const std::vector<int> by_cost = pipeline::balance_gpt2(estimated, config.n_layer, stages);
   const std::vector<int> by_time = pipeline::balance_gpt2(timed, config.n_layer, stages);
   const std::vector<int> even = pipeline::even_balance(static_cast<int>(2 * config.n_layer), stages);
-  const std::vector<double> cost_split = pipeline::gpt2_stage_costs(timed, by_cost);
-  const std::vector<double> time_split = pipeline::gpt2_stage_costs(timed, by_time);
-  const std::vector<double> even_split = pipeline::gpt2_stage_costs(timed, even);
-  const double slowest_cost = *std::max_element(cost_split.begin(), cost_split.end());
-  const double slowest_time = *std::max_element(time_split.begin(), time_split.end());
-  const double slowest_even = *std::max_element(even_split.begin(), even_split.end());
+  // Each stage's timed seconds under a split, and the slowest of them.
+  auto timed_stages = [&](const std::vector<int>& split) { return pipeline::gpt2_stage_costs(timed, split); };
+  auto slowest = [](const std::vector<double>& seconds) { return *std::max_element(seconds.begin(), seconds.end()); };
+  const std::vector<double> cost_split = timed_stages(by_cost), time_split = timed_stages(by_time),
+                            even_split = timed_stages(even);
+  const double slowest_cost = slowest(cost_split), slowest_time = slowest(time_split), slowest_even = slowest(even_split);
   // Blocks of the estimate and of the timing: what one block (both halves) costs, the unit.
   const double block_estimated = estimated.attention + estimated.mlp, block_timed = timed.attention + timed.mlp;
   return {{"model", item},

@@ -144,6 +144,12 @@ BalanceSpec parse_balance(const std::string& text) {
   return spec;
 }
 
+std::string balance_origin(const BalanceSpec& spec, bool pipelined) {
+  if (spec.automatic) return " (auto, by time)";
+  if (spec.given()) return "";
+  return pipelined ? " (default, by cost)" : " (default)";
+}
+
 std::vector<int> default_balance(int blocks, int stages) {
   check_sizes(blocks, stages);
   const int64_t run = (static_cast<int64_t>(blocks) + stages - 1) / stages;

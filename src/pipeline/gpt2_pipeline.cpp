@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <numeric>
 #include <stdexcept>
 
 #include "harness/pipeline/balance.h"
@@ -71,22 +72,30 @@ Gpt2PieceCosts estimate_gpt2_costs(const model::GPT2Config& config, int64_t rows
   return costs;
 }
 
+namespace {
+
+// Each block half's cost in model order: unit 2b is block b's attention half, 2b + 1 its MLP half.
+std::vector<double> unit_costs(const Gpt2PieceCosts& costs, int64_t units) {
+  std::vector<double> out;
+  for (int64_t u = 0; u < units; ++u) out.push_back(u % 2 == 0 ? costs.attention : costs.mlp);
+  return out;
+}
+
+}  // namespace
+
 std::vector<int> balance_gpt2(const Gpt2PieceCosts& costs, int64_t n_layer, int stages) {
-  std::vector<double> unit_costs;
-  for (int64_t b = 0; b < n_layer; ++b) {
-    unit_costs.push_back(costs.attention);
-    unit_costs.push_back(costs.mlp);
-  }
-  return balance_by_cost(unit_costs, stages, costs.embedding, costs.head);
+  return balance_by_cost(unit_costs(costs, 2 * n_layer), stages, costs.embedding, costs.head);
 }
 
 std::vector<double> gpt2_stage_costs(const Gpt2PieceCosts& costs, const std::vector<int>& halves) {
+  int64_t units = 0;
+  for (int h : halves) units += h;
+  const std::vector<double> unit = unit_costs(costs, units);
   std::vector<double> out;
-  int unit = 0;
+  auto first = unit.begin();
   for (int h : halves) {
-    double cost = 0.0;
-    for (int k = 0; k < h; ++k, ++unit) cost += unit % 2 == 0 ? costs.attention : costs.mlp;
-    out.push_back(cost);
+    out.push_back(std::accumulate(first, first + h, 0.0));
+    first += h;
   }
   if (!out.empty()) {
     out.front() += costs.embedding;

@@ -368,7 +368,7 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
               << " pipeline_schedule=" << pipeline::to_string(flags.pipe.schedule) << " n_chunk=" << flags.pipe.n_chunk
               << " virtual_stages=" << flags.pipe.virtual_stages << " stages=" << parts.stages->stages()
               << " balance=" << parts.stages->balance_text()
-              << (flags.pipe.balance.automatic ? " (auto, by time)" : flags.pipe.balance.given() ? "" : " (default, by cost)")
+              << pipeline::balance_origin(flags.pipe.balance, /*pipelined=*/true)
               << " activation_checkpointing=" << pipeline::to_string(flags.pipe.activation_checkpointing);
   }
   std::cerr << std::endl << layout.coordinates_table() << std::flush;

@@ -176,15 +176,11 @@ void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& a
             << " train/validation/test=" << corpus.train.size() << "/" << corpus.validation.size() << "/"
             << corpus.test.size() << std::endl;
   if (stages) {
-    const bool automatic = pipe.balance.automatic;
     std::cerr << "run_pipeline: schedule=" << (pipelined ? pipeline::to_string(pipe.schedule) : "gpipe")
               << " micro_batches=" << (pipelined ? pipe.n_chunk : 1)
               << " virtual_stages=" << (pipelined ? pipe.virtual_stages : 1) << " stages=" << stages->stages()
               << " balance=" << stages->balance_text()
-              << (automatic            ? " (auto, by time)"
-                  : pipe.balance.given() ? ""
-                  : pipelined            ? " (default, by cost)"
-                                         : " (default)")
+              << pipeline::balance_origin(pipe.balance, pipelined)
               << " activation_checkpointing=" << pipeline::to_string(pipe.activation_checkpointing) << std::endl;
   }
   std::cerr << "run_pipeline: " << memory_line << std::endl;

@@ -103,6 +103,11 @@ struct StageSplitFlags {
 //    (n_layer 2): ..."
 std::vector<int> stage_halves(const StageSplitFlags& flags, int n_layer, int devices, const std::string& stages_from);
 
+// What the stages line prints after the resolved balance, saying where it came from:
+// " (auto, by time)", "" when given by hand, " (default, by cost)" for a pipeline without
+// --balance, " (default)" for model parallel's SPEC §4 runs (`pipelined` false).
+std::string balance_origin(const BalanceSpec& spec, bool pipelined);
+
 // "3,3,2": the form --balance takes, for printing the resolved balance at start.
 std::string format_balance(const std::vector<int>& balance);
 
