@@ -14,6 +14,7 @@
 #include "harness/model/gelu.h"
 #include "harness/model/loss.h"
 #include "harness/model/vocab_parallel.h"
+#include "harness/model/weight_grad_store.h"
 #include "shape_text.h"
 
 namespace harness::model {
@@ -65,6 +66,68 @@ class PaddedVocabularyProjection : public torch::autograd::Function<PaddedVocabu
     return {d_hidden, d_weight};
   }
 };
+
+// ----- deferred weight gradients (weight_grad_store.h) -----
+
+// The store a product on `weight` defers to, or nullptr for today's joint backward: deferral
+// needs grad mode, a leaf weight that wants its gradient (only a leaf's .grad can take it later)
+// and an input that wants its own (B's work, and what gives the product a node to hook).
+WeightGradStore* deferring_store(const torch::Tensor& input, const torch::Tensor& weight) {
+  WeightGradStore* store = deferred_weight_gradients();
+  if (store == nullptr || !torch::GradMode::is_enabled() || !weight.requires_grad() || !weight.is_leaf() ||
+      !input.requires_grad()) {
+    return nullptr;
+  }
+  return store;
+}
+
+// `t` as autocast hands it to a matmul on its device (cast to the autocast dtype, through
+// autocast's cache for a weight), or `t` itself outside autocast. A deferred product casts its
+// operands itself so that its hook holds the very input the joint backward would have saved;
+// the matmul's own autocast then finds them cast and leaves them alone.
+torch::Tensor autocast_operand(const torch::Tensor& t) {
+  const c10::DeviceType type = t.device().type();
+  if (!at::autocast::is_autocast_available(type) || !at::autocast::is_autocast_enabled(type)) return t;
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(type), t, type);
+}
+
+// mm_mat2_backward of PyTorch's torch/csrc/autograd/FunctionsManual.cpp (not exported): the
+// gradient of mat2 in mat1 @ mat2, given mat2's sizes and strides as the product saw them. A
+// column-major mat2 (the head's weight.t()) gets its gradient column-major, as there.
+torch::Tensor mat2_gradient(const torch::Tensor& grad, const torch::Tensor& mat1, c10::IntArrayRef mat2_sizes,
+                            c10::IntArrayRef mat2_strides) {
+  if (mat2_strides[0] == 1 && mat2_strides[1] == mat2_sizes[0]) return grad.t().mm(mat1).t();
+  return mat1.t().mm(grad);
+}
+
+// Hooks `product` = mat1 @ mat2 (+ bias), where mat2 is `weight` detached (and, with
+// `transposed`, transposed): when backward reaches the product, mat2's gradient, which the joint
+// graph would have computed there and passed back to `weight`, goes into `store` instead. The
+// hook keeps mat1 without its graph, so that between B and W the store holds the input and the
+// output gradient alone, as zero-bubble schedules do.
+void defer_mat2_gradient(torch::Tensor& product, WeightGradStore* store, const torch::Tensor& weight,
+                         const torch::Tensor& mat1, const torch::Tensor& mat2, bool transposed) {
+  product.register_hook([store, weight, mat1 = mat1.detach(), sizes = mat2.sizes().vec(),
+                         strides = mat2.strides().vec(), transposed](const torch::Tensor& grad) {
+    if (!grad.defined()) return;
+    store->put(weight, [grad, mat1, sizes, strides, transposed] {
+      const torch::Tensor d_mat2 = mat2_gradient(grad, mat1, sizes, strides);
+      return transposed ? d_mat2.t() : d_mat2;
+    });
+  });
+}
+
+// Conv1D's product on rows x2d: bias + x2d @ weight (torch::addmm), or x2d @ weight (torch::mm)
+// without a bias, with the weight's gradient deferred under a store.
+torch::Tensor conv1d_product(const torch::Tensor& bias, const torch::Tensor& x2d, const torch::Tensor& weight) {
+  WeightGradStore* store = deferring_store(x2d, weight);
+  if (store == nullptr) return bias.defined() ? torch::addmm(bias, x2d, weight) : torch::mm(x2d, weight);
+  const torch::Tensor rows = autocast_operand(x2d);
+  const torch::Tensor mat2 = autocast_operand(weight).detach();
+  torch::Tensor product = bias.defined() ? torch::addmm(bias, rows, mat2) : torch::mm(rows, mat2);
+  defer_mat2_gradient(product, store, weight, rows, mat2, /*transposed=*/false);
+  return product;
+}
 
 // The whole sequences' loss from each context rank's part of it: the sum over the group forward;
 // backward, each rank's part gets the loss's gradient unchanged (d total / d part = 1), so each
@@ -144,19 +207,19 @@ torch::Tensor Conv1DImpl::forward(const torch::Tensor& x, int64_t split_dim) {
                                   std::to_string(weight.size(0)) + " (in_features " + std::to_string(in_features_) +
                                   " / " + std::to_string(tp_->size()) + " ranks)");
     }
-    const torch::Tensor partial = torch::mm(x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+    const torch::Tensor partial = conv1d_product({}, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
     if (sequence_split) {  // the bias on this rank's part alone: its gradient summed over the group
       return tp_->reduce_scatter_sequence(partial, split_dim) + tp_->copy_to_region(bias);
     }
     return tp_->reduce_from_region(partial) + bias;  // the bias once, after the sum
   }
   if (style_ == ParallelStyle::kReplicated) {
-    return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
+    return conv1d_product(bias, x.reshape({-1, x.size(-1)}), weight).view(out_sizes);
   }
   const torch::Tensor in = sequence_split ? tp_->gather_sequence(x, split_dim) : tp_->copy_to_region(x);
   out_sizes = in.sizes().vec();
   out_sizes.back() = weight.size(1);
-  return torch::addmm(bias, in.reshape({-1, in.size(-1)}), weight).view(out_sizes);
+  return conv1d_product(bias, in.reshape({-1, in.size(-1)}), weight).view(out_sizes);
 }
 
 // ----- KV cache -----------------------------------------------------------------------------
@@ -725,8 +788,30 @@ double GPT2LMHeadModelImpl::replicated_gradient_divergence() {
 }
 
 torch::Tensor vocabulary_logits(const torch::Tensor& hidden, const torch::Tensor& weight) {
-  if (PaddedVocabularyProjection::applies(hidden, weight)) return PaddedVocabularyProjection::apply(hidden, weight);
-  return torch::linear(hidden, weight);
+  WeightGradStore* store = deferring_store(hidden, weight);
+  if (PaddedVocabularyProjection::applies(hidden, weight)) {
+    if (store == nullptr) return PaddedVocabularyProjection::apply(hidden, weight);
+    const int64_t V = weight.size(0), C = weight.size(1);
+    // Given the weight detached, the Function's backward computes the hidden states' gradient
+    // alone; its weight gradient, mm(grad.t(), rows) there, is deferred here.
+    torch::Tensor logits = PaddedVocabularyProjection::apply(hidden, weight.detach());
+    logits.register_hook([store, weight, rows = hidden.detach().reshape({-1, C}), V](const torch::Tensor& grad) {
+      if (!grad.defined()) return;
+      store->put(weight, [grad = grad.reshape({-1, V}), rows] { return torch::mm(grad.t(), rows); });
+    });
+    return logits;
+  }
+  if (store == nullptr) return torch::linear(hidden, weight);
+  // torch::linear without a bias is matmul(hidden, weight.t()), which on a weight that requires
+  // grad folds hidden's leading dimensions and runs one mm: that mm, on autocast's operands.
+  const int64_t V = weight.size(0), C = weight.size(1);
+  const torch::Tensor rows = autocast_operand(hidden).reshape({-1, C});
+  const torch::Tensor mat2 = autocast_operand(weight).detach().t();
+  torch::Tensor product = torch::mm(rows, mat2);
+  defer_mat2_gradient(product, store, weight, rows, mat2, /*transposed=*/true);
+  auto out_sizes = hidden.sizes().vec();
+  out_sizes.back() = V;
+  return product.view(out_sizes);
 }
 
 int64_t count_parameters(torch::nn::Module& module) {

@@ -12,6 +12,8 @@
 // With sequence parallelism on a tensor-parallel group (set_sequence_parallel), the hidden states
 // between the split layers (LayerNorm, dropout, the residual stream) are split over the group too,
 // by rows or along the sequence: each rank holds 1/T of those activations (Megatron's).
+// Under a DeferWeightGradients scope (weight_grad_store.h), the Conv1Ds' and the tied head's
+// weight gradients are left out of backward and put into a store, run later (zero-bubble's W).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -340,7 +342,8 @@ void init_gpt2_parameter(const std::string& name, torch::Tensor& tensor, const G
 // on the CPU outside autocast with V not a multiple of 16, where the product runs on the weight
 // padded with zero rows to the next multiple (rows of the logits aligned to cache lines; about
 // 1.5x faster forward with V = 1417 or 50257) and the logits are copied out unpadded.
-// Differentiable to first order in both arguments.
+// Differentiable to first order in both arguments; the weight's gradient deferred under a
+// DeferWeightGradients scope.
 torch::Tensor vocabulary_logits(const torch::Tensor& hidden, const torch::Tensor& weight);
 
 // Parameters, counting the tied head once (gpt2: 124,439,808).
