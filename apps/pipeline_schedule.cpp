@@ -1,8 +1,11 @@
 // pipeline_schedule: prints a pipeline training schedule for S stages and M micro-batches. GPipe:
 // the forward and backward clock tables Pipe executes (harness/pipeline/schedule.h), the Gantt
 // chart of one step and its bubble ratio. All schedules (GPipe, 1F1B, interleaved 1F1B with V
-// chunks per device; harness/pipeline/training_schedule.h): each device's actions, the unit-time
-// Gantt chart, the bubble and the peak in-flight micro-batches per device.
+// chunks per device, and the zero-bubble ZB-H1 and ZB-V; harness/pipeline/training_schedule.h):
+// each device's actions, the unit-time Gantt chart, the bubble and the peak in-flight
+// micro-batches per device. The zero-bubble ones, whose backward is split into B and W, are drawn
+// on the paper's clock instead (F, B and W one tick each, so a whole backward takes two), next
+// to 1F1B on the same clock.
 #include <cxxopts.hpp>
 
 #include <cstdio>
@@ -46,9 +49,10 @@ Config parse_config(const cxxopts::ParseResult& result) {
   }
   Config config;
   config.schedule = result["schedule"].as<std::string>();
-  if (config.schedule != "gpipe" && config.schedule != "1f1b" && config.schedule != "interleaved") {
+  if (config.schedule != "gpipe" && config.schedule != "1f1b" && config.schedule != "interleaved" &&
+      config.schedule != "zb1p" && config.schedule != "zbv") {
     throw std::invalid_argument("--schedule '" + config.schedule +
-                                "' is not one of gpipe, 1f1b, interleaved");
+                                "' is not one of gpipe, 1f1b, interleaved, zb1p, zbv");
   }
   config.stages = parse_int_flag("stages", result["stages"].as<std::string>());
   config.micro_batches = parse_int_flag("micro_batches", result["micro_batches"].as<std::string>());
@@ -72,7 +76,8 @@ Config parse_config(const cxxopts::ParseResult& result) {
   if (!interleaved && config.virtual_stages != 1) {
     throw std::invalid_argument("--virtual_stages " + std::to_string(config.virtual_stages) +
                                 " needs --schedule interleaved; " + config.schedule +
-                                " runs one stage per device");
+                                (config.schedule == "zbv" ? " runs its own two chunks per device"
+                                                          : " runs one stage per device"));
   }
   if (interleaved && config.micro_batches % config.stages != 0) {
     throw std::invalid_argument(
@@ -133,14 +138,48 @@ void print_training_schedule(const TrainingSchedule& schedule) {
             << schedule.in_flight_bound << ")\n";
 }
 
+// A zero-bubble schedule on the paper's clock (F, B and W one tick each) beside 1F1B on the same
+// clock (its whole backward two ticks; for zbv, whose chunks are half a stage, every 1F1B action
+// takes twice as long), with the paper's bubble formulas.
+void print_zero_bubble_schedule(const TrainingSchedule& schedule) {
+  const bool v = schedule.placement == StagePlacement::kV;
+  const int s = schedule.devices, m = schedule.micro_batches;
+  const Timeline timeline = simulate(schedule, {1, 1, 1});  // validates the schedule first
+  const Timeline base = simulate(one_f_one_b_schedule(m, s), v ? ActionTicks{2, 2, 2} : ActionTicks{1, 1, 1});
+  std::cout << "Actions per device, in order (F forward, B input-gradient backward, W weight-gradient pass of "
+               "micro-batch i"
+            << (v ? " on the device's chunk c: stage c for c = 0 on device d is d, for c = 1 it is 2S-1-d" : "")
+            << "):\n"
+            << format_actions(schedule) << "\n";
+  std::cout << "Gantt chart, F, B and W one tick each" << (v ? " (a chunk is half a device's layers)" : "")
+            << ":\n"
+            << format_timeline(timeline) << "\n";
+  std::cout << "1F1B on the same clock (its whole backward B+W" << (v ? ", each action a whole stage" : "")
+            << "):\n"
+            << format_timeline(base) << "\n";
+  char line[320];
+  std::snprintf(line, sizeof(line),
+                "Bubble ratio: %.1f%% against 1F1B's %.1f%% (%.2fx); the paper's formulas with F = B = W: "
+                "1F1B (S-1)/(M+S-1) = %d/%d",
+                100.0 * timeline.bubble, 100.0 * base.bubble, base.bubble > 0 ? timeline.bubble / base.bubble : 0.0,
+                s - 1, m + s - 1);
+  std::cout << line;
+  if (!v) std::cout << ", ZB-H1 (S-1)/(3M+S-1) = " << s - 1 << "/" << 3 * m + s - 1 << " for M >= S";
+  std::cout << "\n";
+  std::cout << (v ? "Peak in-flight (micro-batch, chunk) activations per device:" : "Peak in-flight micro-batches per device:");
+  for (int peak : timeline.peak_in_flight) std::cout << " " << peak;
+  std::cout << " (forwarded, not yet through their W; the schedule's bound is " << schedule.in_flight_bound
+            << (v ? " half stages, 1F1B's " + std::to_string(std::min(s, m)) + " whole ones" : ", 1F1B's") << ")\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string what = "Pipeline training schedules (GPipe, 1F1B, interleaved 1F1B) for S "
+  const std::string what = "Pipeline training schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) for S "
                            "stages and M micro-batches: per-device actions, Gantt chart, bubble";
   cxxopts::Options options("pipeline_schedule", what);
   options.add_options()
-      ("schedule", "gpipe, 1f1b or interleaved",
+      ("schedule", "gpipe, 1f1b, interleaved, zb1p or zbv",
        cxxopts::value<std::string>()->default_value("gpipe"))
       ("stages", "pipeline stages (devices) S", cxxopts::value<std::string>()->default_value("4"))
       ("micro_batches", "micro-batches per batch M",
@@ -174,6 +213,15 @@ int main(int argc, char** argv) {
                 << " micro-batches; device d runs min(S-d-1, M) warm-up forwards, then one "
                    "forward one backward\n\n";
       print_training_schedule(one_f_one_b_schedule(m, s));
+    } else if (config.schedule == "zb1p") {
+      std::cout << "ZB-H1 schedule: S=" << s << " devices, M=" << m
+                << " micro-batches; 1F1B's forwards and input-gradient backwards, device d delaying d "
+                   "weight-gradient passes into its cool-down\n\n";
+      print_zero_bubble_schedule(zb1p_schedule(m, s));
+    } else if (config.schedule == "zbv") {
+      std::cout << "ZB-V schedule: S=" << s << " devices x 2 chunks = " << 2 * s << " stages in a V, M=" << m
+                << " micro-batches; device d holds stages d and " << 2 * s - 1 << "-d\n\n";
+      print_zero_bubble_schedule(zbv_schedule(m, s));
     } else {
       std::cout << "Interleaved 1F1B schedule: S=" << s << " devices x V=" << v
                 << " chunks = " << s * v << " virtual stages, M=" << m

@@ -31,7 +31,7 @@ PlanHalves split_at_first_backward(const P2PPlan& plan) {
         if (forward && backwards_begun) {
           throw std::invalid_argument(
               "split_at_first_backward(" + schedule.name + "): device " + std::to_string(d) + " runs " +
-              action_label(step.action, schedule.devices, schedule.virtual_stages) +
+              action_label(step.action, schedule) +
               " after a backward; only a schedule whose forwards all come first (GPipe's) splits in two");
         }
         backwards_begun = backwards_begun || !forward;
@@ -118,7 +118,7 @@ std::vector<Cycle> unit_time_cycles(const P2PPlan& plan) {
       for (size_t d = 0; d < actions.size(); ++d) {
         if (next[d] < actions[d].size()) {
           waiting += "; device " + std::to_string(d) + " at " +
-                     action_label(actions[d][next[d]], schedule.devices, schedule.virtual_stages);
+                     action_label(actions[d][next[d]], schedule);
         }
       }
       throw std::invalid_argument("unit_time_cycles(" + schedule.name + "): the devices wait for each other" + waiting);

@@ -13,28 +13,31 @@ namespace {
 using Op = P2POp;
 using Message = P2PMessage;
 
-// The receives `action` needs before it runs on `device`, and the sends it owes after.
+// The receives `action` needs before it runs on `device`, and the sends it owes after. A W pass
+// exchanges nothing: its inputs stayed on the device.
 std::vector<Op> receives_of(const Action& action, int device, const TrainingSchedule& schedule) {
-  const int S = schedule.stages(), D = schedule.devices;
+  const int S = schedule.stages();
+  if (action.kind == Action::Kind::kWeight) return {};
   if (action.kind == Action::Kind::kForward) {
-    if (action.stage == 0 || device_of_stage(action.stage - 1, D) == device) return {};
-    return {{Op::Kind::kRecv, device_of_stage(action.stage - 1, D),
+    if (action.stage == 0 || schedule.device_of(action.stage - 1) == device) return {};
+    return {{Op::Kind::kRecv, schedule.device_of(action.stage - 1),
              {Message::Kind::kActivation, action.micro_batch, action.stage - 1}}};
   }
-  if (action.stage == S - 1 || device_of_stage(action.stage + 1, D) == device) return {};
-  return {{Op::Kind::kRecv, device_of_stage(action.stage + 1, D),
+  if (action.stage == S - 1 || schedule.device_of(action.stage + 1) == device) return {};
+  return {{Op::Kind::kRecv, schedule.device_of(action.stage + 1),
            {Message::Kind::kGradient, action.micro_batch, action.stage + 1}}};
 }
 
 std::vector<Op> sends_of(const Action& action, int device, const TrainingSchedule& schedule) {
-  const int S = schedule.stages(), D = schedule.devices;
+  const int S = schedule.stages();
+  if (action.kind == Action::Kind::kWeight) return {};
   if (action.kind == Action::Kind::kForward) {
-    if (action.stage == S - 1 || device_of_stage(action.stage + 1, D) == device) return {};
-    return {{Op::Kind::kSend, device_of_stage(action.stage + 1, D),
+    if (action.stage == S - 1 || schedule.device_of(action.stage + 1) == device) return {};
+    return {{Op::Kind::kSend, schedule.device_of(action.stage + 1),
              {Message::Kind::kActivation, action.micro_batch, action.stage}}};
   }
-  if (action.stage == 0 || device_of_stage(action.stage - 1, D) == device) return {};
-  return {{Op::Kind::kSend, device_of_stage(action.stage - 1, D),
+  if (action.stage == 0 || schedule.device_of(action.stage - 1) == device) return {};
+  return {{Op::Kind::kSend, schedule.device_of(action.stage - 1),
            {Message::Kind::kGradient, action.micro_batch, action.stage}}};
 }
 
@@ -276,7 +279,7 @@ std::string format_p2p_plan(const P2PPlan& plan) {
     out << "device " << d << ":";
     for (const P2PStep& step : plan.per_device[d]) {
       out << " " << (step.is_exchange() ? p2p_exchange_label(step.exchange)
-                                         : action_label(step.action, s.devices, s.virtual_stages));
+                                         : action_label(step.action, s));
     }
     out << "\n";
   }

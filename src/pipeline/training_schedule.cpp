@@ -1,10 +1,11 @@
-// GPipe, 1F1B and interleaved 1F1B as per-device action lists; their validator, unit-time simulator
-// and Gantt chart.
+// GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V as per-device action lists; their validator,
+// simulator and Gantt chart.
 #include "harness/pipeline/training_schedule.h"
 
 #include "harness/pipeline/schedule.h"
 
 #include <algorithm>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -34,10 +35,18 @@ TrainingSchedule empty_schedule(std::string name, int micro_batches, int devices
   return schedule;
 }
 
-std::string describe(const Action& action) {
-  return std::string(action.kind == Action::Kind::kForward ? "forward" : "backward") +
-         " of micro-batch " + std::to_string(action.micro_batch) + " on stage " +
-         std::to_string(action.stage);
+const char* kind_word(const Action& action, bool split) {
+  switch (action.kind) {
+    case Action::Kind::kForward: return "forward";
+    case Action::Kind::kBackward: return split ? "input-gradient backward (B)" : "backward";
+    case Action::Kind::kWeight: return "weight-gradient pass (W)";
+  }
+  return "?";
+}
+
+std::string describe(const Action& action, bool split = false) {
+  return std::string(kind_word(action, split)) + " of micro-batch " + std::to_string(action.micro_batch) +
+         " on stage " + std::to_string(action.stage);
 }
 
 std::string context(const TrainingSchedule& schedule) {
@@ -48,28 +57,28 @@ std::string context(const TrainingSchedule& schedule) {
 
 std::string at(const TrainingSchedule& schedule, size_t device, size_t index) {
   return context(schedule) + ": device " + std::to_string(device) + ", action " +
-         std::to_string(index) + " (" + describe(schedule.per_device[device][index]) + ")";
+         std::to_string(index) + " (" + describe(schedule.per_device[device][index], schedule.split_backward) + ")";
 }
 
 // Per (kind, micro-batch, stage) value, e.g. the tick an action finished or where it was listed.
 class ActionMap {
  public:
   ActionMap(int micro_batches, int stages, int initial)
-      : stages_(stages), values_(2 * static_cast<size_t>(micro_batches) * stages, initial) {}
+      : per_kind_(static_cast<size_t>(micro_batches) * stages), stages_(stages), values_(3 * per_kind_, initial) {}
 
   int& operator[](const Action& action) {
-    const size_t kind = action.kind == Action::Kind::kForward ? 0 : 1;
-    return values_[(kind * values_.size() / 2) + static_cast<size_t>(action.micro_batch) * stages_ +
+    return values_[static_cast<size_t>(action.kind) * per_kind_ + static_cast<size_t>(action.micro_batch) * stages_ +
                    action.stage];
   }
 
  private:
-  size_t stages_;
+  size_t per_kind_, stages_;
   std::vector<int> values_;
 };
 
 // The actions `action` waits for, per the dependency rules in the header.
 std::vector<Action> dependencies(const Action& action, int stages) {
+  if (action.kind == Action::Kind::kWeight) return {Action::backward(action.micro_batch, action.stage)};
   if (action.kind == Action::Kind::kForward) {
     if (action.stage == 0) return {};
     return {Action::forward(action.micro_batch, action.stage - 1)};
@@ -97,7 +106,10 @@ void check_actions(const TrainingSchedule& schedule) {
         throw std::invalid_argument(at(schedule, d, k) + ": stage outside [0, " +
                                     std::to_string(stages) + ")");
       }
-      const int owner = device_of_stage(action.stage, schedule.devices);
+      if (action.kind == Action::Kind::kWeight && !schedule.split_backward) {
+        throw std::invalid_argument(at(schedule, d, k) + ": a W pass in a schedule whose backward is not split");
+      }
+      const int owner = schedule.device_of(action.stage);
       if (owner != static_cast<int>(d)) {
         throw std::invalid_argument(at(schedule, d, k) + ": stage " + std::to_string(action.stage) +
                                     " belongs to device " + std::to_string(owner));
@@ -110,69 +122,89 @@ void check_actions(const TrainingSchedule& schedule) {
       first = static_cast<int>(k);
     }
   }
-  for (const Action::Kind kind : {Action::Kind::kForward, Action::Kind::kBackward}) {
+  std::vector<Action::Kind> kinds = {Action::Kind::kForward, Action::Kind::kBackward};
+  if (schedule.split_backward) kinds.push_back(Action::Kind::kWeight);
+  for (const Action::Kind kind : kinds) {
     for (int s = 0; s < stages; ++s) {
       for (int i = 0; i < schedule.micro_batches; ++i) {
         const Action action{kind, i, s};
         if (listed_at[action] == -1) {
-          throw std::invalid_argument(context(schedule) + ": device " +
-                                      std::to_string(device_of_stage(s, schedule.devices)) +
-                                      " never runs the " + describe(action));
+          throw std::invalid_argument(context(schedule) + ": device " + std::to_string(schedule.device_of(s)) +
+                                      " never runs the " + describe(action, schedule.split_backward));
         }
       }
     }
   }
 }
 
-// Runs every device's list with unit time. Returns the slots; on a deadlock (no device can start
-// its next action and some have actions left) throws, naming each stuck device and what it waits
-// for. Assumes check_actions passed, so every dependency is listed exactly once somewhere.
-std::vector<std::vector<std::optional<Action>>> run_unit_time(const TrainingSchedule& schedule) {
+// Runs every device's list on a clock, each action holding its device for ticks_of(action) >= 1
+// ticks. Returns the slots; on a deadlock (no device busy, none can start its next action, and some
+// have actions left) throws, naming each stuck device and what it waits for. Assumes check_actions
+// passed, so every dependency is listed exactly once somewhere.
+std::vector<std::vector<std::optional<Action>>> run_clock(const TrainingSchedule& schedule,
+                                                          const std::function<int(const Action&)>& ticks_of) {
   const int stages = schedule.stages();
   const size_t devices = schedule.per_device.size();
-  ActionMap finished_at(schedule.micro_batches, stages, -1);
+  ActionMap finished_at(schedule.micro_batches, stages, -1);  // the first tick after it ran
   std::vector<size_t> next(devices, 0);
+  std::vector<int> busy_until(devices, 0);
+  std::vector<std::optional<Action>> running(devices);
   std::vector<std::vector<std::optional<Action>>> slots(devices);
   size_t remaining = 0;
   for (const auto& actions : schedule.per_device) remaining += actions.size();
 
-  for (int tick = 0; remaining > 0; ++tick) {
-    bool progressed = false;
+  int tick = 0;
+  for (; remaining > 0; ++tick) {
+    bool progressed = false, busy = false;
     std::string stuck;
     for (size_t d = 0; d < devices; ++d) {
-      std::optional<Action> ran;
+      if (busy_until[d] > tick) {
+        slots[d].push_back(running[d]);
+        busy = true;
+        continue;
+      }
+      running[d].reset();
       if (next[d] < schedule.per_device[d].size()) {
         const Action& action = schedule.per_device[d][next[d]];
         std::optional<Action> missing;
         for (const Action& need : dependencies(action, stages)) {
-          if (finished_at[need] == -1) {
+          if (finished_at[need] == -1 || finished_at[need] > tick) {
             missing = need;
             break;
           }
         }
         if (!missing) {
-          ran = action;
+          // An action lasts a tick at least, so nothing that depends on it starts in this tick.
+          finished_at[action] = busy_until[d] = tick + ticks_of(action);
+          running[d] = action;
           ++next[d];
           --remaining;
           progressed = true;
         } else {
           stuck += std::string(stuck.empty() ? "" : "; ") + "device " + std::to_string(d) +
-                   " waits at action " + std::to_string(next[d]) + " (" + describe(action) +
-                   ") for the " + describe(*missing);
+                   " waits at action " + std::to_string(next[d]) + " (" +
+                   describe(action, schedule.split_backward) + ") for the " +
+                   describe(*missing, schedule.split_backward);
         }
       }
-      slots[d].push_back(ran);
+      slots[d].push_back(running[d]);
     }
-    // Recorded once every device has chosen, so nothing waits on an action of the same tick.
-    for (size_t d = 0; d < devices; ++d) {
-      if (slots[d].back()) finished_at[*slots[d].back()] = tick;
-    }
-    if (!progressed) {
+    if (!progressed && !busy) {
       throw std::invalid_argument(context(schedule) + ": deadlock at tick " + std::to_string(tick) +
                                   ": " + stuck);
     }
   }
+  // The last actions run to their end.
+  for (size_t d = 0; d < devices; ++d) {
+    for (int t = tick; t < *std::max_element(busy_until.begin(), busy_until.end()); ++t) {
+      slots[d].push_back(t < busy_until[d] ? running[d] : std::nullopt);
+    }
+  }
   return slots;
+}
+
+std::vector<std::vector<std::optional<Action>>> run_unit_time(const TrainingSchedule& schedule) {
+  return run_clock(schedule, [](const Action&) { return 1; });
 }
 
 // Activations each device holds at most, from its own order alone (timing cannot change it).
@@ -183,12 +215,15 @@ std::vector<int> peak_in_flight(const TrainingSchedule& schedule) {
     const auto& actions = schedule.per_device[d];
     int held = 0;
     int peak = 0;
+    // With a split backward an activation is held until its W: the layers' inputs wait for it.
+    const Action::Kind releases = schedule.split_backward ? Action::Kind::kWeight : Action::Kind::kBackward;
     for (size_t k = 0; k < actions.size(); ++k) {
-      held += actions[k].kind == Action::Kind::kForward ? 1 : -1;
+      if (actions[k].kind == Action::Kind::kForward) ++held;
+      if (actions[k].kind == releases) --held;
       if (held > schedule.in_flight_bound) {
-        throw std::invalid_argument(at(schedule, d, k) + ": " + std::to_string(held) +
-                                    " activations forwarded and not yet backwarded, above the "
-                                    "schedule's in_flight_bound " +
+        throw std::invalid_argument(at(schedule, d, k) + ": " + std::to_string(held) + " activations forwarded and not yet " +
+                                    (schedule.split_backward ? "through their W pass" : "backwarded") +
+                                    ", above the schedule's in_flight_bound " +
                                     std::to_string(schedule.in_flight_bound));
       }
       peak = std::max(peak, held);
@@ -209,6 +244,18 @@ bool operator!=(const Action& a, const Action& b) { return !(a == b); }
 int device_of_stage(int stage, int devices) { return stage % devices; }
 
 int chunk_of_stage(int stage, int devices) { return stage / devices; }
+
+int device_of_stage(int stage, int devices, StagePlacement placement) {
+  if (placement == StagePlacement::kV) return stage < devices ? stage : 2 * devices - 1 - stage;
+  return device_of_stage(stage, devices);
+}
+
+int TrainingSchedule::device_of(int stage) const { return device_of_stage(stage, devices, placement); }
+
+int TrainingSchedule::chunk_of(int stage) const {
+  if (placement == StagePlacement::kV) return stage < devices ? 0 : 1;
+  return chunk_of_stage(stage, devices);
+}
 
 TrainingSchedule gpipe_schedule(int micro_batches, int devices) {
   return gpipe_schedule(micro_batches, devices, 1);
@@ -293,6 +340,86 @@ TrainingSchedule interleaved_schedule(int micro_batches, int devices, int virtua
   return schedule;
 }
 
+TrainingSchedule zb1p_schedule(int micro_batches, int devices) {
+  check_counts("zb1p_schedule", micro_batches, devices, 1);
+  TrainingSchedule schedule = one_f_one_b_schedule(micro_batches, devices);
+  schedule.name = "zb1p";
+  schedule.split_backward = true;
+  for (int d = 0; d < devices; ++d) {
+    std::vector<Action>& actions = schedule.per_device[static_cast<size_t>(d)];
+    std::vector<Action> split;
+    int backwards = 0;
+    for (const Action& action : actions) {
+      split.push_back(action);
+      if (action.kind != Action::Kind::kBackward) continue;
+      // Device d lets d W passes wait: as many as the warm-up forwards it holds fewer than device 0.
+      const int delayed = backwards++ - d;
+      if (delayed >= 0) split.push_back(Action::weight(delayed, d));
+    }
+    for (int i = std::max(0, micro_batches - d); i < micro_batches; ++i) split.push_back(Action::weight(i, d));
+    actions = std::move(split);
+  }
+  return schedule;  // in_flight_bound min(D, M), 1F1B's
+}
+
+TrainingSchedule zbv_schedule(int micro_batches, int devices) {
+  check_counts("zbv_schedule", micro_batches, devices, 1);
+  TrainingSchedule schedule = empty_schedule("zbv", micro_batches, devices, 2);
+  schedule.placement = StagePlacement::kV;
+  schedule.split_backward = true;
+  schedule.in_flight_bound = std::min(2 * devices, 2 * micro_batches);
+  const int S = schedule.stages(), M = micro_batches;
+  ActionMap finished_at(M, S, -1);
+  auto done = [&](const Action& a, int tick) { return finished_at[a] != -1 && finished_at[a] <= tick; };
+  std::vector<int> next_forward(S, 0), next_backward(S, 0), held(devices, 0);
+  std::vector<std::vector<Action>> waiting_w(devices);  // B done, W not yet, oldest first
+  int remaining = 3 * M * S;
+  for (int tick = 0; remaining > 0; ++tick) {
+    std::vector<Action> started;
+    for (int d = 0; d < devices; ++d) {
+      // Gradients toward stage 0 first (the chunk the previous device waits for), then
+      // activations toward the loss (the later chunk first): both unblock other devices sooner.
+      const int later = 2 * devices - 1 - d, earlier = d;
+      std::optional<Action> pick;
+      for (int s : {earlier, later}) {
+        const int i = next_backward[s];
+        if (pick || i >= M) continue;
+        if (done(Action::forward(i, s), tick) && (s == S - 1 || done(Action::backward(i, s + 1), tick))) {
+          pick = Action::backward(i, s);
+        }
+      }
+      for (int s : {later, earlier}) {
+        const int i = next_forward[s];
+        if (pick || i >= M || held[d] >= schedule.in_flight_bound) continue;
+        if (s == 0 || done(Action::forward(i, s - 1), tick)) pick = Action::forward(i, s);
+      }
+      if (!pick && !waiting_w[d].empty()) {
+        pick = waiting_w[d].front();
+        waiting_w[d].erase(waiting_w[d].begin());
+      }
+      if (!pick) continue;
+      switch (pick->kind) {
+        case Action::Kind::kForward: ++next_forward[pick->stage]; ++held[d]; break;
+        case Action::Kind::kBackward:
+          ++next_backward[pick->stage];
+          waiting_w[d].push_back(Action::weight(pick->micro_batch, pick->stage));
+          break;
+        case Action::Kind::kWeight: --held[d]; break;
+      }
+      schedule.per_device[static_cast<size_t>(d)].push_back(*pick);
+      started.push_back(*pick);
+      --remaining;
+    }
+    // Recorded once every device has chosen: nothing depends on an action of its own tick.
+    for (const Action& a : started) finished_at[a] = tick + 1;
+    if (started.empty() && tick > 6 * M * S) {
+      throw std::logic_error("zbv_schedule: the list scheduler made no progress (M=" + std::to_string(M) +
+                             ", D=" + std::to_string(devices) + ")");
+    }
+  }
+  return schedule;
+}
+
 void validate_schedule(const TrainingSchedule& schedule) {
   if (schedule.micro_batches < 1 || schedule.devices < 1 || schedule.virtual_stages < 1) {
     throw std::invalid_argument(context(schedule) +
@@ -318,11 +445,15 @@ int64_t Timeline::idle_slots() const {
   return idle;
 }
 
-Timeline simulate_unit_time(const TrainingSchedule& schedule) {
+namespace {
+
+Timeline timeline_of(const TrainingSchedule& schedule, const std::function<int(const Action&)>& ticks_of) {
   validate_schedule(schedule);
   Timeline timeline;
+  timeline.devices = schedule.devices;
   timeline.virtual_stages = schedule.virtual_stages;
-  timeline.slots = run_unit_time(schedule);
+  timeline.placement = schedule.placement;
+  timeline.slots = run_clock(schedule, ticks_of);
   timeline.ticks = timeline.slots.empty() ? 0 : static_cast<int>(timeline.slots[0].size());
   const int64_t total = timeline.total_slots();
   timeline.bubble =
@@ -331,11 +462,44 @@ Timeline simulate_unit_time(const TrainingSchedule& schedule) {
   return timeline;
 }
 
-std::string action_label(const Action& action, int devices, int virtual_stages) {
-  std::string label =
-      (action.kind == Action::Kind::kForward ? "F" : "B") + std::to_string(action.micro_batch);
-  if (virtual_stages > 1) label += "." + std::to_string(chunk_of_stage(action.stage, devices));
+}  // namespace
+
+Timeline simulate_unit_time(const TrainingSchedule& schedule) {
+  return timeline_of(schedule, [](const Action&) { return 1; });
+}
+
+Timeline simulate(const TrainingSchedule& schedule, const ActionTicks& ticks) {
+  if (ticks.forward < 1 || ticks.input_gradient < 1 || ticks.weight_gradient < 1) {
+    throw std::invalid_argument("simulate: every action takes a tick at least, got F " + std::to_string(ticks.forward) +
+                                ", B " + std::to_string(ticks.input_gradient) + ", W " +
+                                std::to_string(ticks.weight_gradient));
+  }
+  const bool split = schedule.split_backward;
+  return timeline_of(schedule, [&](const Action& action) {
+    switch (action.kind) {
+      case Action::Kind::kForward: return ticks.forward;
+      case Action::Kind::kBackward: return split ? ticks.input_gradient : ticks.input_gradient + ticks.weight_gradient;
+      case Action::Kind::kWeight: return ticks.weight_gradient;
+    }
+    return 1;
+  });
+}
+
+std::string action_label(const Action& action, int devices, int virtual_stages, StagePlacement placement) {
+  static const char* const kLetters[] = {"F", "B", "W"};
+  std::string label = kLetters[static_cast<int>(action.kind)] + std::to_string(action.micro_batch);
+  if (virtual_stages > 1) {
+    TrainingSchedule shape;
+    shape.devices = devices;
+    shape.virtual_stages = virtual_stages;
+    shape.placement = placement;
+    label += "." + std::to_string(shape.chunk_of(action.stage));
+  }
   return label;
+}
+
+std::string action_label(const Action& action, const TrainingSchedule& schedule) {
+  return action_label(action, schedule.devices, schedule.virtual_stages, schedule.placement);
 }
 
 std::string format_actions(const TrainingSchedule& schedule) {
@@ -343,7 +507,7 @@ std::string format_actions(const TrainingSchedule& schedule) {
   for (size_t d = 0; d < schedule.per_device.size(); ++d) {
     out += "device " + std::to_string(d) + ":";
     for (const Action& action : schedule.per_device[d]) {
-      out += " " + action_label(action, schedule.devices, schedule.virtual_stages);
+      out += " " + action_label(action, schedule);
     }
     out += "\n";
   }
@@ -358,17 +522,18 @@ std::string format_timeline(const Timeline& timeline) {
   for (const auto& row : timeline.slots) {
     rows.emplace_back();
     for (const auto& slot : row) {
-      rows.back().push_back(slot ? action_label(*slot, devices, timeline.virtual_stages) : ".");
+      rows.back().push_back(slot ? action_label(*slot, devices, timeline.virtual_stages, timeline.placement) : ".");
     }
   }
   return format_rows("clock", header, rows, "device ");
 }
 
 ScheduleKind parse_schedule_kind(const std::string& text) {
-  for (ScheduleKind kind : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved}) {
+  for (ScheduleKind kind : {ScheduleKind::kGpipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved,
+                            ScheduleKind::kZb1p, ScheduleKind::kZbv}) {
     if (text == to_string(kind)) return kind;
   }
-  throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b or interleaved, got '" + text + "'");
+  throw std::invalid_argument("--pipeline_schedule must be gpipe, 1f1b, interleaved, zb1p or zbv, got '" + text + "'");
 }
 
 std::string to_string(ScheduleKind kind) {
@@ -376,18 +541,38 @@ std::string to_string(ScheduleKind kind) {
     case ScheduleKind::kGpipe: return "gpipe";
     case ScheduleKind::kOneFOneB: return "1f1b";
     case ScheduleKind::kInterleaved: return "interleaved";
+    case ScheduleKind::kZb1p: return "zb1p";
+    case ScheduleKind::kZbv: return "zbv";
   }
   return "?";
+}
+
+bool splits_backward(ScheduleKind kind) { return kind == ScheduleKind::kZb1p || kind == ScheduleKind::kZbv; }
+
+StagePlacement placement_of(ScheduleKind kind) {
+  return kind == ScheduleKind::kZbv ? StagePlacement::kV : StagePlacement::kLoop;
+}
+
+int chunks_per_device(ScheduleKind kind, int virtual_stages) {
+  return kind == ScheduleKind::kZbv ? 2 : virtual_stages;
 }
 
 void check_schedule_kind(ScheduleKind kind, int virtual_stages) {
   if (virtual_stages < 1) {
     throw std::invalid_argument("--virtual_stages must be >= 1, got " + std::to_string(virtual_stages));
   }
+  if (kind == ScheduleKind::kZbv) {
+    if (virtual_stages > 2) {
+      throw std::invalid_argument("--virtual_stages " + std::to_string(virtual_stages) +
+                                  " does not fit --pipeline_schedule zbv, which runs two chunks per device in a V "
+                                  "(give 1 or 2)");
+    }
+    return;
+  }
   if (kind != ScheduleKind::kInterleaved && virtual_stages != 1) {
     throw std::invalid_argument("--virtual_stages " + std::to_string(virtual_stages) +
                                 " needs --pipeline_schedule interleaved (got " + to_string(kind) +
-                                "); gpipe and 1f1b run one stage per device");
+                                "); gpipe, 1f1b and zb1p run one stage per device");
   }
 }
 

@@ -393,10 +393,10 @@ TEST(Balance, StageHalvesChecksTheScheduleFlagsThenTheBalance) {
             (std::vector<int>{2, 2, 2, 2}));
   EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 0, {}, {}}, 4, 2, from); }), "--n_chunk must be >= 1, got 0");
   EXPECT_EQ(error_of([&] { parse_schedule_kind("zigzag"); }),
-            "--pipeline_schedule must be gpipe, 1f1b or interleaved, got 'zigzag'");
+            "--pipeline_schedule must be gpipe, 1f1b, interleaved, zb1p or zbv, got 'zigzag'");
   EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 0, 4, {}, {}}, 4, 2, from); }), "--virtual_stages must be >= 1, got 0");
   EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 2, 4, {}, {}}, 4, 2, from); }),
-            "--virtual_stages 2 needs --pipeline_schedule interleaved (got 1f1b); gpipe and 1f1b run one stage per "
+            "--virtual_stages 2 needs --pipeline_schedule interleaved (got 1f1b); gpipe, 1f1b and zb1p run one stage per "
             "device");
   EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kInterleaved, 1, 3, {}, {}}, 4, 2, from); }),
             "--pipeline_schedule interleaved needs --n_chunk to be a multiple of the 2 devices (Megatron's rule), got 3");

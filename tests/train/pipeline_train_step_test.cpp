@@ -300,7 +300,7 @@ TEST(PipelineTrainStep, BalancePlacesTheBlocksAndBadOptionsNameTheFlag) {
         try {
           pipeline::parse_schedule_kind("zigzag");
         } catch (const std::invalid_argument& e) {
-          EXPECT_EQ(std::string(e.what()), "--pipeline_schedule must be gpipe, 1f1b or interleaved, got 'zigzag'");
+          EXPECT_EQ(std::string(e.what()), "--pipeline_schedule must be gpipe, 1f1b, interleaved, zb1p or zbv, got 'zigzag'");
           throw;
         }
       },
