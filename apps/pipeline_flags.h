@@ -12,8 +12,8 @@ namespace harness::apps {
 inline void add_pipeline_options(cxxopts::Options& options, const std::string& when) {
   options.add_options()
       ("n_chunk", "micro-batches per batch, " + when, cxxopts::value<int64_t>()->default_value("4"), "M")
-      ("pipeline_schedule", "gpipe | 1f1b | interleaved, " + when, cxxopts::value<std::string>()->default_value("1f1b"), "NAME")
-      ("virtual_stages", "stages per device under --pipeline_schedule interleaved", cxxopts::value<int>()->default_value("1"), "V")
+      ("pipeline_schedule", "gpipe | 1f1b | interleaved | zb1p | zbv, " + when, cxxopts::value<std::string>()->default_value("1f1b"), "NAME")
+      ("virtual_stages", "stages per device under --pipeline_schedule interleaved (zbv: 2)", cxxopts::value<int>()->default_value("1"), "V")
       ("activation_checkpointing", "always | except_last | never: recompute forwards in backward", cxxopts::value<std::string>()->default_value("never"), "MODE")
       ("balance", "blocks per stage: auto (timed) or N,N,... (default: ceil(n_layer / stages) each)", cxxopts::value<std::string>()->default_value(""), "LIST");
 }

@@ -116,7 +116,7 @@ std::vector<int> Layout::pipeline_group(int rank) const {
 std::vector<int> Layout::embedding_group(int rank) const {
   if (!is_first_stage(rank) && !is_last_stage(rank)) return {};
   const std::vector<int> stages = pipeline_group(rank);
-  if (stages.size() == 1) return stages;
+  if (stages.size() == 1 || loss_on_first_stage_) return {stages.front()};
   return {stages.front(), stages.back()};
 }
 
@@ -161,7 +161,7 @@ std::vector<std::vector<int>> Layout::embedding_groups() const {
 
 bool Layout::reports(int rank) const {
   const Coordinates c = coordinates_of(rank);
-  return c.pipeline == pipeline_ - 1 && c.context == 0 && c.tensor == 0;
+  return c.pipeline == loss_stage_rank() && c.context == 0 && c.tensor == 0;
 }
 
 std::string Layout::sizes_text() const {

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "harness/model/dropout.h"
+#include "harness/model/weight_grad_store.h"
 #include "harness/pipeline/activation_meter.h"
 #include "harness/pipeline/worker.h"
 
@@ -230,7 +231,7 @@ DeviceStepResult run_steps(const P2PPlan& plan, int d, const Device& device, con
   std::map<std::tuple<int, int, int>, at::Tensor> local, outbox;
   auto key = [](const P2PMessage& m) { return std::make_tuple(static_cast<int>(m.kind), m.micro_batch, m.from_stage); };
   auto hand_over = [&](const P2PMessage& m, int to_stage, at::Tensor t) {
-    (device_of_stage(to_stage, D) == d ? local : outbox)[key(m)] = std::move(t);
+    (schedule.device_of(to_stage) == d ? local : outbox)[key(m)] = std::move(t);
   };
   auto receive = [&](const P2PMessage& m) {
     auto it = local.find(key(m));
@@ -240,8 +241,14 @@ DeviceStepResult run_steps(const P2PPlan& plan, int d, const Device& device, con
     return t;
   };
 
+  // With a split backward (zero-bubble schedules) each (micro-batch, stage) keeps the weight-gradient
+  // products its B deferred until its W runs them; its forward (and a recomputation) says where.
+  std::map<std::pair<int, int>, model::WeightGradStore> deferred;
+
   auto stage_forward = [&](int i, int s, const at::Tensor& input) {
     ActivationScope charged(d);  // counted only when the benchmarks installed the meter
+    std::optional<model::DeferWeightGradients> defer;
+    if (schedule.split_backward) defer.emplace(&deferred[{i, s}]);
     const uint64_t seed = stage_stream_seed(step_seed, i, s);
     if (device.is_cuda()) {
       return model::with_default_generator_seeded(torch_device, seed, [&] { return forward(i, s, input); });
@@ -273,11 +280,22 @@ DeviceStepResult run_steps(const P2PPlan& plan, int d, const Device& device, con
       }
       const Action& action = step.action;
       const int i = action.micro_batch, s = action.stage;
-      label = (action.kind == Action::Kind::kForward ? "forward" : "backward") + std::string(" of micro-batch ") +
-              std::to_string(i) + ", " + options.stage_word + " " + std::to_string(s);
+      static const char* const kWords[] = {"forward", "backward", "weight-gradient pass"};
+      label = kWords[static_cast<int>(action.kind)] + std::string(" of micro-batch ") + std::to_string(i) + ", " +
+              options.stage_word + " " + std::to_string(s);
       const Tracer::Args task = {{"micro_batch", static_cast<int64_t>(i)},
                                  {options.stage_word, static_cast<int64_t>(s)}};
       const size_t position = k++;
+      if (action.kind == Action::Kind::kWeight) {
+        auto it = deferred.find({i, s});
+        TORCH_CHECK(it != deferred.end(), "its forward has not run on this device");
+        {
+          TraceScope scope(tracer, "weight", track, task);
+          it->second.flush();
+        }
+        deferred.erase(it);
+        continue;
+      }
       if (action.kind == Action::Kind::kForward) {
         at::Tensor input;
         if (s > 0 || ends != nullptr) {
@@ -319,7 +337,9 @@ DeviceStepResult run_steps(const P2PPlan& plan, int d, const Device& device, con
           if (!h.checkpointed) h.output = output;
           held[{i, s}] = std::move(h);
         }
-        result.peak_in_flight = std::max(result.peak_in_flight, static_cast<int>(held.size()));
+        // Split, a pair stays in flight from its forward to its W (its layers' inputs wait for it).
+        result.peak_in_flight = std::max(
+            result.peak_in_flight, static_cast<int>(schedule.split_backward ? deferred.size() : held.size()));
         sample_held();
       } else {
         TORCH_CHECK(!keep_graph, "a backward action with the graph kept whole (the autograd engine runs it)");

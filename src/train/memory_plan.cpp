@@ -130,10 +130,19 @@ int64_t peak_activation_bytes(const pipeline::TrainingSchedule& schedule, const 
       kept[key] = {bytes, ck};
       held += bytes;
       peak = std::max(peak, held);
-    } else {
-      const auto& [bytes, ck] = kept.at(key);
-      if (ck) peak = std::max(peak, held + full[static_cast<size_t>(a.stage)]);
+    } else if (a.kind == pipeline::Action::Kind::kBackward) {
+      auto& [bytes, ck] = kept.at(key);
+      const int64_t whole = full[static_cast<size_t>(a.stage)];
+      if (ck) peak = std::max(peak, held + whole);
+      if (schedule.split_backward) {  // until the W, the layers' inputs stay: counted whole
+        held += whole - bytes;
+        bytes = whole;
+        continue;
+      }
       held -= bytes;
+      kept.erase(key);
+    } else {  // a W pass lets the rest go
+      held -= kept.at(key).first;
       kept.erase(key);
     }
   }

@@ -25,6 +25,8 @@ pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, i
                                           : pipeline::gpipe_schedule(micro_batches, devices, virtual_stages);
     case pipeline::ScheduleKind::kGpipe: return pipeline::gpipe_schedule(micro_batches, devices);
     case pipeline::ScheduleKind::kOneFOneB: return pipeline::one_f_one_b_schedule(micro_batches, devices);
+    case pipeline::ScheduleKind::kZb1p: return pipeline::zb1p_schedule(micro_batches, devices);
+    case pipeline::ScheduleKind::kZbv: return pipeline::zbv_schedule(micro_batches, devices);
   }
   throw std::invalid_argument("make_training_schedule: unknown schedule kind");
 }
@@ -32,7 +34,7 @@ pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, i
 PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, int devices) {
   PipelineStepOptions options;
   options.schedule = flags.schedule;
-  options.virtual_stages = flags.virtual_stages;
+  options.virtual_stages = pipeline::chunks_per_device(flags.schedule, flags.virtual_stages);
   options.micro_batches = static_cast<int>(flags.n_chunk);
   options.checkpointing = flags.activation_checkpointing;
   pipeline::check_schedule_flags(flags.schedule, options.micro_batches, devices, flags.virtual_stages);
@@ -76,7 +78,8 @@ PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, P
   std::vector<Device> attention_devices(static_cast<size_t>(n_layer)), mlp_devices(static_cast<size_t>(n_layer));
   for (int s = 0; s < S; ++s) {
     for (int64_t unit = first_unit_of_stage_[s]; unit < first_unit_of_stage_[s + 1]; ++unit) {
-      (unit % 2 == 0 ? attention_devices : mlp_devices)[static_cast<size_t>(unit / 2)] = options_.devices[s % D];
+      (unit % 2 == 0 ? attention_devices : mlp_devices)[static_cast<size_t>(unit / 2)] =
+          options_.devices[device_of_stage(s)];
     }
   }
   model_->place(attention_devices, mlp_devices);
@@ -100,13 +103,13 @@ PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, P
     throw std::invalid_argument("PipelineForwardBackward: stages as processes need a pipeline group of 2 or more, got " +
                                 std::to_string(P));
   }
+  cut_into_stages(P);
   const int p = processes_->pipeline.rank;
-  if ((p == 0 || p == P - 1) != processes_->embedding.has_value()) {
+  if ((p == device_of_stage(0) || p == device_of_stage(stages() - 1)) != processes_->embedding.has_value()) {
     throw std::invalid_argument("PipelineForwardBackward: pipeline rank " + std::to_string(p) + " of " +
                                 std::to_string(P) + (processes_->embedding ? " has" : " lacks") +
                                 " an embedding group");
   }
-  cut_into_stages(P);
   std::optional<pipeline::P2PDebugRecord> debug;
   if (processes_->debug_sync) debug = pipeline::P2PDebugRecord{processes_->pipeline.store};
   // Activations and their gradients alike: a micro-batch's hidden states [rows, T, C], fp32 (the
@@ -135,22 +138,26 @@ int PipelineForwardBackward::schedule_devices() const {
   return processes_ ? processes_->pipeline.world_size : static_cast<int>(options_.devices.size());
 }
 
+int PipelineForwardBackward::device_of_stage(int s) const {
+  return pipeline::device_of_stage(s, schedule_devices(), pipeline::placement_of(options_.schedule));
+}
+
 c10::Device PipelineForwardBackward::loss_device() const {
   if (processes_) return options_.devices.front().torch_device();
-  return options_.devices[(stages() - 1) % schedule_devices()].torch_device();
+  return options_.devices[device_of_stage(stages() - 1)].torch_device();
 }
 
 int PipelineForwardBackward::owner_of(const std::string& name) const {
-  return pipeline::gpt2_stage_of_parameter(name, first_unit_of_stage_) % schedule_devices();
+  return device_of_stage(pipeline::gpt2_stage_of_parameter(name, first_unit_of_stage_));
 }
 
 std::vector<std::string> PipelineForwardBackward::held_parameters() const {
   std::vector<std::string> names;
-  const int D = schedule_devices();
   for (const auto& item : model_->named_parameters()) {
     bool held = !processes_;
-    for (int s = processes_ ? processes_->pipeline.rank : 0; s < stages() && !held; s += D) {
-      held = pipeline::stage_holds_gpt2_parameter(s, item.key(), first_unit_of_stage_);
+    for (int s = 0; s < stages() && !held; ++s) {
+      held = device_of_stage(s) == processes_->pipeline.rank &&
+             pipeline::stage_holds_gpt2_parameter(s, item.key(), first_unit_of_stage_);
     }
     if (held) names.push_back(item.key());
   }
@@ -180,7 +187,6 @@ int64_t PipelineForwardBackward::gradient_accumulations(const data::Batch& batch
 
 at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tensor& weight_sum_given, int64_t k,
                                         model::Precision precision) {
-  const int D = schedule_devices();
   const int S = stages();
   const c10::Device last_device = loss_device();
   const at::Tensor weight_sum =
@@ -205,7 +211,7 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
   const pipeline::StageForward forward = [&](int i, int s, const at::Tensor& input) {
     // On the stage's worker thread (autocast state is per thread), recomputation included.
     const c10::Device where = processes_ ? options_.devices.front().torch_device()
-                                         : options_.devices[s % D].torch_device();
+                                         : options_.devices[device_of_stage(s)].torch_device();
     model::AutocastScope autocast(precision, where.type());
     // GPT-2's own pieces: the embedding on the first stage, the stage's run of block halves, the
     // final norm, tied head and loss on the last.
@@ -282,10 +288,9 @@ void PipelineForwardBackward::finish_gradients() {
 }
 
 at::Tensor PipelineForwardBackward::from_last_stage(at::Tensor value) {
-  const int P = processes_->pipeline.world_size;
   std::vector<at::Tensor> tensors{value.reshape({1}).to(options_.devices.front().torch_device()).contiguous()};
   c10d::BroadcastOptions options;
-  options.rootRank = P - 1;
+  options.rootRank = device_of_stage(stages() - 1);
   processes_->pipeline.group->broadcast(tensors, options)->wait();
   return tensors.front().to(torch::kCPU);
 }
@@ -293,35 +298,36 @@ at::Tensor PipelineForwardBackward::from_last_stage(at::Tensor value) {
 double PipelineForwardBackward::step_loss(const at::Tensor& local) {
   if (!processes_) return local.item<double>();
   // The last stage computed it; every stage returns it (one float over the pipeline group).
-  const bool last = processes_->pipeline.rank == processes_->pipeline.world_size - 1;
+  const bool last = processes_->pipeline.rank == device_of_stage(stages() - 1);
   return from_last_stage(last ? local.to(torch::kFloat64) : torch::zeros({1}, torch::kFloat64)).item<double>();
 }
 
 at::Tensor PipelineForwardBackward::forward_through_stages(const at::Tensor& ids, model::KVCache* cache) {
   model::GPT2LMHeadModelImpl& gpt2 = *model_;
-  const int P = processes_->pipeline.world_size, p = processes_->pipeline.rank, S = stages();
+  const int p = processes_->pipeline.rank, S = stages();
   using Message = pipeline::P2PMessage;
   // The training transport carries the one "micro-batch" of ids' rows down the chain.
   rows_ = {ids.size(0)};
   tokens_ = ids.size(1);
   at::Tensor hidden;
-  for (int s = p; s < S; s += P) {
+  for (int s = 0; s < S; ++s) {
+    if (device_of_stage(s) != p) continue;
     if (s == 0) {
       const at::Tensor here = ids.to(options_.devices.front().torch_device());
       hidden = cache ? gpt2.embed_cached(here, *cache) : gpt2.embed(here);
-    } else {
+    } else if (device_of_stage(s - 1) != p) {  // else the previous stage ran here: hidden is its output
       const Message input{Message::Kind::kActivation, 0, s - 1};
-      transport_->exchange(p, {{pipeline::P2POp::Kind::kRecv, (s - 1) % P, input}}, {});
+      transport_->exchange(p, {{pipeline::P2POp::Kind::kRecv, device_of_stage(s - 1), input}}, {});
       hidden = transport_->take(p, input);
     }
     hidden = gpt2.forward_units(hidden, first_unit_of_stage_[s], first_unit_of_stage_[s + 1], cache);
-    if (s < S - 1) {
-      transport_->exchange(p, {{pipeline::P2POp::Kind::kSend, (s + 1) % P, {Message::Kind::kActivation, 0, s}}},
+    if (s < S - 1 && device_of_stage(s + 1) != p) {
+      transport_->exchange(p, {{pipeline::P2POp::Kind::kSend, device_of_stage(s + 1), {Message::Kind::kActivation, 0, s}}},
                            [&](const Message&) { return hidden; });
     }
   }
   transport_->finish(p);
-  return p == (S - 1) % P ? hidden : at::Tensor();
+  return p == device_of_stage(S - 1) ? hidden : at::Tensor();
 }
 
 std::optional<double> PipelineForwardBackward::validation_loss(data::BatchLoader& loader) {

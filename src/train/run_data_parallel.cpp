@@ -85,6 +85,7 @@ parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   sizes.pipeline = flags.pipeline_parallel_size;
   sizes.zero_stage = flags.zero_stage;
   sizes.sequence_parallel = flags.sequence_parallel;
+  sizes.loss_on_first_stage = pipeline::placement_of(flags.pipe.schedule) == pipeline::StagePlacement::kV;
   return parallel::Layout::create(world_size, sizes);
 }
 
@@ -366,7 +367,8 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
   if (parts.stages) {
     std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
               << " pipeline_schedule=" << pipeline::to_string(flags.pipe.schedule) << " n_chunk=" << flags.pipe.n_chunk
-              << " virtual_stages=" << flags.pipe.virtual_stages << " stages=" << parts.stages->stages()
+              << " virtual_stages=" << pipeline::chunks_per_device(flags.pipe.schedule, flags.pipe.virtual_stages)
+              << " stages=" << parts.stages->stages()
               << " balance=" << parts.stages->balance_text()
               << pipeline::balance_origin(flags.pipe.balance, /*pipelined=*/true)
               << " activation_checkpointing=" << pipeline::to_string(flags.pipe.activation_checkpointing);

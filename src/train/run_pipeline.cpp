@@ -178,7 +178,8 @@ void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& a
   if (stages) {
     std::cerr << "run_pipeline: schedule=" << (pipelined ? pipeline::to_string(pipe.schedule) : "gpipe")
               << " micro_batches=" << (pipelined ? pipe.n_chunk : 1)
-              << " virtual_stages=" << (pipelined ? pipe.virtual_stages : 1) << " stages=" << stages->stages()
+              << " virtual_stages=" << (pipelined ? pipeline::chunks_per_device(pipe.schedule, pipe.virtual_stages) : 1)
+              << " stages=" << stages->stages()
               << " balance=" << stages->balance_text()
               << pipeline::balance_origin(pipe.balance, pipelined)
               << " activation_checkpointing=" << pipeline::to_string(pipe.activation_checkpointing) << std::endl;

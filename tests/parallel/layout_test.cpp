@@ -69,6 +69,22 @@ TEST(Layout, OneByTwoByFour) {
   EXPECT_FALSE(l.is_last_stage(5));
 }
 
+TEST(Layout, AVOfStagesPutsTheLossOnTheFirstStage) {
+  // (D, T, P) = (2, 2, 2) under zbv: the stages go down the pipeline ranks and back up, so the
+  // head and the loss are on pipeline rank 0 with the embedding; wte is on no other rank.
+  LayoutSizes v = sizes(2, 2);
+  v.loss_on_first_stage = true;
+  const Layout l = Layout::create(8, v);
+  EXPECT_EQ(l.loss_stage_rank(), 0);
+  EXPECT_TRUE(l.is_last_stage(0));
+  EXPECT_FALSE(l.is_last_stage(4));
+  EXPECT_EQ(l.embedding_groups(), (Groups{{0}, {1}, {2}, {3}}));
+  EXPECT_TRUE(l.embedding_group(5).empty());
+  EXPECT_EQ(reporting(l), (std::vector<int>{0, 2}));  // pipeline rank 0, tensor rank 0: d = 0 and d = 1
+  // The groups themselves are the loop's.
+  EXPECT_EQ(l.pipeline_groups(), Layout::create(8, sizes(2, 2)).pipeline_groups());
+}
+
 TEST(Layout, FourByOneByTwo) {
   const Layout l = Layout::create(8, sizes(1, 2));
   EXPECT_EQ(l.data_parallel_size(), 4);

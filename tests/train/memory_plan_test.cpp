@@ -212,6 +212,11 @@ TEST(MemoryPlan, APipelineHoldsItsSchedulesMicroBatchesInFlight) {
       {pipeline::ScheduleKind::kGpipe, AC::kNever, 4 * 349440, 4 * 1025280},  // all M
       // the stage inputs (ids: 8 bytes, hidden states: 4C) of all M, then one stage recomputed
       {pipeline::ScheduleKind::kGpipe, AC::kAlways, 4 * 640 + 349440, 4 * 20480 + 1025280},
+      // ZB-H1: held until the W; device 1 lets one W wait, so it holds two like device 0
+      {pipeline::ScheduleKind::kZb1p, AC::kNever, 2 * 349440, 2 * 1025280},
+      // checkpointed: a recomputed stage stays whole until its W (device 1: F1's input arrives
+      // while B0's stage waits for W0, and B1 recomputes beside both)
+      {pipeline::ScheduleKind::kZb1p, AC::kAlways, 2 * 640 + 349440, 20480 + 2 * 1025280},
   };
   for (const Row& row : table) {
     in.schedule = row.schedule;

@@ -50,6 +50,9 @@ struct LayoutSizes {
   int pipeline = 1;  // --pipeline_parallel_size
   int zero_stage = 0;  // --zero_stage
   bool sequence_parallel = false;  // --sequence_parallel: T > 1 splits the sequence between its layers too
+  // --pipeline_schedule zbv: the stages go down the pipeline ranks and back up (a V), so the
+  // model's last stage, with the head and the loss, is on pipeline rank 0 beside the embedding.
+  bool loss_on_first_stage = false;
 };
 
 class Layout {
@@ -84,8 +87,8 @@ class Layout {
   std::vector<int> tensor_parallel_group(int rank) const;   // same (p, d, c)
   std::vector<int> pipeline_group(int rank) const;          // same (d, c, t)
   std::vector<int> gradient_group(int rank) const;          // same (p, t): data x context
-  // The first and last stage of `rank`'s pipeline group (one rank when P = 1); empty for a rank
-  // of a middle stage, which holds neither wte nor the head.
+  // The first and last stage of `rank`'s pipeline group (one rank when P = 1, or when the loss is
+  // on the first stage); empty for a rank of a middle stage, which holds neither wte nor the head.
   std::vector<int> embedding_group(int rank) const;
 
   // Every group of a kind, in a fixed order (by the lowest rank in each): the literal tables.
@@ -97,7 +100,10 @@ class Layout {
   std::vector<std::vector<int>> embedding_groups() const;
 
   bool is_first_stage(int rank) const { return coordinates_of(rank).pipeline == 0; }
-  bool is_last_stage(int rank) const { return coordinates_of(rank).pipeline == pipeline_ - 1; }
+  // Whether `rank` runs the model's last stage (the head and the loss): pipeline rank P - 1, or 0
+  // with loss_on_first_stage.
+  bool is_last_stage(int rank) const { return coordinates_of(rank).pipeline == loss_stage_rank(); }
+  int loss_stage_rank() const { return loss_on_first_stage_ ? 0 : pipeline_ - 1; }
   // Whether `rank` prints its replica's per-epoch lines (the last stage's context rank 0 and
   // tensor rank 0, one per data-parallel rank, which stands for the replica as `Rank {d}`).
   bool reports(int rank) const;
@@ -112,7 +118,8 @@ class Layout {
  private:
   Layout(int data, const LayoutSizes& sizes)
       : data_(data), context_(sizes.context), tensor_(sizes.tensor), pipeline_(sizes.pipeline),
-        zero_stage_(sizes.zero_stage), sequence_parallel_(sizes.sequence_parallel) {}
+        zero_stage_(sizes.zero_stage), sequence_parallel_(sizes.sequence_parallel),
+        loss_on_first_stage_(sizes.loss_on_first_stage) {}
   void check_rank(int rank) const;
   // The ranks that share every coordinate of `rank` but `axis`, by that coordinate.
   std::vector<int> group_along(int rank, int Coordinates::*axis, int size) const;
@@ -123,6 +130,7 @@ class Layout {
   int pipeline_ = 1;
   int zero_stage_ = 0;
   bool sequence_parallel_ = false;
+  bool loss_on_first_stage_ = false;
 };
 
 }  // namespace harness::parallel

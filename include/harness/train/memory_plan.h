@@ -44,7 +44,8 @@
 // its rows (--batch_size / D). In a pipeline each device's schedule is walked in its own order:
 // a forward adds its stage's activations for that micro-batch (only the stage's input, 4C a token,
 // when the forward is checkpointed), its backward frees them, and a checkpointed backward
-// recomputes the whole stage while it runs; the peak of that walk is the estimate. Transient
+// recomputes the whole stage while it runs; under a zero-bubble schedule the activations stay,
+// counted whole, from the B until the W. The peak of that walk is the estimate. Transient
 // buffers of the backward, the allocator's slack and the framework's own memory are not counted.
 #pragma once
 

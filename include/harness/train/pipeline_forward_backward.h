@@ -137,6 +137,9 @@ class PipelineForwardBackward final : public ForwardBackward {
   const std::vector<int64_t>& first_unit_of_stage() const { return first_unit_of_stage_; }
   // Schedule devices (D, or P with processes), and this process's (0 in-process, where it runs all).
   int schedule_devices() const;
+  // The schedule device that runs stage s: s % D, or the V of zbv (stages s and 2D - 1 - s on
+  // device s), where the first device holds the last stage too.
+  int device_of_stage(int s) const;
   // The Hugging Face names of the parameters this process's stages use (every one in-process).
   std::vector<std::string> held_parameters() const;
   // Which schedule device's stage owns `name` (wte: the first stage's).
