@@ -468,17 +468,18 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   model->to(device.torch_device());
   broadcast_parameters(groups.gradient, *model);
 
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  const std::string track = "rank " + std::to_string(rank);
   StepComposition composition;
   composition.optimizer = f.optimizer_settings();
   composition.data_parallel = data_parallel_settings(flags);
   composition.debug_sync = flags.debug_sync;
   if (layout.pipeline_parallel_size() > 1) {
     composition.stages = agreed_stage_options(flags, layout, in, model, device, rank, world);
+    composition.stages->tracer = tracer.get();  // each stage action a slice on the rank's trace
   }
   StepParts parts = compose_step(model, layout, groups, composition);
   if (flags.zero_stage >= 1 && rank == 0) print_zero_state(flags, layout.gradient_group_size(), model, *parts.optimizer);
-  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  const std::string track = "rank " + std::to_string(rank);
   TrainStepSettings settings;
   settings.precision = f.precision;
   settings.tracer = tracer.get();
