@@ -44,6 +44,12 @@ std::vector<MicroBatch> micro_batches(const GPT2Config& config, int count) {
   return batches;
 }
 
+// The loss of `batch` with the linear layers' weight gradients deferred into `store` (B's graph).
+torch::Tensor deferred_loss(GPT2LMHeadModel& model, const MicroBatch& batch, WeightGradStore& store) {
+  DeferWeightGradients defer(&store);
+  return model->loss(batch.ids, batch.labels, batch.weights);
+}
+
 // Every parameter's gradient (undefined where it has none), copied, then cleared.
 std::map<std::string, torch::Tensor> take_gradients(torch::nn::Module& module) {
   std::map<std::string, torch::Tensor> grads;
@@ -133,12 +139,7 @@ TEST(SplitBackward, TheWholeModelsLossMatchesTheJointBackward) {
     const auto want = take_gradients(*model);
 
     WeightGradStore store;
-    torch::Tensor loss;
-    {
-      DeferWeightGradients defer(&store);
-      loss = model->loss(batch.ids, batch.labels, batch.weights);
-    }
-    loss.backward();
+    deferred_loss(model, batch, store).backward();
     // Four Conv1Ds per block and the head.
     EXPECT_EQ(store.size(), 4u * model->config().n_layer + 1);
     // After B, only the Conv1Ds' weights (c_attn, c_fc, c_proj) are without a gradient; wte has
@@ -252,12 +253,7 @@ TEST(SplitBackward, Bf16AutocastMatchesTheJointBackward) {
   WeightGradStore store;
   {
     AutocastScope autocast(Precision::kBf16, torch::kCPU);
-    torch::Tensor loss;
-    {
-      DeferWeightGradients defer(&store);
-      loss = model->loss(batch.ids, batch.labels, batch.weights);
-    }
-    loss.backward();
+    deferred_loss(model, batch, store).backward();
   }
   EXPECT_EQ(store.size(), 4u * model->config().n_layer + 1);
   store.flush();
@@ -275,11 +271,7 @@ TEST(SplitBackward, TheBackwardMayRunOnAnotherThread) {
   const auto want = take_gradients(*model);
 
   WeightGradStore store;
-  torch::Tensor loss;
-  {
-    DeferWeightGradients defer(&store);
-    loss = model->loss(batch.ids, batch.labels, batch.weights);
-  }
+  const torch::Tensor loss = deferred_loss(model, batch, store);
   std::thread backward([&] { loss.backward(); });
   backward.join();
   EXPECT_EQ(store.size(), 4u * model->config().n_layer + 1);
