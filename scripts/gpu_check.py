@@ -10,7 +10,8 @@ scripts/gpu_bundle.sh made (.gpu_bundle/), within --budget seconds (default 450)
      prebuilt programs that build comes first;
   3. runs the CUDA tier (tests/cuda: cuda_tests, resumed past a case that hangs);
   4. runs run_pipeline on gpt2 (124M) in every mode (one device with evaluation, model parallel,
-     pipeline parallel with GPipe, 1F1B with activation checkpointing, interleaved 1F1B) and
+     pipeline parallel with GPipe, 1F1B with activation checkpointing, interleaved 1F1B, and the
+     zero-bubble zb1p and zbv) and
      run_data_parallel --world_size 1 --backend nccl --device cuda for a few batches (and 2 ranks
      with 2 GPUs), and the --pytest gradient files of a GPU run, checked against a CPU run;
   5. runs the single-GPU throughput benchmark (scripts/run_benchmarks.py --gpu-single);
@@ -598,6 +599,13 @@ class Check:
         pipeline("run_pipeline pipeline_parallel interleaved",
                  ["--model_parallel_mode", "pipeline_parallel", "--n_chunk", "4", "--pipeline_schedule", "interleaved",
                   "--virtual_stages", "2"], lanes="cpu:0")
+        # The split backward: the linear layers' hooks put into a store from autograd's device
+        # threads, and each W accumulates through autograd's accumulator.
+        pipeline("run_pipeline pipeline_parallel zb1p",
+                 ["--model_parallel_mode", "pipeline_parallel", "--n_chunk", "4", "--pipeline_schedule", "zb1p"])
+        pipeline("run_pipeline pipeline_parallel zbv",
+                 ["--model_parallel_mode", "pipeline_parallel", "--n_chunk", "4", "--pipeline_schedule", "zbv"],
+                 lanes="cpu:0")
 
         def data_parallel(name, world, extra_gpu, extra_cpu, needs):
             common = data + ["--world_size", str(world), "--batch_size", str(32 * world), "--benchmark_only"]

@@ -127,7 +127,8 @@ class GpuCheckOnACpu(unittest.TestCase):
         # Every GPU step is skipped for want of a GPU, its CPU stand-in (--smoke) passed.
         for name in ("run_pipeline single device (with evaluation)", "run_pipeline model_parallel",
                      "run_pipeline pipeline_parallel gpipe", "run_pipeline pipeline_parallel 1f1b except_last",
-                     "run_pipeline pipeline_parallel interleaved", "run_data_parallel --world_size 1 --backend nccl",
+                     "run_pipeline pipeline_parallel interleaved", "run_pipeline pipeline_parallel zb1p",
+                     "run_pipeline pipeline_parallel zbv", "run_data_parallel --world_size 1 --backend nccl",
                      "run_data_parallel --world_size 2 --backend nccl", "run_data_parallel --zero_stage 2 --backend nccl",
                      "run_data_parallel --zero_stage 3 --backend nccl", "pytest gradients on cuda",
                      "pytest gradients: cuda equals cpu", "gpu_single throughput"):
