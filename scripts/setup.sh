@@ -68,7 +68,17 @@ else
   log "installing Python packages into .venv: ${PY_PACKAGES[*]} (torch is about 4.7 GB; a few minutes)"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null ||
     die "pip could not reach PyPI to upgrade itself"
-  "$VENV/bin/python" -m pip install -q "${PY_PACKAGES[@]}" ||
+  # A download cut short (a wheel of several hundred MB over a flaky link) is tried again from the
+  # start, up to three times, before giving up.
+  installed=0
+  for attempt in 1 2 3; do
+    if "$VENV/bin/python" -m pip install -q "${PY_PACKAGES[@]}"; then
+      installed=1
+      break
+    fi
+    log "pip install failed (attempt $attempt of 3)"
+  done
+  ((installed)) ||
     die "pip install failed: PyPI cannot be reached or a pinned version is not served (${PY_PACKAGES[*]})"
   printf '%s' "$WANT" >"$STAMP"
   log "Python environment .venv: ready"
