@@ -14,7 +14,7 @@ run_data_parallel --world_size 2 --pipeline_parallel_size 2 (2 processes x 1 thr
 Each ratio is the median over rounds of that round's ratio. Beside them, the paper's bubbles with
 F, B and W one unit each (pipeline_schedule's clock).
 
-Writes WORKDIR/zero_bubble/*.log, OUT_DIR/zero_bubble.json and OUT_DIR/zero_bubble.png. On CPUs a
+Writes WORKDIR/zero_bubble/*.log (each run's folder is removed once measured), OUT_DIR/zero_bubble.json and OUT_DIR/zero_bubble.png. On CPUs a
 "device" is one core of a shared 2-core machine.
 """
 import argparse
@@ -70,6 +70,7 @@ def run_schedule(args, model, n_chunk, schedule, tag):
     if run.returncode != 0:
         raise BenchmarkError(f"{slug} exited {run.returncode} ({error_line(run.stderr)}); see {log}")
     bubbles = [idle_share(os.path.join(work, f"trace.rank{r}.json")) for r in (0, 1)]
+    shutil.rmtree(work, ignore_errors=True)  # the model each run saves (GPT-2 124M: 2 GB); the log stays
     return {"tokens_per_sec": statistics.median(tokens_per_sec(run.stdout, args.warmup_epochs, log)),
             "bubble": statistics.mean(bubbles), "bubble_per_rank": bubbles,
             "peak_rss_bytes_per_rank": [run.peaks.get(r, 0) for r in sorted(run.peaks)]}
