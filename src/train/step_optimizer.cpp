@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <functional>
 #include <map>
 #include <optional>
@@ -266,6 +267,14 @@ void LayoutAdamW::step() {
     squares = total[0].to(torch::kCPU).item<double>();
   }
   last_grad_norm_ = std::sqrt(squares);
+  // A gradient with a NaN or an infinity anywhere would carry it into every weight through AdamW's
+  // moments. Every rank has the same norm here, so every rank skips the step alike (as PyTorch's
+  // GradScaler skips one): weights, moments and step counts stay as they were.
+  if (!std::isfinite(last_grad_norm_)) {
+    std::cerr << "optimizer: the global gradient norm is " << last_grad_norm_
+              << "; this step is skipped (weights and AdamW state unchanged)" << std::endl;
+    return;
+  }
   const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
   if (coefficient < 1.0) state_->scale_gradients(coefficient);
   state_->step();

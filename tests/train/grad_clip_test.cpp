@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -119,6 +122,55 @@ TEST(GradClip, InProcessPipelineOverTwoDevicesEqualsOneDevice) {
   EXPECT_NEAR(piped.last_grad_norm(), reference.norm, 1e-6 * reference.norm);
   for (const auto& [name, grad] : reference.clipped) {
     EXPECT_LT(relative(g.after.at(name), grad), 1e-5) << name;
+  }
+}
+
+// A step whose gradient holds a NaN (or an infinity) is skipped: its norm says so, and the run goes
+// on bit for bit as if that batch had not been trained on (weights and AdamW's moments and step
+// counts untouched), on one device and through the in-process pipeline, clipping on or off.
+TEST(GradClip, ANonFiniteGradientSkipsTheStepAndLeavesTheStateUntouched) {
+  const model::GPT2Config config = tiny_config(4, 0.0);
+  const data::Batch poisoned = make_batch(config, 4);
+  torch::manual_seed(23);
+  data::Batch next = make_batch(config, 4);
+  next.input_ids = torch::randint(config.vocab_size, {4, 16}, torch::kLong);
+  PipelineStepOptions options;
+  options.devices = {Device::cpu(0), Device::cpu(1)};
+  options.micro_batches = 2;
+  options.threads_per_device = 1;
+  for (const double max_norm : {0.0, 0.05}) {
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      for (const bool piped : {false, true}) {
+        const std::string label = std::string(piped ? "pipeline" : "one device") + ", max_grad_norm " +
+                                  std::to_string(max_norm) + ", " + std::to_string(bad);
+        auto make = [&]() -> std::unique_ptr<TrainStep> {
+          if (piped) return std::make_unique<PipelineTrainStep>(make_model(config), clipping(max_norm), options);
+          return std::make_unique<GPT2TrainStep>(make_model(config), clipping(max_norm));
+        };
+        std::unique_ptr<TrainStep> clean = make();
+        clean->set_training(true);
+        clean->step(next);
+        std::unique_ptr<TrainStep> skipped = make();
+        skipped->after_backward = [&] {
+          torch::NoGradGuard no_grad;
+          for (const auto& p : skipped->model()->named_parameters()) {
+            if (p.key() == "transformer.h.1.mlp.c_fc.weight") p.value().grad().view(-1)[7] = bad;
+          }
+        };
+        skipped->set_training(true);
+        skipped->step(poisoned);
+        EXPECT_FALSE(std::isfinite(skipped->last_grad_norm())) << label;
+        for (const auto& [name, weight] : testing::weights_of(*skipped)) {
+          EXPECT_TRUE(torch::equal(weight, testing::weights_of(*make()).at(name))) << label << ": " << name;
+        }
+        skipped->after_backward = nullptr;
+        skipped->step(next);
+        const auto expected = testing::weights_of(*clean);
+        for (const auto& [name, weight] : testing::weights_of(*skipped)) {
+          EXPECT_TRUE(torch::equal(weight, expected.at(name))) << label << ": " << name;
+        }
+      }
+    }
   }
 }
 
