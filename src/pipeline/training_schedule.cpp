@@ -90,6 +90,15 @@ std::vector<Action> dependencies(const Action& action, int stages) {
   return needs;
 }
 
+// The first action `action` waits for that has not finished by `tick` (finished_at: the first
+// tick after each action ran, -1 before it runs), or nullopt when it may start.
+std::optional<Action> unfinished_dependency(const Action& action, int stages, ActionMap& finished_at, int tick) {
+  for (const Action& need : dependencies(action, stages)) {
+    if (finished_at[need] == -1 || finished_at[need] > tick) return need;
+  }
+  return std::nullopt;
+}
+
 // Ranges, ownership and exactly-once.
 void check_actions(const TrainingSchedule& schedule) {
   const int stages = schedule.stages();
@@ -166,13 +175,7 @@ std::vector<std::vector<std::optional<Action>>> run_clock(const TrainingSchedule
       running[d].reset();
       if (next[d] < schedule.per_device[d].size()) {
         const Action& action = schedule.per_device[d][next[d]];
-        std::optional<Action> missing;
-        for (const Action& need : dependencies(action, stages)) {
-          if (finished_at[need] == -1 || finished_at[need] > tick) {
-            missing = need;
-            break;
-          }
-        }
+        const std::optional<Action> missing = unfinished_dependency(action, stages, finished_at, tick);
         if (!missing) {
           // An action lasts a tick at least, so nothing that depends on it starts in this tick.
           finished_at[action] = busy_until[d] = tick + ticks_of(action);
@@ -250,12 +253,14 @@ int device_of_stage(int stage, int devices, StagePlacement placement) {
   return device_of_stage(stage, devices);
 }
 
-int TrainingSchedule::device_of(int stage) const { return device_of_stage(stage, devices, placement); }
-
-int TrainingSchedule::chunk_of(int stage) const {
+int chunk_of_stage(int stage, int devices, StagePlacement placement) {
   if (placement == StagePlacement::kV) return stage < devices ? 0 : 1;
   return chunk_of_stage(stage, devices);
 }
+
+int TrainingSchedule::device_of(int stage) const { return device_of_stage(stage, devices, placement); }
+
+int TrainingSchedule::chunk_of(int stage) const { return chunk_of_stage(stage, devices, placement); }
 
 TrainingSchedule gpipe_schedule(int micro_batches, int devices) {
   return gpipe_schedule(micro_batches, devices, 1);
@@ -370,7 +375,7 @@ TrainingSchedule zbv_schedule(int micro_batches, int devices) {
   schedule.in_flight_bound = std::min(2 * devices, 2 * micro_batches);
   const int S = schedule.stages(), M = micro_batches;
   ActionMap finished_at(M, S, -1);
-  auto done = [&](const Action& a, int tick) { return finished_at[a] != -1 && finished_at[a] <= tick; };
+  auto ready = [&](const Action& a, int tick) { return !unfinished_dependency(a, S, finished_at, tick); };
   std::vector<int> next_forward(S, 0), next_backward(S, 0), held(devices, 0);
   std::vector<std::vector<Action>> waiting_w(devices);  // B done, W not yet, oldest first
   int remaining = 3 * M * S;
@@ -384,14 +389,12 @@ TrainingSchedule zbv_schedule(int micro_batches, int devices) {
       for (int s : {earlier, later}) {
         const int i = next_backward[s];
         if (pick || i >= M) continue;
-        if (done(Action::forward(i, s), tick) && (s == S - 1 || done(Action::backward(i, s + 1), tick))) {
-          pick = Action::backward(i, s);
-        }
+        if (ready(Action::backward(i, s), tick)) pick = Action::backward(i, s);
       }
       for (int s : {later, earlier}) {
         const int i = next_forward[s];
         if (pick || i >= M || held[d] >= schedule.in_flight_bound) continue;
-        if (s == 0 || done(Action::forward(i, s - 1), tick)) pick = Action::forward(i, s);
+        if (ready(Action::forward(i, s), tick)) pick = Action::forward(i, s);
       }
       if (!pick && !waiting_w[d].empty()) {
         pick = waiting_w[d].front();
@@ -488,13 +491,7 @@ Timeline simulate(const TrainingSchedule& schedule, const ActionTicks& ticks) {
 std::string action_label(const Action& action, int devices, int virtual_stages, StagePlacement placement) {
   static const char* const kLetters[] = {"F", "B", "W"};
   std::string label = kLetters[static_cast<int>(action.kind)] + std::to_string(action.micro_batch);
-  if (virtual_stages > 1) {
-    TrainingSchedule shape;
-    shape.devices = devices;
-    shape.virtual_stages = virtual_stages;
-    shape.placement = placement;
-    label += "." + std::to_string(shape.chunk_of(action.stage));
-  }
+  if (virtual_stages > 1) label += "." + std::to_string(chunk_of_stage(action.stage, devices, placement));
   return label;
 }
 

@@ -44,8 +44,10 @@ int chunk_of_stage(int stage, int devices);
 //          back up (ZB-V): device 0 holds the first and the last stage, device D - 1 the two in
 //          the middle, which hand over in memory.
 enum class StagePlacement { kLoop, kV };
-// The device of `stage` among `devices` under `placement`.
+// The device of `stage` among `devices` under `placement`, and the stage's index among that
+// device's chunks, in model order.
 int device_of_stage(int stage, int devices, StagePlacement placement);
+int chunk_of_stage(int stage, int devices, StagePlacement placement);
 
 // Every device's actions for one training step, in the order the device runs them. A device runs
 // its next action once the actions it depends on have finished anywhere in the pipeline:
