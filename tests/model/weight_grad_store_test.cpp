@@ -61,6 +61,12 @@ std::map<std::string, torch::Tensor> take_gradients(torch::nn::Module& module) {
   return grads;
 }
 
+// The gradients of the joint backward of `batch`'s loss (nothing deferred), taken off the model.
+std::map<std::string, torch::Tensor> joint_gradients(GPT2LMHeadModel& model, const MicroBatch& batch) {
+  model->loss(batch.ids, batch.labels, batch.weights).backward();
+  return take_gradients(*model);
+}
+
 // Names whose gradients differ between `want` and `got` (in definedness or in any bit), except
 // `except`.
 std::vector<std::string> differing(const std::map<std::string, torch::Tensor>& want,
@@ -135,8 +141,7 @@ TEST(SplitBackward, TheWholeModelsLossMatchesTheJointBackward) {
     SCOPED_TRACE(vocab);
     GPT2LMHeadModel model = tiny_model(vocab);
     const MicroBatch batch = micro_batches(model->config(), 1).front();
-    model->loss(batch.ids, batch.labels, batch.weights).backward();
-    const auto want = take_gradients(*model);
+    const auto want = joint_gradients(model, batch);
 
     WeightGradStore store;
     deferred_loss(model, batch, store).backward();
@@ -267,8 +272,7 @@ TEST(SplitBackward, Bf16AutocastMatchesTheJointBackward) {
 TEST(SplitBackward, TheBackwardMayRunOnAnotherThread) {
   GPT2LMHeadModel model = tiny_model(1017);
   const MicroBatch batch = micro_batches(model->config(), 1).front();
-  model->loss(batch.ids, batch.labels, batch.weights).backward();
-  const auto want = take_gradients(*model);
+  const auto want = joint_gradients(model, batch);
 
   WeightGradStore store;
   const torch::Tensor loss = deferred_loss(model, batch, store);
@@ -284,8 +288,7 @@ TEST(SplitBackward, TheBackwardMayRunOnAnotherThread) {
 TEST(SplitBackward, WithoutAStoreNothingIsDeferred) {
   GPT2LMHeadModel model = tiny_model(1024);
   const MicroBatch batch = micro_batches(model->config(), 1).front();
-  model->loss(batch.ids, batch.labels, batch.weights).backward();
-  const auto want = take_gradients(*model);
+  const auto want = joint_gradients(model, batch);
 
   WeightGradStore store;
   EXPECT_EQ(deferred_weight_gradients(), nullptr);
