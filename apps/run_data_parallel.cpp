@@ -57,7 +57,8 @@ DataParallelFlags parse(int argc, char** argv) {
       ("reshuffle_each_epoch", "a new seeded partition of the training set every epoch")
       ("save_every_rank", "ranks above 0 also write their replica to <workdir>/rank{r}/")
       ("max_restarts", "restart the group after a worker dies, up to N times", cxxopts::value<int>()->default_value("0"), "N")
-      ("debug_sync", "compare each collective's fingerprint across ranks before it runs");
+      ("debug_sync", "compare each collective's fingerprint across ranks before it runs")
+      ("synchronous_step", "zb1p/zbv stage processes: step after the global norm, no early step to undo");
   add_pipeline_options(options, "with --pipeline_parallel_size above 1");
   cxxopts::ParseResult result = parse_or_exit(options, what, argc, argv);
   DataParallelFlags flags;
@@ -82,6 +83,7 @@ DataParallelFlags parse(int argc, char** argv) {
     c.max_restarts = result["max_restarts"].as<int>();
     c.dist_timeout_s = result["dist_timeout_s"].as<int>();
     c.debug_sync = result.count("debug_sync") > 0;
+    c.synchronous_step = result.count("synchronous_step") > 0;
     const std::string reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
     if (reduce_dtype != "fp32" && reduce_dtype != "bf16") {
       throw std::invalid_argument("--grad_reduce_dtype '" + reduce_dtype + "': expected fp32 or bf16");

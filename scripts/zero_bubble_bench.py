@@ -52,7 +52,10 @@ def idle_share(trace_path):
     return 1.0 - busy / total
 
 
-def run_schedule(args, model, n_chunk, schedule, tag):
+POST_VALIDATION_LINE = re.compile(r"post-validation stepped (\d+) times before the global norm arrived, (\d+) of them undone")
+
+
+def run_schedule(args, model, n_chunk, schedule, tag, extra=(), max_grad_norm="1.0"):
     slug = f"{model}_m{n_chunk}_{schedule}_{tag}".replace("/", "_")
     work = os.path.join(args.workdir, "zero_bubble", slug)
     shutil.rmtree(work, ignore_errors=True)
@@ -62,8 +65,8 @@ def run_schedule(args, model, n_chunk, schedule, tag):
            "--pipeline_parallel_size", "2", "--pipeline_schedule", schedule, "--n_chunk", str(n_chunk),
            "--batch_size", "32", "--model_max_length", "128", "--n_epochs", str(args.epochs),
            "--max_batches", str(args.max_batches), "--threads_per_device", "1", "--benchmark_only",
-           "--no_progress", "--dropout", "0", "--max_grad_norm", "1.0", "--master_port", str(free_port()),
-           "--workdir", work, "--trace", trace]
+           "--no_progress", "--dropout", "0", "--max_grad_norm", str(max_grad_norm), "--master_port", str(free_port()),
+           "--workdir", work, "--trace", trace, *extra]
     run = run_watched(cmd, args.run_timeout)
     log = work + ".log"
     write_log(log, cmd, run)
@@ -73,7 +76,9 @@ def run_schedule(args, model, n_chunk, schedule, tag):
     shutil.rmtree(work, ignore_errors=True)  # the model each run saves (GPT-2 124M: 2 GB); the log stays
     return {"tokens_per_sec": statistics.median(tokens_per_sec(run.stdout, args.warmup_epochs, log)),
             "bubble": statistics.mean(bubbles), "bubble_per_rank": bubbles,
-            "peak_rss_bytes_per_rank": [run.peaks.get(r, 0) for r in sorted(run.peaks)]}
+            "peak_rss_bytes_per_rank": [run.peaks.get(r, 0) for r in sorted(run.peaks)],
+            "early_steps": sum(int(m[1]) for m in POST_VALIDATION_LINE.finditer(run.stderr)),
+            "undone_steps": sum(int(m[2]) for m in POST_VALIDATION_LINE.finditer(run.stderr))}
 
 
 def paper_bubbles(args, n_chunk):

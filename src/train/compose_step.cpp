@@ -6,6 +6,7 @@
 
 #include "harness/context_parallel/group.h"
 #include "harness/data_parallel/bucketed_all_reduce.h"
+#include "harness/pipeline/training_schedule.h"
 #include "harness/train/zero/sharded_units.h"
 #include "harness/train/context_parallel_step.h"
 #include "harness/train/zero/zero3_step.h"
@@ -43,6 +44,10 @@ StepParts cut_pipeline(model::GPT2LMHeadModel model, const parallel::Layout& lay
   PipelineStageParameters held;
   held.held = parts.stages->held_parameters();
   held.pipeline = groups.pipeline;
+  // Under a zero-bubble schedule, every stage steps before the global norm arrives but the first
+  // stage's rank: its last backward ends the step everywhere, so the norm reaches it at once.
+  held.post_validate = settings.optimizer.post_validate && pipeline::splits_backward(settings.stages->schedule) &&
+                       parts.stages->device_of_stage(0) != groups.pipeline.rank;
   std::vector<at::Tensor> parameters;
   for (const auto& item : model->named_parameters()) {
     held.owner[item.key()] = parts.stages->owner_of(item.key());

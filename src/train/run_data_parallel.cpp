@@ -372,6 +372,9 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
               << " balance=" << parts.stages->balance_text()
               << pipeline::balance_origin(flags.pipe.balance, /*pipelined=*/true)
               << " activation_checkpointing=" << pipeline::to_string(flags.pipe.activation_checkpointing);
+    if (pipeline::splits_backward(flags.pipe.schedule)) {
+      std::cerr << " post_validation=" << (flags.synchronous_step ? "false" : "true");
+    }
   }
   std::cerr << std::endl << layout.coordinates_table() << std::flush;
   try {
@@ -472,6 +475,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   const std::string track = "rank " + std::to_string(rank);
   StepComposition composition;
   composition.optimizer = f.optimizer_settings();
+  composition.optimizer.post_validate = !flags.synchronous_step;
   composition.data_parallel = data_parallel_settings(flags);
   composition.debug_sync = flags.debug_sync;
   if (layout.pipeline_parallel_size() > 1) {
@@ -527,6 +531,11 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     data.tokenizer = &tokenizer;
     run_training(step, data, training, &world);
     if (rank == 0) print_after_training(flags, parts.sync.get());
+    if (const StepOptimizer::PostValidation pv = step.optimizer().post_validation(); pv.early > 0) {
+      std::cerr << "[rank " << rank << "] optimizer: post-validation stepped " << pv.early
+                << " times before the global norm arrived, " << pv.undone << " of them undone (clipped or skipped)"
+                << std::endl;
+    }
     if (tracer) write_trace(*tracer, f.trace, env);
     if (rank == 0) std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
   }

@@ -64,6 +64,28 @@ int64_t adamw_state_bytes(const torch::optim::AdamW& optimizer) {
   return bytes;
 }
 
+}  // namespace
+
+void KeptTensors::keep(std::vector<at::Tensor> tensors) {
+  torch::NoGradGuard no_grad;
+  originals_ = std::move(tensors);
+  copies_.clear();
+  copies_.reserve(originals_.size());
+  for (const at::Tensor& t : originals_) copies_.push_back(t.detach().clone());
+}
+
+void KeptTensors::restore() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < originals_.size(); ++i) originals_[i].detach().copy_(copies_[i]);
+}
+
+void KeptTensors::clear() {
+  originals_.clear();
+  copies_.clear();
+}
+
+namespace {
+
 // ----- The parts of a layout's AdamW -----
 //
 // Every layout's optimizer is one LayoutAdamW: where this rank's parameters are (all of them, or
@@ -93,6 +115,39 @@ class WholeMoments final : public HeldAdamW {
     }
   }
   void step() override { optimizer_->step(); }
+  // The weights, and the moments and step counts of the parameters that have state (AdamW
+  // creates a parameter's state at its first step: an undo removes it again).
+  void keep_for_undo() override {
+    std::vector<at::Tensor> written;
+    kept_steps_.clear();
+    for (size_t i = 0; i < held_.size(); ++i) {
+      written.push_back(held_[i].second);
+      if (const torch::optim::AdamWParamState* s = state_of(i)) {
+        written.push_back(s->exp_avg());
+        written.push_back(s->exp_avg_sq());
+        kept_steps_[i] = s->step();
+      }
+    }
+    kept_.keep(std::move(written));
+  }
+  void undo_step() override {
+    kept_.restore();
+    auto& states = optimizer_->state();
+    for (size_t i = 0; i < held_.size(); ++i) {
+      auto it = states.find(held_[i].second.unsafeGetTensorImpl());
+      if (it == states.end()) continue;
+      auto kept = kept_steps_.find(i);
+      if (kept == kept_steps_.end()) {
+        states.erase(it);
+      } else {
+        static_cast<torch::optim::AdamWParamState&>(*it->second).step(kept->second);
+      }
+    }
+  }
+  void forget_undo() override {
+    kept_.clear();
+    kept_steps_.clear();
+  }
   void set_learning_rate(double learning_rate) override { set_adamw_learning_rate(*optimizer_, learning_rate); }
   double learning_rate() const override { return adamw_learning_rate(*optimizer_); }
   int64_t state_bytes() const override { return adamw_state_bytes(*optimizer_); }
@@ -116,6 +171,8 @@ class WholeMoments final : public HeldAdamW {
   }
   NamedParameters held_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  KeptTensors kept_;
+  std::map<size_t, int64_t> kept_steps_;
 };
 
 // Where this rank's parameters are in the layout: all of them here (no pipeline), or the ones its
@@ -125,6 +182,7 @@ struct Placement {
   NamedParameters held;                       // in the model's order
   std::map<std::string, int> owner;           // with a pipeline: each parameter's pipeline rank
   std::optional<data_parallel::DistContext> pipeline;
+  bool post_validate = false;                 // see PipelineStageParameters
 };
 
 class LayoutAdamW final : public StepOptimizer {
@@ -233,6 +291,7 @@ class LayoutAdamW final : public StepOptimizer {
   std::map<std::string, size_t> held_index_;
   std::vector<Other> others_;
   std::unique_ptr<HeldAdamW> state_;
+  bool last_step_as_is_ = false;  // the last step neither clipped nor skipped (none yet: false)
 };
 
 void LayoutAdamW::step() {
@@ -261,12 +320,37 @@ void LayoutAdamW::step() {
     for (const at::Tensor& part : group->all_gather(mine)) split_squares += part.to(torch::kCPU).item<double>();
   }
   double squares = split_squares + replicated_squares;
+  bool stepped_early = false;
   if (placement_.pipeline) {
     std::vector<at::Tensor> total{torch::tensor({squares}, torch::kDouble).to(placement_.pipeline->device.torch_device())};
-    placement_.pipeline->group->allreduce(total)->wait();
+    const c10::intrusive_ptr<c10d::Work> other_stages = placement_.pipeline->group->allreduce(total);
+    // Optimizer post-validation (Qi et al., ICLR 2024): while the other stages' squares are on
+    // their way, step as if clipping will not apply and nothing is infinite, keeping what is
+    // needed to undo it. It waits instead where that guess is likely wrong: after a step that was
+    // clipped or skipped (norms change slowly), and where this stage's own squares, a lower bound
+    // of the total, already say the step must be clipped or skipped.
+    if (placement_.post_validate && last_step_as_is_ && std::isfinite(squares) &&
+        clip_coefficient(std::sqrt(squares), settings_.max_grad_norm) >= 1.0) {
+      state_->keep_for_undo();
+      state_->step();
+      stepped_early = true;
+      ++post_validation_.early;
+    }
+    other_stages->wait();
     squares = total[0].to(torch::kCPU).item<double>();
   }
   last_grad_norm_ = std::sqrt(squares);
+  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
+  const bool take_as_is = std::isfinite(last_grad_norm_) && coefficient >= 1.0;
+  last_step_as_is_ = take_as_is;
+  if (stepped_early) {
+    if (!take_as_is) {
+      state_->undo_step();  // bit for bit the state before it: the synchronous step follows
+      ++post_validation_.undone;
+    }
+    state_->forget_undo();
+    if (take_as_is) return;
+  }
   // A gradient with a NaN or an infinity anywhere would carry it into every weight through AdamW's
   // moments. Every rank has the same norm here, so every rank skips the step alike (as PyTorch's
   // GradScaler skips one): weights, moments and step counts stay as they were.
@@ -275,7 +359,6 @@ void LayoutAdamW::step() {
               << "; this step is skipped (weights and AdamW state unchanged)" << std::endl;
     return;
   }
-  const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
   if (coefficient < 1.0) state_->scale_gradients(coefficient);
   state_->step();
 }
@@ -464,6 +547,7 @@ Placement stage_placement(model::GPT2LMHeadModelImpl& model, PipelineStageParame
   }
   placement.owner = std::move(stage.owner);
   placement.pipeline = std::move(stage.pipeline);
+  placement.post_validate = stage.post_validate;
   return placement;
 }
 

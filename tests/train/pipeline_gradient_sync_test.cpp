@@ -2,9 +2,13 @@
 // worker scenario "overlap"): each stage's buckets start during the schedule's backward passes, as
 // soon as their parameters' last micro-batch backward completes them, not at finalize(); the
 // averaged gradients and weights are those of the per-parameter all-reduce after the schedule.
+// Scenario "post_validation": under a zero-bubble schedule, the stages that step before the global
+// norm arrives end bit for bit where the synchronous step does, clipped or not, with a NaN.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -17,6 +21,7 @@
 #include "harness/data_parallel/process_group.h"
 #include "harness/parallel/layout.h"
 #include "harness/parallel/process_groups.h"
+#include "harness/train/compose_step.h"
 #include "harness/train/pipeline_forward_backward.h"
 #include "harness/train/step_optimizer.h"
 #include "harness/train/train_step.h"
@@ -152,6 +157,120 @@ void overlap_scenario(const dp::WorkerEnv& env) {
   dp::barrier(world);
 }
 
+// Three zb1p steps of 2 stages x 2 replicas, composed as run_data_parallel composes them: each
+// step's global norm, and then the unsplit weights and AdamW state (collectives), and the
+// optimizer's post-validation tally on this rank. `wpe_factor[k]`: step k's wpe gradient (the
+// first stage's) is multiplied by it as backward computes it (a hook on the leaf, so that every
+// ZeRO stage's buckets and chunks take it).
+struct ValidatedRun {
+  std::vector<double> norms;
+  std::map<std::string, at::Tensor> weights;
+  OptimizerState state;
+  StepOptimizer::PostValidation tally;
+};
+
+ValidatedRun zb1p_run(const parallel::Layout& layout, const parallel::ProcessGroups& groups, int zero_stage,
+                      double max_grad_norm, bool post_validate, std::vector<double> wpe_factor = {1, 1, 1}) {
+  const model::GPT2Config config = tiny_config();
+  torch::manual_seed(1234);
+  model::GPT2LMHeadModel model(config);
+  StepComposition composition;
+  composition.optimizer = OptimizerSettings(1e-2);
+  composition.optimizer.max_grad_norm = max_grad_norm;
+  composition.optimizer.post_validate = post_validate;
+  composition.data_parallel.zero_stage = zero_stage;
+  composition.data_parallel.bucket_cap_mb = 2.0 / 1024;  // several buckets, several chunks
+  PipelineStepOptions stages;
+  stages.devices = {Device::cpu(0)};
+  stages.schedule = pipeline::ScheduleKind::kZb1p;
+  stages.micro_batches = 4;
+  composition.stages = stages;
+  double factor = 1.0;
+  model->transformer->wpe->weight.register_hook([&factor](const at::Tensor& grad) { return grad * factor; });
+  StepParts parts = compose_step(model, layout, groups, composition);
+  GPT2TrainStep step(model, std::move(parts.forward_backward), std::move(parts.optimizer), parts.sync.get());
+  step.set_training(true);
+  ValidatedRun run;
+  for (size_t k = 0; k < wpe_factor.size(); ++k) {
+    factor = wpe_factor[k];
+    step.step(replica_batch(config, groups.data.rank, static_cast<int>(k)));
+    run.norms.push_back(step.last_grad_norm());
+  }
+  run.state = step.optimizer_state();
+  for (const auto& item : step.gathered_model()->named_parameters()) run.weights[item.key()] = item.value().detach().clone();
+  run.tally = step.optimizer().post_validation();
+  return run;
+}
+
+void expect_same_run(const ValidatedRun& got, const ValidatedRun& want, const std::string& label) {
+  ASSERT_EQ(got.norms.size(), want.norms.size()) << label;
+  for (size_t k = 0; k < got.norms.size(); ++k) {
+    if (std::isnan(want.norms[k])) {
+      EXPECT_TRUE(std::isnan(got.norms[k])) << label << ": step " << k;
+    } else {
+      EXPECT_EQ(got.norms[k], want.norms[k]) << label << ": step " << k;
+    }
+  }
+  ASSERT_EQ(got.weights.size(), want.weights.size()) << label;
+  for (const auto& [name, weight] : want.weights) EXPECT_TRUE(torch::equal(got.weights.at(name), weight)) << label << ": " << name;
+  ASSERT_EQ(got.state.size(), want.state.size()) << label;
+  for (const auto& [name, s] : want.state) {
+    const auto& g = got.state.at(name);
+    EXPECT_EQ(g.step, s.step) << label << ": " << name;
+    EXPECT_TRUE(torch::equal(g.exp_avg, s.exp_avg) && torch::equal(g.exp_avg_sq, s.exp_avg_sq)) << label << ": " << name;
+  }
+}
+
+void post_validation_scenario(const dp::WorkerEnv& env) {
+  dp::DistOptions options = dp::dist_options_for(env, dp::Backend::kGloo);
+  options.timeout = std::chrono::seconds(120);
+  const dp::DistContext world = dp::init_process_group(options);
+  parallel::LayoutSizes sizes;
+  sizes.pipeline = 2;
+  const parallel::Layout layout = parallel::Layout::create(env.world_size, sizes);
+  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  // The first stage's ranks wait for the norm (their backward ends last); the others step early,
+  // from the second step on (the first has no unclipped step before it).
+  const bool early = groups.pipeline.rank != 0;
+  for (const int zero_stage : {0, 1, 3}) {
+    const std::string zero = "zero_stage " + std::to_string(zero_stage) + ", rank " + std::to_string(env.rank);
+    // Never clipped: the early steps stand.
+    const ValidatedRun plain = zb1p_run(layout, groups, zero_stage, 1e9, false);
+    const ValidatedRun plain_early = zb1p_run(layout, groups, zero_stage, 1e9, true);
+    expect_same_run(plain_early, plain, "unclipped, " + zero);
+    EXPECT_EQ(plain_early.tally.early, early ? 2 : 0) << zero;
+    EXPECT_EQ(plain_early.tally.undone, 0) << zero;
+    // Clipped at the third step alone, by the first stage's gradient (the second stage's own
+    // norm does not say so): that early step is undone and taken again clipped.
+    const double max_norm = 1.5 * *std::max_element(plain.norms.begin(), plain.norms.end());
+    const std::vector<double> third_large = {1, 1, 1e3};
+    const ValidatedRun clipped = zb1p_run(layout, groups, zero_stage, max_norm, false, third_large);
+    ASSERT_LT(clip_coefficient(clipped.norms[2], max_norm), 1.0) << zero;
+    const ValidatedRun clipped_early = zb1p_run(layout, groups, zero_stage, max_norm, true, third_large);
+    expect_same_run(clipped_early, clipped, "clipped at the third step, " + zero);
+    EXPECT_EQ(clipped_early.tally.early, early ? 2 : 0) << zero;
+    EXPECT_EQ(clipped_early.tally.undone, early ? 1 : 0) << zero;
+    // A NaN in the first stage's gradient at the second step: the early step is undone and
+    // skipped; the third waits (the step before it was skipped), and is taken.
+    const std::vector<double> second_nan = {1, NAN, 1};
+    for (const double max : {0.0, max_norm}) {
+      const std::string label = "NaN at the second step, max_grad_norm " + std::to_string(max) + ", " + zero;
+      const ValidatedRun poisoned = zb1p_run(layout, groups, zero_stage, max, false, second_nan);
+      ASSERT_TRUE(std::isnan(poisoned.norms[1])) << label;
+      const ValidatedRun poisoned_early = zb1p_run(layout, groups, zero_stage, max, true, second_nan);
+      expect_same_run(poisoned_early, poisoned, label);
+      EXPECT_EQ(poisoned_early.tally.early, early ? 1 : 0) << label;
+      EXPECT_EQ(poisoned_early.tally.undone, early ? 1 : 0) << label;
+    }
+  }
+  dp::barrier(world);
+}
+
+TEST(PipelineGradientSync, PostValidatedStepsEqualTheSynchronousStepClippedOrNotAndWithANaN) {
+  const auto launch = test_workers::launch_test_workers("train_tests", "PipelineSyncWorker.Run", "post_validation", 4);
+  EXPECT_EQ(launch.result.exit_code, 0) << launch.result.failure << "\n" << launch.joined();
+}
+
 TEST(PipelineGradientSync, BucketsStartDuringTheScheduleAndAverageLikeTheNaiveSyncAfterIt) {
   const auto launch = test_workers::launch_test_workers("train_tests", "PipelineSyncWorker.Run", "overlap", 4);
   EXPECT_EQ(launch.result.exit_code, 0) << launch.result.failure << "\n" << launch.joined();
@@ -164,6 +283,8 @@ TEST(PipelineSyncWorker, Run) {
   ASSERT_TRUE(env.has_value()) << "a worker needs RANK/WORLD_SIZE from the launcher";
   if (std::string(scenario) == "overlap") {
     overlap_scenario(*env);
+  } else if (std::string(scenario) == "post_validation") {
+    post_validation_scenario(*env);
   } else {
     FAIL() << "unknown scenario " << scenario;
   }

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 #include <functional>
 #include <optional>
 #include <stdexcept>
@@ -16,6 +17,19 @@
 #include "harness/train/training_state.h"
 
 namespace harness::train {
+
+// Copies of the tensors a step is about to write, to put back bit for bit: what optimizer
+// post-validation (step_optimizer.h) keeps to undo a step taken before the global norm arrived.
+class KeptTensors {
+ public:
+  void keep(std::vector<at::Tensor> tensors);  // copies them (the originals are written later)
+  void restore();                              // each original back to its copy, in place
+  void clear();                                // the copies let go
+  bool empty() const { return originals_.empty(); }
+
+ private:
+  std::vector<at::Tensor> originals_, copies_;
+};
 
 // AdamW's state of the parameters this rank steps ("held", in the model's order): each moment
 // whole (step_optimizer.cpp), or ZeRO's chunks over the data-parallel group (train/zero/moments.h:
@@ -34,6 +48,14 @@ class HeldAdamW {
   virtual void step() = 0;
   virtual void set_learning_rate(double learning_rate) = 0;
   virtual double learning_rate() const = 0;
+  // Optimizer post-validation: before a step taken ahead of the global gradient norm,
+  // keep_for_undo() copies everything step() will write (weights, moments, step counts);
+  // undo_step() puts it back bit for bit, as if the step had not been taken; forget_undo() lets
+  // the copies go. No collective: every rank of the group undoes alike, and a step taken again
+  // is collective as step() is.
+  virtual void keep_for_undo() = 0;
+  virtual void undo_step() = 0;
+  virtual void forget_undo() = 0;
   virtual int64_t state_bytes() const = 0;
   // The steps held parameter i has taken, if it has state (no collective).
   virtual std::optional<int64_t> steps_of(size_t i) const = 0;

@@ -96,6 +96,8 @@ struct DataParallelConfig {
   int max_restarts = 0;
   int dist_timeout_s = 300;  // rendezvous and collectives
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
+  // --synchronous_step: no optimizer post-validation (every stage waits for the global norm)
+  bool synchronous_step = false;
   at::ScalarType grad_reduce_dtype = at::kFloat;  // --grad_reduce_dtype: the gradient all-reduce's, fp32 | bf16
   int zero_stage = 0;                      // 1: AdamW state sharded over the data-parallel ranks
   int zero_prefetch = 1;                   // --zero_stage 3: units all-gathered ahead

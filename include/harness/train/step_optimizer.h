@@ -33,6 +33,10 @@ struct OptimizerSettings {
   double learning_rate;         // the rate until set_learning_rate changes it
   double weight_decay = 0.01;   // AdamW's decoupled decay
   double max_grad_norm = 0.0;   // clip by the global gradient norm (torch's clip_grad_norm_); 0: off
+  // Where the layout allows it (pipeline stages that are processes, under a zero-bubble
+  // schedule): step before the global norm is known, undoing the step where it must
+  // (PipelineStageParameters::post_validate). Off: every step waits for the norm.
+  bool post_validate = true;
 };
 
 class StepOptimizer {
@@ -49,6 +53,13 @@ class StepOptimizer {
   virtual double learning_rate() const = 0;
   // The global gradient norm the last step() measured, before clipping (0 before any step).
   double last_grad_norm() const { return last_grad_norm_; }
+  // Optimizer post-validation's tally (PipelineStageParameters::post_validate): the steps taken
+  // before the global norm arrived, and of those the ones undone (then clipped, or skipped).
+  struct PostValidation {
+    int64_t early = 0;
+    int64_t undone = 0;
+  };
+  PostValidation post_validation() const { return post_validation_; }
   // The state under Hugging Face names, unsplit and unsharded (collective where collective_state()).
   virtual OptimizerState state() = 0;
   // Whether state(), save_state() or the model's full_state() is a collective every rank calls.
@@ -75,6 +86,7 @@ class StepOptimizer {
 
  protected:
   double last_grad_norm_ = 0.0;
+  PostValidation post_validation_;
 };
 
 // The factor clip_grad_norm_ scales gradients by: max_norm / (norm + 1e-6), capped at 1 (1 when
@@ -108,6 +120,13 @@ struct PipelineStageParameters {
   std::vector<std::string> held;      // the parameters this rank's stages use (Hugging Face names)
   std::map<std::string, int> owner;   // every parameter's owning pipeline rank (wte: the first stage's)
   data_parallel::DistContext pipeline;  // the pipeline group this rank is rank `owner` of
+  // Optimizer post-validation (Qi et al., ICLR 2024): the stage steps AdamW as soon as its own
+  // gradients are done, while the global norm (the pipeline group's sum of squares) is on its
+  // way, keeping a copy of what the step writes; when the norm arrives, a step that clipping or a
+  // non-finite norm concerns is undone bit for bit and taken again clipped, or skipped. Results
+  // are the synchronous step's bit for bit; the copy costs the held weights and moments once more
+  // while the step runs.
+  bool post_validate = false;
 };
 
 // AdamW on the parameters this rank's stages hold (wte on the first and the last stage's ranks,

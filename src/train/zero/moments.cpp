@@ -15,6 +15,7 @@ namespace harness::zero {
 namespace {
 
 using train::HeldAdamW;
+using train::KeptTensors;
 using train::NamedParameters;
 using train::OptimizerSettings;
 using train::OptimizerState;
@@ -67,6 +68,15 @@ class ShardedMoments final : public HeldAdamW {
     for (size_t b = 0; b < buckets_.bucket_plan().size(); ++b) buckets_.gradient_shard(b).mul_(factor);
   }
   void step() override { adam_->step(); }
+  void keep_for_undo() override {
+    kept_.keep(adam_->written_by_step());
+    kept_steps_ = adam_->steps();
+  }
+  void undo_step() override {
+    kept_.restore();
+    adam_->set_steps(kept_steps_);
+  }
+  void forget_undo() override { kept_.clear(); }
   void set_learning_rate(double learning_rate) override { adam_->set_learning_rate(learning_rate); }
   double learning_rate() const override { return adam_->learning_rate(); }
   int64_t state_bytes() const override { return adam_->state_bytes(); }
@@ -112,6 +122,8 @@ class ShardedMoments final : public HeldAdamW {
   size_t moments_bucket_ = kNone, gradients_bucket_ = kNone;
   std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> moments_;
   std::vector<at::Tensor> gradients_;
+  KeptTensors kept_;
+  int64_t kept_steps_ = 0;
 };
 
 void ShardedMoments::load(const OptimizerState& state) {
@@ -196,6 +208,20 @@ class UnitMoments final : public HeldAdamW {
                                 step_, options_);
     }
   }
+  // This rank's chunks of the weights and of both moments, and the step count.
+  void keep_for_undo() override {
+    std::vector<at::Tensor> written;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      written.insert(written.end(), {units_.weight_chunk(u), exp_avg_[u], exp_avg_sq_[u]});
+    }
+    kept_.keep(std::move(written));
+    kept_step_ = step_;
+  }
+  void undo_step() override {
+    kept_.restore();
+    step_ = kept_step_;
+  }
+  void forget_undo() override { kept_.clear(); }
   void set_learning_rate(double learning_rate) override { options_.lr = learning_rate; }
   double learning_rate() const override { return options_.lr; }
   int64_t state_bytes() const override {
@@ -252,6 +278,8 @@ class UnitMoments final : public HeldAdamW {
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
   int64_t step_ = 0;
   Gathered first_moments_, second_moments_, weights_, gradients_;
+  KeptTensors kept_;
+  int64_t kept_step_ = 0;
 };
 
 void UnitMoments::load(const OptimizerState& state) {

@@ -67,6 +67,12 @@ void ShardedAdamW::step() {
   }
 }
 
+std::vector<at::Tensor> ShardedAdamW::written_by_step() const {
+  std::vector<at::Tensor> written = parameters_;
+  for (const Shard& shard : shards_) written.insert(written.end(), {shard.exp_avg, shard.exp_avg_sq});
+  return written;
+}
+
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> ShardedAdamW::gather_bucket_moments(size_t b) const {
   const Shard& shard = shards_.at(b);
   return {gradients_.gather_bucket(shard.bucket, shard.exp_avg), gradients_.gather_bucket(shard.bucket, shard.exp_avg_sq)};

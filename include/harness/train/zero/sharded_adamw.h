@@ -49,6 +49,10 @@ class ShardedAdamW {
   void set_learning_rate(double lr) { options_.lr = lr; }
   double learning_rate() const { return options_.lr; }
   int64_t steps() const { return step_; }
+  // Every tensor step() writes (the parameters and this rank's chunks of both moments), and the
+  // step count to set back: what optimizer post-validation keeps to undo a step.
+  std::vector<at::Tensor> written_by_step() const;
+  void set_steps(int64_t steps) { step_ = steps; }
   // Bytes of optimizer state this rank holds (its chunks of the two moments).
   int64_t state_bytes() const;
   // Bytes this rank put into the parameter all-gathers so far.
