@@ -156,6 +156,9 @@ int main(int argc, char** argv) {
     // A rank stopped (SIGSTOP) past the collective timeout is named as the cause and ends the run;
     // the others fail on their own by then.
     launch.unresponsive_worker_timeout = std::chrono::seconds(config.dist_timeout_s + 10);
+    // With restarts the launcher serves the rendezvous store, as torchrun's agent does: one store
+    // for every attempt, which no worker's death takes with it.
+    launch.serve_store = config.max_restarts > 0;
     return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts, launch);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: error: " << e.what() << std::endl;

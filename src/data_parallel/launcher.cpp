@@ -2,6 +2,8 @@
 // everything on the first failure or on SIGINT/SIGTERM.
 #include "harness/data_parallel/launcher.h"
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -306,9 +308,44 @@ std::string label_worker_line(int rank, const std::string& line) {
   return "[rank " + std::to_string(rank) + "] " + line;
 }
 
+namespace {
+
+constexpr const char* kAgentStoreVariable = "TORCHELASTIC_USE_AGENT_STORE";
+
+// The rendezvous store the launcher serves (LaunchOptions::serve_store) for `world_size` workers.
+// Its server thread runs until the store is let go; the sockets are close-on-exec, so the workers
+// forked after it hold none of them.
+c10::intrusive_ptr<c10d::TCPStore> serve_rendezvous_store(int master_port) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(master_port);
+  options.isServer = true;
+  options.waitWorkers = false;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>("localhost", options);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("--master_port " + std::to_string(master_port) +
+                             ": the launcher could not serve the rendezvous store there (" + e.what() +
+                             "); pass a free --master_port");
+  }
+}
+
+// `options` for workers that connect to a store the launcher already serves.
+LaunchOptions agent_store_workers(const LaunchOptions& options) {
+  LaunchOptions out = options;
+  out.serve_store = false;
+  out.extra_env.emplace_back(kAgentStoreVariable, "1");
+  return out;
+}
+
+}  // namespace
+
 LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world_size,
                          const std::string& master_addr, int master_port,
                          const LaunchOptions& options) {
+  if (options.serve_store && world_size >= 1 && !argv_of_self.empty()) {
+    const c10::intrusive_ptr<c10d::TCPStore> store = serve_rendezvous_store(master_port);
+    return run_workers(argv_of_self, world_size, master_addr, master_port, agent_store_workers(options));
+  }
   if (world_size < 1) {
     throw std::invalid_argument("--world_size " + std::to_string(world_size) +
                                 " must be at least 1");
@@ -551,8 +588,10 @@ int launch_with_restarts(const std::vector<std::string>& argv_of_self, int world
     throw std::invalid_argument("--max_restarts must be >= 0, got " + std::to_string(max_restarts));
   }
   std::vector<std::string> args = argv_of_self;
+  c10::intrusive_ptr<c10d::TCPStore> store;  // one for every attempt, where the launcher serves it
+  if (options.serve_store) store = serve_rendezvous_store(master_port);
   for (int restart = 0;; ++restart) {
-    LaunchOptions attempt = options;
+    LaunchOptions attempt = options.serve_store ? agent_store_workers(options) : options;
     attempt.extra_env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
     attempt.extra_env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(max_restarts));
     const LaunchResult result = run_workers(args, world_size, master_addr, master_port, attempt);

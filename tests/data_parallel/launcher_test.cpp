@@ -15,6 +15,8 @@
 #include <mutex>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include "test_support.h"
 
 namespace harness::data_parallel {
@@ -282,6 +284,37 @@ TEST(Launcher, ARankThatLeftEarlyEndsTheRunWhenTheOthersNeverFinish) {
   EXPECT_EQ(run.result.failure.rfind("rank 0 exited with status 0", 0), 0u) << run.result.failure;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 20.0);
   for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid));
+}
+
+// Served by the launcher, the rendezvous store outlives rank 0 (the workers are told to connect
+// to it); served by rank 0, as without serve_store, it leaves with rank 0.
+TEST(Launcher, TheStoreItServesOutlivesRankZero) {
+  const auto served = launch_scenario("store_outlives_rank0", 2, {}, std::chrono::seconds(5),
+                                      [](LaunchOptions& o) { o.serve_store = true; });
+  EXPECT_EQ(served.result.exit_code, 0) << served.result.failure << "\n" << served.joined();
+  EXPECT_NE(served.joined().find("scenario store_outlives_rank0 passed on rank 1"), std::string::npos)
+      << served.joined();
+  const auto rank_zeros = launch_scenario("store_outlives_rank0", 2);
+  EXPECT_NE(rank_zeros.result.exit_code, 0) << rank_zeros.joined();
+}
+
+TEST(Launcher, ServingTheStoreOnAPortInUseNamesTheFlag) {
+  const int port = test_workers::free_port();
+  auto holder = c10::make_intrusive<c10d::TCPStore>("localhost", [&] {
+    c10d::TCPStoreOptions o;
+    o.port = static_cast<uint16_t>(port);
+    o.isServer = true;
+    o.waitWorkers = false;
+    return o;
+  }());
+  LaunchOptions options;
+  options.serve_store = true;
+  try {
+    run_workers({"/bin/true"}, 1, "localhost", port, options);
+    FAIL() << "a second store on one port must be refused";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--master_port " + std::to_string(port)), std::string::npos) << e.what();
+  }
 }
 
 TEST(Launcher, RejectsBadArguments) {

@@ -443,6 +443,19 @@ TEST(DpWorker, Run) {
       std::_Exit(1);  // as a rank whose collective timed out waiting for rank 0
     }
     sleep_then_exit(60);
+  } else if (scenario == "store_outlives_rank0") {  // rank 0 writes a key and leaves; rank 1 reads it after
+    DistOptions options = dist_options_for(*env, Backend::kGloo);
+    options.timeout = std::chrono::seconds(5);
+    const DistContext ctx = init_process_group(options);
+    if (rank == 0) {
+      ctx.store->set("written by rank 0", std::vector<uint8_t>{7});
+      std::printf("scenario store_outlives_rank0 passed on rank 0\n");  // _Exit skips the report at the end
+      std::fflush(stdout);
+      std::_Exit(0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // rank 0 is gone by then
+    const std::vector<uint8_t> value = ctx.store->get("written by rank 0");
+    ASSERT_EQ(value, std::vector<uint8_t>{7});
   } else if (scenario == "sleep") {
     std::printf("ready on rank %d\n", rank);  // the launcher tests signal only after both
     std::fflush(stdout);

@@ -56,6 +56,12 @@ struct LaunchOptions {
   // names it too. Programs set it a little above their collective timeout, after which the other
   // ranks fail on their own.
   std::chrono::milliseconds unresponsive_worker_timeout = std::chrono::seconds(330);
+  // The launcher serves the rendezvous store (a TCPStore at master_port) itself, as torchrun's
+  // agent does, instead of rank 0: the workers are told so (TORCHELASTIC_USE_AGENT_STORE=1) and
+  // connect to it, so that no worker's death takes the store with it. Under
+  // launch_with_restarts one store serves every attempt, each attempt's keys under a prefix of
+  // its own. A port that cannot be served throws std::runtime_error naming --master_port.
+  bool serve_store = false;
   // Fault injection for tests: called before the launcher's "pipe2" and "fork" for each rank; a
   // non-zero return is taken as that call failing with this errno.
   std::function<int(const char* call, int rank)> fail_system_call;
