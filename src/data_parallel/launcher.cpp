@@ -4,6 +4,8 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "harness/data_parallel/elastic_rendezvous.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -337,14 +339,36 @@ LaunchOptions agent_store_workers(const LaunchOptions& options) {
   return out;
 }
 
+// Where a lost worker is recorded: the key the workers read through their attempt's prefix (as
+// process_group.cpp's connect_store and c10d's PrefixStore form it).
+std::string attempt_key(int restart_count, const std::string& key) {
+  return "/worker/attempt_" + std::to_string(restart_count) + "/" + key;
+}
+
 }  // namespace
+
+// run_workers, the store already served (by this launcher: `store`, where it records lost
+// workers under elastic) or not (nullptr: rank 0 serves it).
+LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self, int world_size,
+                                    const std::string& master_addr, int master_port, const LaunchOptions& options,
+                                    c10d::Store* store);
 
 LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world_size,
                          const std::string& master_addr, int master_port,
                          const LaunchOptions& options) {
   if (options.serve_store && world_size >= 1 && !argv_of_self.empty()) {
     const c10::intrusive_ptr<c10d::TCPStore> store = serve_rendezvous_store(master_port);
-    return run_workers(argv_of_self, world_size, master_addr, master_port, agent_store_workers(options));
+    return run_workers_with_store(argv_of_self, world_size, master_addr, master_port, agent_store_workers(options),
+                                  store.get());
+  }
+  return run_workers_with_store(argv_of_self, world_size, master_addr, master_port, options, nullptr);
+}
+
+LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self, int world_size,
+                                    const std::string& master_addr, int master_port, const LaunchOptions& options,
+                                    c10d::Store* store) {
+  if (options.elastic && store == nullptr) {
+    throw std::invalid_argument("run_workers: elastic needs serve_store (the launcher records lost workers there)");
   }
   if (world_size < 1) {
     throw std::invalid_argument("--world_size " + std::to_string(world_size) +
@@ -525,7 +549,9 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
       const auto overdue = [&](const std::optional<Clock::time_point>& since) {
         return since && Clock::now() - *since > options.unresponsive_worker_timeout;
       };
-      if (!stopping && ((w.running && overdue(w.stopped_since)) || overdue(w.left_early))) {
+      if (options.elastic && !stopping && w.running && overdue(w.stopped_since)) {
+        ::kill(-w.pid, SIGKILL);  // lost: reaped below as killed
+      } else if (!options.elastic && !stopping && ((w.running && overdue(w.stopped_since)) || overdue(w.left_early))) {
         begin_stop(suspects(), 1);
       }
       if (!workers.reap_if_exited(w)) continue;
@@ -536,7 +562,20 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
         if (others_running) w.left_early = Clock::now();
       }
       const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
-      if (failed && !stopping) {
+      if (failed && !stopping && options.elastic) {
+        const std::string why = describe_exit(rank, status);
+        result.lost.push_back(rank);
+        if (result.exit_code == 0) result.exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+        result.failure += (result.failure.empty() ? "" : "; ") + why;
+        std::fprintf(stderr, "launcher: %s; it is lost, the others go on (--elastic)\n", why.c_str());
+        std::fflush(stderr);
+        try {
+          const std::string key = attempt_key(options.restart_count, lost_process_key(rank));
+          store->set(key, std::vector<uint8_t>(why.begin(), why.end()));
+        } catch (const std::exception& e) {
+          begin_stop(why + " (and the store could not record it: " + e.what() + ")", 1);
+        }
+      } else if (failed && !stopping) {
         const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
         begin_stop(describe_exit(rank, status), code);
       }
@@ -555,6 +594,13 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
   // Every worker is reaped here (its leftovers SIGKILLed before that); the group's destructor
   // closes the pipes.
   for (auto& w : workers.all()) result.wait_status.push_back(w.status);
+  if (options.elastic && !stopping) {
+    // The run went on without its lost workers: it succeeded when one of them finished it.
+    bool finished = false;
+    for (auto& w : workers.all()) finished = finished || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
+    if (finished) result.exit_code = 0;
+    if (!finished && result.failure.empty()) result.failure = "no worker finished";
+  }
   return result;
 }
 
@@ -592,9 +638,10 @@ int launch_with_restarts(const std::vector<std::string>& argv_of_self, int world
   if (options.serve_store) store = serve_rendezvous_store(master_port);
   for (int restart = 0;; ++restart) {
     LaunchOptions attempt = options.serve_store ? agent_store_workers(options) : options;
+    attempt.restart_count = restart;
     attempt.extra_env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
     attempt.extra_env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(max_restarts));
-    const LaunchResult result = run_workers(args, world_size, master_addr, master_port, attempt);
+    const LaunchResult result = run_workers_with_store(args, world_size, master_addr, master_port, attempt, store.get());
     if (result.exit_code == 0) return 0;
     std::fprintf(stderr, "launcher: %s\n", result.failure.c_str());
     if (result.interrupted || restart >= max_restarts) {

@@ -317,6 +317,40 @@ TEST(Launcher, ServingTheStoreOnAPortInUseNamesTheFlag) {
   }
 }
 
+// --elastic: a lost worker is recorded in the store the launcher serves, the others go on, agree
+// on the next generation and all-reduce over it; the launch succeeds.
+TEST(Launcher, ElasticSurvivorsOfAKilledWorkerAgreeAndConnectAgain) {
+  const auto run = launch_scenario("elastic_kill", 3, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
+    o.serve_store = true;
+    o.elastic = true;
+  });
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+  EXPECT_EQ(run.result.lost, std::vector<int>{1});
+  EXPECT_NE(run.result.failure.find("rank 1 was killed by signal 9 (SIGKILL)"), std::string::npos) << run.result.failure;
+}
+
+// A worker stopped past the collective timeout is left out of the next generation; continued, it
+// is refused as a process of a dead generation, and exits (lost, the launch still a success).
+TEST(Launcher, ElasticStoppedWorkerIsLeftOutThenRefusedWhenItComesBack) {
+  const auto run = launch_scenario("elastic_stop", 3, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
+    o.serve_store = true;
+    o.elastic = true;
+  });
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+  EXPECT_EQ(run.result.lost, std::vector<int>{1});
+  EXPECT_NE(run.joined().find("rank 1 refused: elastic: process 1 belongs to generation 0, and generation 1 went on "
+                              "without it (members {0,2})"),
+            std::string::npos)
+      << run.joined();
+}
+
+TEST(Launcher, WithoutElasticALostWorkerStillEndsTheRun) {
+  const auto run = launch_scenario("elastic_kill", 3, {}, std::chrono::seconds(5),
+                                   [](LaunchOptions& o) { o.serve_store = true; });
+  EXPECT_NE(run.result.exit_code, 0) << run.joined();
+  EXPECT_TRUE(run.result.lost.empty());
+}
+
 TEST(Launcher, RejectsBadArguments) {
   EXPECT_THROW(run_workers({"x"}, 0, "localhost", 1234), std::invalid_argument);
   EXPECT_THROW(run_workers({}, 2, "localhost", 1234), std::invalid_argument);

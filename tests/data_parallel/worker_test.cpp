@@ -17,6 +17,7 @@
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/checkpoint_io.h"
 #include "harness/data_parallel/debug_sync.h"
+#include "harness/data_parallel/elastic_rendezvous.h"
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
@@ -390,6 +391,57 @@ void debug_sync_missing_scenario(const WorkerEnv& env) {
   }
 }
 
+// Elastic scenarios over 3 processes: rank 1 is lost before the first all-reduce (killed, or
+// stopped by SIGSTOP past the collective timeout); ranks 0 and 2 see the all-reduce fail, agree
+// on generation 1 through the launcher's store and all-reduce again over their new group. A
+// stopped rank 1, continued afterwards, is refused as a process of a dead generation.
+void elastic_scenario(const WorkerEnv& env, bool stop) {
+  DistOptions options = dist_options_for(env, Backend::kGloo);
+  options.timeout = std::chrono::seconds(3);
+  const DistContext world = init_process_group(options);
+  const Generation first{0, {0, 1, 2}};
+  const std::string scenario = stop ? "elastic_stop" : "elastic_kill";
+  if (env.rank == 1) {
+    std::printf("scenario %s passed on rank 1\n", scenario.c_str());  // its part: to be lost
+    std::fflush(stdout);
+    if (!stop) std::raise(SIGKILL);
+    const std::string pid = std::to_string(::getpid());
+    world.store->set("pid of rank 1", std::vector<uint8_t>(pid.begin(), pid.end()));
+    std::raise(SIGSTOP);
+  }
+  at::Tensor ones = torch::ones({4});
+  try {
+    if (env.rank != 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    all_reduce_sum(world, ones);
+    if (env.rank != 1) ADD_FAILURE() << "the all-reduce went through without rank 1";
+    return;
+  } catch (const std::exception& e) {
+    std::printf("rank %d: the all-reduce failed: %.120s\n", env.rank, e.what());
+  }
+  Generation next;
+  try {
+    next = agree_next_generation(*world.store, first, env.rank, std::chrono::seconds(2));
+  } catch (const DeadGenerationError& e) {
+    ASSERT_EQ(env.rank, 1) << e.what();
+    std::printf("rank 1 refused: %s\n", e.what());
+    std::fflush(stdout);
+    std::_Exit(3);
+  }
+  ASSERT_NE(env.rank, 1) << "the stopped rank was taken back";
+  EXPECT_EQ(next.number, 1);
+  EXPECT_EQ(next.members, (std::vector<int>{0, 2}));
+  const DistContext regrouped = connect_generation(world, next, next.members, env.rank, options);
+  EXPECT_EQ(regrouped.rank, env.rank == 0 ? 0 : 1);
+  EXPECT_EQ(regrouped.world_size, 2);
+  at::Tensor again = torch::ones({4});
+  all_reduce_sum(regrouped, again);
+  EXPECT_TRUE(torch::equal(again, torch::full({4}, 2.0f)));
+  if (stop && env.rank == 0) {  // rank 1 comes back, and finds its generation gone
+    const std::vector<uint8_t> pid = world.store->get("pid of rank 1");
+    ::kill(std::stoi(std::string(pid.begin(), pid.end())), SIGCONT);
+  }
+}
+
 TEST(DpWorker, Run) {
   const char* scenario_text = std::getenv(testing::kWorkerVariable);
   if (scenario_text == nullptr) GTEST_SKIP() << "only run as a worker by the launcher tests";
@@ -456,6 +508,9 @@ TEST(DpWorker, Run) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // rank 0 is gone by then
     const std::vector<uint8_t> value = ctx.store->get("written by rank 0");
     ASSERT_EQ(value, std::vector<uint8_t>{7});
+  } else if (scenario == "elastic_kill" || scenario == "elastic_stop") {
+    elastic_scenario(*env, scenario == "elastic_stop");
+    if (rank == 1) return;  // its line was printed before it was lost
   } else if (scenario == "sleep") {
     std::printf("ready on rank %d\n", rank);  // the launcher tests signal only after both
     std::fflush(stdout);

@@ -62,6 +62,14 @@ struct LaunchOptions {
   // launch_with_restarts one store serves every attempt, each attempt's keys under a prefix of
   // its own. A port that cannot be served throws std::runtime_error naming --master_port.
   bool serve_store = false;
+  // --elastic (with serve_store): a worker that dies (by a signal or a non-zero exit, or stopped
+  // past unresponsive_worker_timeout and then killed) is lost, not the end of the run: the
+  // launcher says so on stderr, records it in the store (elastic_rendezvous.h's
+  // lost_process_key, the reason as the value) and lets the others go on; one that exits 0 early
+  // is not waited for. The launch fails when no worker exits 0 (LaunchResult::lost lists them).
+  bool elastic = false;
+  // Which attempt of launch_with_restarts this is (the workers' store keys are under its prefix).
+  int restart_count = 0;
   // Fault injection for tests: called before the launcher's "pipe2" and "fork" for each rank; a
   // non-zero return is taken as that call failing with this errno.
   std::function<int(const char* call, int rank)> fail_system_call;
@@ -73,6 +81,7 @@ struct LaunchResult {
   std::vector<pid_t> pids;      // the workers' process ids, by rank (all reaped on return)
   std::vector<int> wait_status; // each worker's waitpid status, by rank
   bool interrupted = false;     // the launcher itself received SIGINT or SIGTERM
+  std::vector<int> lost;        // under elastic: the ranks lost while the others went on, in order
 };
 
 // Starts world_size copies of options.executable with argv_of_self (argv[0] first) and RANK,

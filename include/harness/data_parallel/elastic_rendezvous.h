@@ -1,0 +1,60 @@
+// How the processes that survive a lost one agree on who is left, and connect again: through the
+// rendezvous store the launcher serves (launcher.h: LaunchOptions::serve_store and elastic), which
+// no worker's death takes with it. A process is named by its launch rank (RANK at start), which
+// never changes; a generation's ranks are positions in its member list.
+//
+// Keys, in the workers' store:
+//   elastic/lost/<launch rank>             the launcher: that process died (the reason)
+//   elastic/gen<g>/alive/<launch rank>     a process checked in to form generation g
+//   elastic/gen<g>/decider                 a counter: the process that adds the first 1 decides
+//   elastic/gen<g>/members                 the decision: generation g's launch ranks, in rank order
+//   elastic/gen<g>/group/...               the rendezvous of generation g's process group
+//
+// The decider waits until every member of the generation before has checked in or is known lost,
+// or until the join window ends (a process stopped by SIGSTOP neither checks in nor dies), and
+// writes the members; everyone reads that one decision. A process left out of it (one that checked
+// in too late, or comes back from SIGSTOP after the others moved on) belongs to a dead generation
+// and gets DeadGenerationError: it must exit, not train.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "harness/data_parallel/process_group.h"
+
+namespace harness::data_parallel {
+
+struct Generation {
+  int number = 0;
+  std::vector<int> members;  // launch ranks, in rank order
+  // This process's rank in the generation (its position in members), or -1.
+  int rank_of(int launch_rank) const;
+};
+
+class DeadGenerationError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The key the launcher sets when the process of `launch_rank` dies (its value: the reason).
+std::string lost_process_key(int launch_rank);
+
+// Called by every process of generation `now` that is still alive, after a collective failed:
+// generation now.number + 1, the members of `now` that checked in, in their order in `now`. Throws
+// DeadGenerationError when the decision leaves this process out, and std::runtime_error when no
+// decision arrives within the store's timeout (its decider died while deciding).
+Generation agree_next_generation(c10d::Store& store, const Generation& now, int launch_rank,
+                                 std::chrono::milliseconds join_window);
+
+// The process group of the processes `members` (launch ranks, in the new rank order, a subset of
+// `generation`'s members that includes this process) under `generation`'s keys: `world` with its
+// rank, size and group replaced (store and device kept). `options` gives the backend's transport
+// and timeout.
+DistContext connect_generation(const DistContext& world, const Generation& generation,
+                               const std::vector<int>& members, int launch_rank, const DistOptions& options);
+
+}  // namespace harness::data_parallel

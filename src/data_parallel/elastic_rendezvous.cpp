@@ -1,0 +1,108 @@
+// Agreeing on a new generation after a lost process (see elastic_rendezvous.h).
+#include "harness/data_parallel/elastic_rendezvous.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <sstream>
+#include <thread>
+
+namespace harness::data_parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string generation_key(int generation, const std::string& what) {
+  return "elastic/gen" + std::to_string(generation) + "/" + what;
+}
+
+std::vector<uint8_t> encode(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? "," : "") + std::to_string(ranks[i]);
+  return {text.begin(), text.end()};
+}
+
+std::vector<int> decode(const std::vector<uint8_t>& bytes) {
+  std::vector<int> out;
+  std::stringstream in(std::string(bytes.begin(), bytes.end()));
+  for (std::string item; std::getline(in, item, ',');) out.push_back(std::stoi(item));
+  return out;
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  const std::vector<uint8_t> bytes = encode(ranks);
+  return "{" + std::string(bytes.begin(), bytes.end()) + "}";
+}
+
+}  // namespace
+
+int Generation::rank_of(int launch_rank) const {
+  const auto it = std::find(members.begin(), members.end(), launch_rank);
+  return it == members.end() ? -1 : static_cast<int>(it - members.begin());
+}
+
+std::string lost_process_key(int launch_rank) { return "elastic/lost/" + std::to_string(launch_rank); }
+
+Generation agree_next_generation(c10d::Store& store, const Generation& now, int launch_rank,
+                                 std::chrono::milliseconds join_window) {
+  Generation next;
+  next.number = now.number + 1;
+  const auto key = [&](const std::string& what) { return generation_key(next.number, what); };
+  store.set(key("alive/" + std::to_string(launch_rank)), std::vector<uint8_t>{1});
+  if (store.add(key("decider"), 1) == 1) {
+    // Every member of `now` checked in or known lost, or the window over: the ones in are next.
+    const Clock::time_point deadline = Clock::now() + join_window;
+    std::vector<int> in;
+    for (;;) {
+      in.clear();
+      bool all_known = true;
+      for (const int member : now.members) {
+        if (store.check({key("alive/" + std::to_string(member))})) {
+          in.push_back(member);
+        } else if (!store.check({lost_process_key(member)})) {
+          all_known = false;
+        }
+      }
+      if (all_known || Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    store.set(key("members"), encode(in));
+  }
+  try {
+    next.members = decode(store.get(key("members")));  // waits for the decision
+  } catch (const std::exception& e) {
+    throw std::runtime_error("elastic: process " + std::to_string(launch_rank) + " waited for generation " +
+                             std::to_string(next.number) + "'s members, and no decision came (" +
+                             std::string(e.what()).substr(0, std::string(e.what()).find('\n')) + ")");
+  }
+  if (next.rank_of(launch_rank) < 0) {
+    throw DeadGenerationError("elastic: process " + std::to_string(launch_rank) + " belongs to generation " +
+                              std::to_string(now.number) + ", and generation " + std::to_string(next.number) +
+                              " went on without it (members " + ranks_text(next.members) +
+                              "); it must not train, and exits");
+  }
+  return next;
+}
+
+DistContext connect_generation(const DistContext& world, const Generation& generation,
+                               const std::vector<int>& members, int launch_rank, const DistOptions& options) {
+  const auto it = std::find(members.begin(), members.end(), launch_rank);
+  if (it == members.end()) {
+    throw std::invalid_argument("connect_generation: process " + std::to_string(launch_rank) + " is not among " +
+                                ranks_text(members));
+  }
+  DistContext out = world;
+  out.rank = static_cast<int>(it - members.begin());
+  out.world_size = static_cast<int>(members.size());
+  // Each connection's keys are its own: the generation and the members.
+  const std::string prefix = generation_key(generation.number, "group" + ranks_text(members));
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, world.store);
+  DistOptions o = options;
+  o.rank = out.rank;
+  o.world_size = out.world_size;
+  o.group_name = "generation " + std::to_string(generation.number) + "'s group";
+  out.group = create_backend(world.backend, store, out.rank, out.world_size, o);
+  return out;
+}
+
+}  // namespace harness::data_parallel
