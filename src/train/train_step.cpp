@@ -44,15 +44,25 @@ GPT2TrainStep::~GPT2TrainStep() = default;
 // synchronisation once, overlapping the last batch's backward passes (no_sync before it; a
 // schedule's buckets start as their parameters' last micro-batch backward completes them), what
 // the gradients still need, the hook, the optimizer step.
-double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
+double GPT2TrainStep::step(const std::vector<data::Batch>& batches) { return step(batches, {}); }
+
+double GPT2TrainStep::step(const std::vector<data::Batch>& batches, const std::vector<double>& loss_divisors) {
   if (batches.empty()) throw std::invalid_argument("a training step needs at least one batch");
+  if (!loss_divisors.empty() && loss_divisors.size() != batches.size()) {
+    throw std::invalid_argument("a training step of " + std::to_string(batches.size()) + " batches got " +
+                                std::to_string(loss_divisors.size()) + " loss divisors");
+  }
   ForwardBackward& run = *forward_backward_;
   optimizer_->zero_grad();
   // What the step allocates from here (activations, gradients) is what the CPU tensor counter's
   // window measures, where it is on.
   if (pipeline::activation_meter_installed()) pipeline::restart_cpu_tensor_window();
-  const at::Tensor weight_sum =
-      batches.size() > 1 ? combined_label_weight(batches, run.loss_device()) : at::Tensor();
+  const at::Tensor combined =
+      batches.size() > 1 && loss_divisors.empty() ? combined_label_weight(batches, run.loss_device()) : at::Tensor();
+  const auto weight_sum_of = [&](size_t k) {
+    if (loss_divisors.empty()) return combined;
+    return torch::tensor(static_cast<float>(loss_divisors[k]), torch::TensorOptions(torch::kFloat32).device(run.loss_device()));
+  };
   at::Tensor total;
   const bool every_batch = synchronizer_ && synchronizer_->reduces_every_batch();
   for (size_t k = 0; k < batches.size(); ++k) {
@@ -60,7 +70,7 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches) {
       synchronizer_->set_no_sync(!every_batch && k + 1 < batches.size());
       synchronizer_->set_expected_accumulations(run.gradient_accumulations(batches[k]));
     }
-    const at::Tensor loss = run.run(batches[k], weight_sum, static_cast<int64_t>(k), settings_.precision);
+    const at::Tensor loss = run.run(batches[k], weight_sum_of(k), static_cast<int64_t>(k), settings_.precision);
     if (loss.defined()) total = total.defined() ? total + loss : loss;
     if (every_batch && k + 1 < batches.size()) {  // ZeRO-2: into the shards, the gradients let go
       TraceScope scope(settings_.tracer, "gradient reduce-scatter", settings_.trace_track);

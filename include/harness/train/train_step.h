@@ -149,6 +149,10 @@ class GPT2TrainStep : public TrainStep {
 
   using TrainStep::step;
   double step(const std::vector<data::Batch>& batches) override;
+  // step(), each batch's loss divided by loss_divisors[k] instead of the label weight of all the
+  // batches together (an elastic generation's member: each batch's own replica's weight, scaled;
+  // train/elastic_batches.h). Empty: step(batches).
+  double step(const std::vector<data::Batch>& batches, const std::vector<double>& loss_divisors);
   c10::Device input_device() const override;
   void set_training(bool training) override;
   void set_learning_rate(double learning_rate) override { optimizer_->set_learning_rate(learning_rate); }
