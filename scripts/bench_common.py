@@ -214,6 +214,13 @@ def printed_figures(text: str) -> Dict[str, List[dict]]:
     return out
 
 
+def add_folder_arguments(parser, repo_root: str) -> None:
+    """The folders every benchmark script takes: --build-dir, --workdir and --out-dir."""
+    parser.add_argument("--build-dir", default=os.path.join(repo_root, "build"))
+    parser.add_argument("--workdir", default="./workdir")
+    parser.add_argument("--out-dir", default=os.path.join(repo_root, "submit_figures"))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for --master_port)."""
     with socket.socket() as s:

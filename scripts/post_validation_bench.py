@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 
-from bench_common import cpu_model_name
+from bench_common import add_folder_arguments, cpu_model_name
 from zero_bubble_bench import run_schedule
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,9 +33,7 @@ def name_of(schedule, extra):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--build-dir", default=os.path.join(REPO_ROOT, "build"))
-    p.add_argument("--workdir", default="./workdir")
-    p.add_argument("--out-dir", default=os.path.join(REPO_ROOT, "submit_figures"))
+    add_folder_arguments(p, REPO_ROOT)
     p.add_argument("--model", default="gpt2-mini")
     p.add_argument("--n-chunk", type=int, default=4)
     p.add_argument("--max-grad-norm", default="10")

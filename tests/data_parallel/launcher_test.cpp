@@ -317,13 +317,18 @@ TEST(Launcher, ServingTheStoreOnAPortInUseNamesTheFlag) {
   }
 }
 
+// A scenario over 3 workers, the launcher serving the store (and elastic where asked).
+testing::CapturedLaunch served_launch(const std::string& scenario, bool elastic) {
+  return launch_scenario(scenario, 3, {}, std::chrono::seconds(5), [elastic](LaunchOptions& o) {
+    o.serve_store = true;
+    o.elastic = elastic;
+  });
+}
+
 // --elastic: a lost worker is recorded in the store the launcher serves, the others go on, agree
 // on the next generation and all-reduce over it; the launch succeeds.
 TEST(Launcher, ElasticSurvivorsOfAKilledWorkerAgreeAndConnectAgain) {
-  const auto run = launch_scenario("elastic_kill", 3, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
-    o.serve_store = true;
-    o.elastic = true;
-  });
+  const auto run = served_launch("elastic_kill", true);
   EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
   EXPECT_EQ(run.result.lost, std::vector<int>{1});
   EXPECT_NE(run.result.failure.find("rank 1 was killed by signal 9 (SIGKILL)"), std::string::npos) << run.result.failure;
@@ -332,10 +337,7 @@ TEST(Launcher, ElasticSurvivorsOfAKilledWorkerAgreeAndConnectAgain) {
 // A worker stopped past the collective timeout is left out of the next generation; continued, it
 // is refused as a process of a dead generation, and exits (lost, the launch still a success).
 TEST(Launcher, ElasticStoppedWorkerIsLeftOutThenRefusedWhenItComesBack) {
-  const auto run = launch_scenario("elastic_stop", 3, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
-    o.serve_store = true;
-    o.elastic = true;
-  });
+  const auto run = served_launch("elastic_stop", true);
   EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
   EXPECT_EQ(run.result.lost, std::vector<int>{1});
   EXPECT_NE(run.joined().find("rank 1 refused: elastic: process 1 belongs to generation 0, and generation 1 went on "
@@ -345,8 +347,7 @@ TEST(Launcher, ElasticStoppedWorkerIsLeftOutThenRefusedWhenItComesBack) {
 }
 
 TEST(Launcher, WithoutElasticALostWorkerStillEndsTheRun) {
-  const auto run = launch_scenario("elastic_kill", 3, {}, std::chrono::seconds(5),
-                                   [](LaunchOptions& o) { o.serve_store = true; });
+  const auto run = served_launch("elastic_kill", false);
   EXPECT_NE(run.result.exit_code, 0) << run.joined();
   EXPECT_TRUE(run.result.lost.empty());
 }

@@ -125,14 +125,28 @@ StageRun train_stage(const parallel::ProcessGroups& groups, const std::string& k
   return run;
 }
 
-void overlap_scenario(const dp::WorkerEnv& env) {
+// The worker's world (Gloo) in the layout of 2 stages, D inferred, and its groups.
+struct TwoStages {
+  dp::DistContext world;
+  parallel::Layout layout;
+  parallel::ProcessGroups groups;
+};
+
+TwoStages two_stages_of(const dp::WorkerEnv& env) {
   dp::DistOptions options = dp::dist_options_for(env, dp::Backend::kGloo);
   options.timeout = std::chrono::seconds(120);
-  const dp::DistContext world = dp::init_process_group(options);
-  parallel::LayoutSizes two_stages;
-  two_stages.pipeline = 2;
-  const parallel::Layout layout = parallel::Layout::create(env.world_size, two_stages);
-  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  dp::DistContext world = dp::init_process_group(options);
+  parallel::LayoutSizes sizes;
+  sizes.pipeline = 2;
+  const parallel::Layout layout = parallel::Layout::create(env.world_size, sizes);
+  parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  return {std::move(world), layout, std::move(groups)};
+}
+
+void overlap_scenario(const dp::WorkerEnv& env) {
+  const TwoStages setup = two_stages_of(env);
+  const dp::DistContext& world = setup.world;
+  const parallel::ProcessGroups& groups = setup.groups;
   ASSERT_EQ(groups.data.world_size, 2);
   const StageRun overlapped = train_stage(groups, "bucketed");
   const StageRun after_schedule = train_stage(groups, "naive");
@@ -222,13 +236,10 @@ void expect_same_run(const ValidatedRun& got, const ValidatedRun& want, const st
 }
 
 void post_validation_scenario(const dp::WorkerEnv& env) {
-  dp::DistOptions options = dp::dist_options_for(env, dp::Backend::kGloo);
-  options.timeout = std::chrono::seconds(120);
-  const dp::DistContext world = dp::init_process_group(options);
-  parallel::LayoutSizes sizes;
-  sizes.pipeline = 2;
-  const parallel::Layout layout = parallel::Layout::create(env.world_size, sizes);
-  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  const TwoStages setup = two_stages_of(env);
+  const dp::DistContext& world = setup.world;
+  const parallel::Layout& layout = setup.layout;
+  const parallel::ProcessGroups& groups = setup.groups;
   // The first stage's ranks wait for the norm (their backward ends last); the others step early,
   // from the second step on (the first has no unclipped step before it).
   const bool early = groups.pipeline.rank != 0;
