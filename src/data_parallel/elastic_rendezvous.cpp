@@ -94,14 +94,16 @@ DistContext connect_generation(const DistContext& world, const Generation& gener
   DistContext out = world;
   out.rank = static_cast<int>(it - members.begin());
   out.world_size = static_cast<int>(members.size());
-  // Each connection's keys are its own: the generation and the members.
+  // Each connection's keys are its own (the generation and the members), and so are those of the
+  // groups built from it (process_groups.h prefixes the world's store).
   const std::string prefix = generation_key(generation.number, "group" + ranks_text(members));
-  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, world.store);
+  out.store = c10::make_intrusive<c10d::PrefixStore>(prefix, world.store);
   DistOptions o = options;
   o.rank = out.rank;
   o.world_size = out.world_size;
   o.group_name = "generation " + std::to_string(generation.number) + "'s group";
-  out.group = create_backend(world.backend, store, out.rank, out.world_size, o);
+  out.group = create_backend(world.backend, c10::make_intrusive<c10d::PrefixStore>("world", out.store), out.rank,
+                             out.world_size, o);
   return out;
 }
 

@@ -51,9 +51,10 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
                                  std::chrono::milliseconds join_window);
 
 // The process group of the processes `members` (launch ranks, in the new rank order, a subset of
-// `generation`'s members that includes this process) under `generation`'s keys: `world` with its
-// rank, size and group replaced (store and device kept). `options` gives the backend's transport
-// and timeout.
+// `generation`'s members that includes this process) under `generation`'s keys: `world` (the
+// first generation's) with its rank, size and group replaced, and its store prefixed by the
+// generation and the members, so that groups built from it (process_groups.h) are new ones too.
+// `options` gives the backend's transport and timeout.
 DistContext connect_generation(const DistContext& world, const Generation& generation,
                                const std::vector<int>& members, int launch_rank, const DistOptions& options);
 
