@@ -69,7 +69,9 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
     store.set(key("members"), encode(in));
   }
   try {
-    next.members = decode(store.get(key("members")));  // waits for the decision
+    // The decider may take the whole window (and the store's own timeout may be shorter).
+    store.wait({key("members")}, join_window + std::chrono::seconds(30));
+    next.members = decode(store.get(key("members")));
   } catch (const std::exception& e) {
     throw std::runtime_error("elastic: process " + std::to_string(launch_rank) + " waited for generation " +
                              std::to_string(next.number) + "'s members, and no decision came (" +

@@ -420,7 +420,9 @@ void elastic_scenario(const WorkerEnv& env, bool stop) {
   }
   Generation next;
   try {
-    next = agree_next_generation(*world.store, first, env.rank, std::chrono::seconds(2));
+    // Longer than the collective timeout: a survivor blocked in the all-reduce with the other
+    // survivor (rather than the lost rank) learns of the loss only when it times out.
+    next = agree_next_generation(*world.store, first, env.rank, std::chrono::seconds(6));
   } catch (const DeadGenerationError& e) {
     ASSERT_EQ(env.rank, 1) << e.what();
     std::printf("rank 1 refused: %s\n", e.what());

@@ -46,7 +46,7 @@ std::string lost_process_key(int launch_rank);
 // Called by every process of generation `now` that is still alive, after a collective failed:
 // generation now.number + 1, the members of `now` that checked in, in their order in `now`. Throws
 // DeadGenerationError when the decision leaves this process out, and std::runtime_error when no
-// decision arrives within the store's timeout (its decider died while deciding).
+// decision arrives within join_window and 30 s more (its decider died while deciding).
 Generation agree_next_generation(c10d::Store& store, const Generation& now, int launch_rank,
                                  std::chrono::milliseconds join_window);
 

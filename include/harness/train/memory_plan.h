@@ -46,7 +46,9 @@
 // when the forward is checkpointed), its backward frees them, and a checkpointed backward
 // recomputes the whole stage while it runs; under a zero-bubble schedule the activations stay,
 // counted whole, from the B until the W. The peak of that walk is the estimate. Transient
-// buffers of the backward, the allocator's slack and the framework's own memory are not counted.
+// buffers of the backward, the allocator's slack and the framework's own memory are not counted,
+// nor the copy of a stage's weights and AdamW state that post-validation keeps during the step
+// (zero-bubble schedules, stage_adamw's post_validate), when the activations are already freed.
 #pragma once
 
 #include <cstdint>
