@@ -13,13 +13,17 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "harness/data_parallel/launcher.h"
 
@@ -111,6 +115,24 @@ inline void remove_tree(const std::string& path) {
   ::nftw(path.c_str(),
          [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
          FTW_DEPTH | FTW_PHYS);
+}
+
+// The body of a worker test (the TEST launch_test_workers runs in each worker): plays the
+// scenario the launcher named from `scenarios`, then says that it passed, as launch_test_workers
+// requires. Skipped when the test binary runs on its own.
+using WorkerScenario = std::function<void(const data_parallel::WorkerEnv&)>;
+inline void play_worker_scenario(const std::map<std::string, WorkerScenario>& scenarios) {
+  const char* scenario = std::getenv(kWorkerVariable);
+  if (scenario == nullptr) GTEST_SKIP() << "only run as a worker by the launcher tests";
+  const auto env = data_parallel::worker_env_from_environment();
+  ASSERT_TRUE(env.has_value()) << "a worker needs RANK/WORLD_SIZE from the launcher";
+  const auto it = scenarios.find(scenario);
+  ASSERT_NE(it, scenarios.end()) << "unknown scenario " << scenario;
+  it->second(*env);
+  if (!::testing::Test::HasFailure()) {
+    std::printf("scenario %s passed on rank %d\n", scenario, env->rank);
+    std::fflush(stdout);
+  }
 }
 
 inline bool process_gone(pid_t pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; }

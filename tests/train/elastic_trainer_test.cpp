@@ -112,21 +112,7 @@ TEST(ElasticTrainer, AKilledReplicasRowsGoToTheOthersWhichEndWithTheUndisturbedW
   test_workers::remove_tree(made);
 }
 
-TEST(ElasticWorker, Run) {
-  const char* scenario = std::getenv(test_workers::kWorkerVariable);
-  if (scenario == nullptr) GTEST_SKIP() << "only run as a worker by the launcher tests";
-  const auto env = dp::worker_env_from_environment();
-  ASSERT_TRUE(env.has_value()) << "a worker needs RANK/WORLD_SIZE from the launcher";
-  if (std::string(scenario) == "elastic_train") {
-    elastic_train_scenario(*env);
-  } else {
-    FAIL() << "unknown scenario " << scenario;
-  }
-  if (!::testing::Test::HasFailure()) {
-    std::printf("scenario %s passed on rank %d\n", scenario, env->rank);
-    std::fflush(stdout);
-  }
-}
+TEST(ElasticWorker, Run) { test_workers::play_worker_scenario({{"elastic_train", elastic_train_scenario}}); }
 
 }  // namespace
 }  // namespace harness::train

@@ -288,21 +288,7 @@ TEST(PipelineGradientSync, BucketsStartDuringTheScheduleAndAverageLikeTheNaiveSy
 }
 
 TEST(PipelineSyncWorker, Run) {
-  const char* scenario = std::getenv(test_workers::kWorkerVariable);
-  if (scenario == nullptr) GTEST_SKIP() << "only run as a worker by the launcher tests";
-  const auto env = dp::worker_env_from_environment();
-  ASSERT_TRUE(env.has_value()) << "a worker needs RANK/WORLD_SIZE from the launcher";
-  if (std::string(scenario) == "overlap") {
-    overlap_scenario(*env);
-  } else if (std::string(scenario) == "post_validation") {
-    post_validation_scenario(*env);
-  } else {
-    FAIL() << "unknown scenario " << scenario;
-  }
-  if (!::testing::Test::HasFailure()) {
-    std::printf("scenario %s passed on rank %d\n", scenario, env->rank);
-    std::fflush(stdout);
-  }
+  test_workers::play_worker_scenario({{"overlap", overlap_scenario}, {"post_validation", post_validation_scenario}});
 }
 
 }  // namespace
