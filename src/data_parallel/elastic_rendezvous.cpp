@@ -88,13 +88,13 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
 
 DistContext connect_generation(const DistContext& world, const Generation& generation,
                                const std::vector<int>& members, int launch_rank, const DistOptions& options) {
-  const auto it = std::find(members.begin(), members.end(), launch_rank);
-  if (it == members.end()) {
+  const int rank = Generation{generation.number, members}.rank_of(launch_rank);
+  if (rank < 0) {
     throw std::invalid_argument("connect_generation: process " + std::to_string(launch_rank) + " is not among " +
                                 ranks_text(members));
   }
   DistContext out = world;
-  out.rank = static_cast<int>(it - members.begin());
+  out.rank = rank;
   out.world_size = static_cast<int>(members.size());
   // Each connection's keys are its own (the generation and the members), and so are those of the
   // groups built from it (process_groups.h prefixes the world's store).

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "harness/train/loss.h"
+
 namespace harness::train {
 namespace {
 
@@ -31,29 +33,30 @@ ElasticStepBatches elastic_step_batches(const parallel::Membership& membership,
     throw std::invalid_argument("elastic: batches of " + std::to_string(replica_batches.size()) +
                                 " replicas given, the run has " + std::to_string(membership.original_replicas));
   }
-  const double scale = static_cast<double>(membership.original_replicas) / membership.replica_count();
   ElasticStepBatches out;
   for (const parallel::RowSlice& slice : slices) {
     const std::vector<data::Batch>& step = replica_batches.at(slice.replica);
-    double weight = 0.0;
     int64_t rows = 0;
-    for (const data::Batch& b : step) {
-      weight += b.label_token_weights.to(torch::kFloat32).sum().item<double>();
-      rows += b.input_ids.size(0);
-    }
+    for (const data::Batch& b : step) rows += b.input_ids.size(0);
     const std::string which = "elastic: replica " + std::to_string(slice.replica);
     if (slice.begin < 0 || slice.end > rows || slice.begin >= slice.end) {
       throw std::invalid_argument(which + "'s rows [" + std::to_string(slice.begin) + ", " + std::to_string(slice.end) +
                                   ") are not within its step's " + std::to_string(rows));
     }
-    if (weight == 0.0) throw std::invalid_argument(which + "'s step has no target token (label weights sum to 0)");
+    // The label weight the replica's own step divides by (train/loss.h), in the same float sum.
+    double weight = 0.0;
+    try {
+      weight = combined_label_weight(step, torch::kCPU).item<double>();
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(which + "'s step: " + e.what());
+    }
     int64_t offset = 0;
     for (const data::Batch& b : step) {
       const int64_t n = b.input_ids.size(0);
       const int64_t begin = std::max(slice.begin, offset), end = std::min(slice.end, offset + n);
       if (begin < end) {
         out.batches.push_back(rows_of(b, begin - offset, end - offset));
-        out.loss_divisors.push_back(weight * scale);
+        out.loss_divisors.push_back(weight / membership.gradient_scale());
       }
       offset += n;
     }

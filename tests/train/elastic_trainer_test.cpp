@@ -63,6 +63,14 @@ void elastic_train_scenario(const dp::WorkerEnv& env) {
   for (const auto& item : trainer.current().model()->named_parameters()) weights.push_back(item.value().detach().clone());
   torch::save(weights, weights_file(out, env.rank));
   EXPECT_EQ(trainer.membership().replica_count(), kill_at >= 0 ? 2 : 3);
+  ASSERT_EQ(trainer.events().size(), kill_at >= 0 ? 1u : 0u);
+  if (kill_at >= 0) {
+    const MembershipEvent& change = trainer.events().front();
+    EXPECT_EQ(change.generation, 1);
+    EXPECT_EQ(change.step, kill_at);
+    EXPECT_EQ(change.replicas, 2);
+    EXPECT_EQ(change.lost, std::vector<int>{1});
+  }
 }
 
 std::map<std::string, at::Tensor> load_weights(const std::string& path) {

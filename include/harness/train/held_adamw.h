@@ -25,7 +25,6 @@ class KeptTensors {
   void keep(std::vector<at::Tensor> tensors);  // copies them (the originals are written later)
   void restore();                              // each original back to its copy, in place
   void clear();                                // the copies let go
-  bool empty() const { return originals_.empty(); }
 
  private:
   std::vector<at::Tensor> originals_, copies_;
