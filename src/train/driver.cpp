@@ -180,7 +180,8 @@ struct AsyncCheckpoints {
 // Until rank 0 has done what `what` names (written a checkpoint, finished the previous background
 // write) the other ranks wait here, polling the rendezvous store, not in a collective, which
 // --dist_timeout_s bounds: a save may take longer than that (GPT-2 XL).
-void wait_for_the_writer(const std::string& what, int64_t global_step, bool writer, const dp::DistContext* world) {
+void wait_for_the_writer(const std::string& what, int64_t global_step, bool writer, const dp::DistContext* world,
+                         const std::function<void()>& peers_alive = nullptr) {
   if (world == nullptr || world->world_size == 1 || !world->store) return;
   const std::string key = "harness/" + what + "/" + std::to_string(global_step);
   if (writer) {
@@ -188,13 +189,20 @@ void wait_for_the_writer(const std::string& what, int64_t global_step, bool writ
     return;
   }
   for (int wait_ms = 1; !world->store->check({key}); wait_ms = std::min(2 * wait_ms, 100)) {
+    if (peers_alive) peers_alive();  // under --elastic a lost writer must not leave the others here
     std::this_thread::sleep_for(std::chrono::milliseconds(wait_ms));
   }
 }
 
-void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& at,
-                     const RankProgress& progress, const dp::DistContext* world, AsyncCheckpoints* async) {
-  const bool writer = o.rank == 0;
+// Who writes checkpoints and the final model: rank 0, or under --elastic the current world's
+// rank 0 (the first one may have been lost).
+bool is_writer(const TrainingOptions& o, const dp::DistContext* world) {
+  return o.elastic && world != nullptr ? world->rank == 0 : o.rank == 0;
+}
+
+void write_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& at,
+                      const RankProgress& progress, const dp::DistContext* world, AsyncCheckpoints* async) {
+  const bool writer = is_writer(o, world);
   const bool collective = step.collective_state();  // unsplitting gathers (tensor parallelism, ZeRO)
   const double start = now_seconds();
   const std::string root = checkpoint_root(o);
@@ -202,7 +210,7 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
     // The previous write must be done before its buffers are refilled (its error surfaces here);
     // meanwhile the other ranks wait outside the collectives below.
     if (writer) async->writer.wait();
-    wait_for_the_writer("ready_to_checkpoint", at.global_step, writer, world);
+    wait_for_the_writer("ready_to_checkpoint", at.global_step, writer, world, o.peers_alive);
     const double copy_start = now_seconds();
     // Every rank takes part in the gathers of a split or sharded state; only the writer keeps it.
     model::GPT2LMHeadModel model = step.gathered_model();
@@ -251,7 +259,22 @@ void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& 
   }
   const std::vector<std::string> ranks = gather_rank_states(step, o, progress, world);
   if (writer) finish_checkpoint(*files, checkpoint_record(step, o, at, ranks), o, start);
-  wait_for_the_writer("checkpoint_written", at.global_step, writer, world);
+  wait_for_the_writer("checkpoint_written", at.global_step, writer, world, o.peers_alive);
+}
+
+// A checkpoint. Under --elastic, one that a lost process interrupts (in its gathers, or while the
+// others wait for the writer) is abandoned: the previous one stays whole, and the next step's
+// collective fails and recovers (train/elastic_step.h).
+void save_checkpoint(TrainStep& step, const TrainingOptions& o, const Position& at,
+                     const RankProgress& progress, const dp::DistContext* world, AsyncCheckpoints* async) {
+  try {
+    write_checkpoint(step, o, at, progress, world, async);
+  } catch (const std::exception& e) {
+    if (!o.elastic || !o.lost_peer || !o.lost_peer(e)) throw;
+    const std::string what = e.what();
+    std::cerr << "checkpoint: step " << at.global_step << " abandoned, a process was lost ("
+              << what.substr(0, what.find('\n')) << "); the previous checkpoint stays, training goes on" << std::endl;
+  }
 }
 
 // ----- choosing and loading a checkpoint ---------------------------------------------------------
@@ -581,6 +604,17 @@ void TrainingRun::after_step(int64_t epoch, int64_t total, const EpochTiming& so
   if (pipeline::activation_meter_installed() && ++counted_steps_ > 1) {
     step_tensor_increase_ = std::max(step_tensor_increase_, pipeline::cpu_tensor_window_increase());
   }
+  if (data_.membership_changes) {
+    const std::vector<MembershipRecord> changes = data_.membership_changes();
+    if (!changes.empty() && !metrics_ && o_.elastic && world_ != nullptr && world_->rank == 0 && !o_.workdir.empty()) {
+      // The process that wrote metrics.jsonl was lost: this one, the new rank 0, goes on with it.
+      metrics_.emplace((fs::path(o_.workdir) / "metrics.jsonl").string(), at_.global_step - 1,
+                       o_.controls.tensorboard_dir);
+    }
+    if (metrics_) {
+      for (const MembershipRecord& change : changes) metrics_->log(change);
+    }
+  }
   if (metrics_) {
     metrics_->log(StepMetrics{at_.global_step, epoch, so_far.last_loss, step_.learning_rate(), step_.last_grad_norm(),
                               so_far.last_step_tokens,
@@ -622,6 +656,7 @@ bool TrainingRun::train_epoch_at(int64_t epoch) {
   };
   options.after_step = [&](const EpochTiming& so_far) { after_step(epoch, total, so_far); };
   const EpochTiming resumed = epoch == at_.epoch ? progress_.partial : EpochTiming{};
+  if (data_.epoch_started) data_.epoch_started(epoch, std::min(options.first_batch, loader.num_batches()));
   const EpochTiming timing = train_epoch(step_, loader, epoch, options, resumed);
   progress_.partial = EpochTiming{};
   end_epoch(epoch, timing);
@@ -661,8 +696,9 @@ TrainingSummary TrainingRun::finish() {
   if (async_) {
     // The last checkpoint is complete before the run ends; the other ranks wait for it outside
     // any collective (a launcher must not see them exit while rank 0 still writes).
-    if (o_.rank == 0) async_->writer.wait();
-    wait_for_the_writer("background_writes_done", at_.global_step, o_.rank == 0, world_);
+    const bool writer = is_writer(o_, world_);
+    if (writer) async_->writer.wait();
+    wait_for_the_writer("background_writes_done", at_.global_step, writer, world_, o_.peers_alive);
   }
   const MeanStd time_stats = mean_std(progress_.seconds), rate_stats = mean_std(progress_.rates);
   if (o_.reports) {
@@ -678,7 +714,11 @@ TrainingSummary TrainingRun::finish() {
               << " bytes over what it held once its gradients were cleared" << std::endl;
   }
   // Split or sharded, every rank takes part in gathering the weights; the writer writes them.
-  step_.save_model(o_.save_dir, /*write=*/!o_.save_dir.empty());
+  if (o_.elastic) {
+    step_.save_model(o_.workdir, /*write=*/is_writer(o_, world_) && !o_.workdir.empty());
+  } else {
+    step_.save_model(o_.save_dir, /*write=*/!o_.save_dir.empty());
+  }
   summary_.epoch_seconds = progress_.seconds;
   summary_.epoch_token_rates = progress_.rates;
   summary_.global_step = at_.global_step;

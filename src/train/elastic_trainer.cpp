@@ -23,8 +23,27 @@ bool is_communication_failure(const std::exception& error) {
   return false;
 }
 
+ExampleDigest example_digest(const std::vector<data::Batch>& batches) {
+  ExampleDigest out;
+  for (const data::Batch& batch : batches) {
+    for (const data::TranslationExample& example : batch.examples) {
+      uint64_t hash = 1469598103934665603ull;  // FNV-1a, 64 bits
+      auto add = [&hash](const std::string& text) {
+        for (const unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
+      };
+      add(example.de);
+      hash = (hash ^ 0u) * 1099511628211ull;
+      add(example.en);
+      out.digest += hash;
+      ++out.count;
+    }
+  }
+  return out;
+}
+
 ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition composition, dp::DistOptions options,
-                               dp::DistContext world, BatchSource batches, ElasticSettings settings)
+                               dp::DistContext world, BatchSource batches, ElasticSettings settings,
+                               TrainStepSettings step_settings)
     : model_(std::move(model)),
       composition_(std::move(composition)),
       options_(std::move(options)),
@@ -32,6 +51,7 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
       world_(std::move(world)),
       batches_(std::move(batches)),
       settings_(settings),
+      step_settings_(std::move(step_settings)),
       launch_rank_(first_world_.rank) {
   if (composition_.stages || composition_.data_parallel.zero_stage != 0 || model_->tensor_parallel() != nullptr) {
     throw std::invalid_argument(
@@ -56,8 +76,17 @@ void ElasticTrainer::compose() {
   StepParts parts = compose_step(model_, layout, groups_, composition_);
   sync_ = std::move(parts.sync);
   step_ = std::make_unique<GPT2TrainStep>(model_, std::move(parts.forward_backward), std::move(parts.optimizer),
-                                          sync_.get());
+                                          sync_.get(), step_settings_);
   step_->set_training(true);
+}
+
+void ElasticTrainer::check_members_alive() const {
+  for (const int member : generation_.members) {
+    if (member != launch_rank_ && first_world_.store->check({dp::lost_process_key(member)})) {
+      throw LostProcessError("elastic: process " + std::to_string(member) + " of generation " +
+                               std::to_string(generation_.number) + " was lost outside a training step");
+    }
+  }
 }
 
 double ElasticTrainer::step(int64_t k) {
@@ -74,10 +103,12 @@ double ElasticTrainer::step(int64_t k) {
     const ElasticStepBatches mine = elastic_step_batches(membership_, plan.at(membership_.member_index(replica_)),
                                                          replica_batches);
     try {
-      return step_->step(mine.batches, mine.loss_divisors);
+      const double loss = step_->step(mine.batches, mine.loss_divisors);
+      last_examples_ = example_digest(mine.batches);
+      return loss;
     } catch (const std::exception& e) {
       if (!is_communication_failure(e)) throw;
-      std::cerr << "[process " << launch_rank_ << "] elastic: step " << k << " failed in a collective ("
+      std::cerr << "[process " << launch_rank_ << "] elastic: step " << k + 1 << " failed in a collective ("
                 << std::string(e.what()).substr(0, std::string(e.what()).find('\n')) << "); agreeing who is left"
                 << std::endl;
     }
@@ -86,6 +117,18 @@ double ElasticTrainer::step(int64_t k) {
 }
 
 void ElasticTrainer::recover(int64_t k) {
+  // The weights have not moved (the optimizer steps after the all-reduce); AdamW's state and rate
+  // go over to the next generation's step as they are. The failed generation's step and groups go
+  // first: tearing down their connections takes a while, which the join window absorbs, not the
+  // next group's rendezvous.
+  const OptimizerState state = step_->optimizer_state();
+  const double learning_rate = step_->learning_rate();
+  model::NamedTensors weights;
+  for (const auto& item : model_->named_parameters()) weights.emplace_back(item.key(), item.value().detach().clone());
+  step_.reset();  // its synchronizer's hooks leave the parameters first
+  sync_.reset();
+  groups_ = parallel::ProcessGroups{};
+  if (generation_.number > 0) world_.group.reset();  // the first generation's stays with first_world_
   const dp::Generation next =
       dp::agree_next_generation(*first_world_.store, generation_, launch_rank_, settings_.join_window);
   std::vector<int> lost_ranks, lost_processes;
@@ -104,7 +147,7 @@ void ElasticTrainer::recover(int64_t k) {
                                   " and cannot train; it leaves generation " + std::to_string(next.number));
   }
   if (change.next.replica_count() < settings_.min_replicas) {
-    throw std::runtime_error("elastic: lost process " + lost_text + " at step " + std::to_string(k) + "; " +
+    throw std::runtime_error("elastic: lost process " + lost_text + " at step " + std::to_string(k + 1) + "; " +
                              std::to_string(change.next.replica_count()) + " replica(s) left, below --min_replicas " +
                              std::to_string(settings_.min_replicas));
   }
@@ -114,22 +157,16 @@ void ElasticTrainer::recover(int64_t k) {
     const int rank = change.rank_in_next.at(i);
     if (rank >= 0) order.at(rank) = generation_.members[i];
   }
-  // The weights have not moved (the optimizer steps after the all-reduce); AdamW's state and rate
-  // go over to the new step as they are.
-  const OptimizerState state = step_->optimizer_state();
-  const double learning_rate = step_->learning_rate();
-  model::NamedTensors weights;
-  for (const auto& item : model_->named_parameters()) weights.emplace_back(item.key(), item.value().detach().clone());
-  step_.reset();  // its synchronizer's hooks leave the parameters first
-  sync_.reset();
   world_ = dp::connect_generation(first_world_, next, order, launch_rank_, options_);
   generation_ = next;
   membership_ = change.next;
   compose();
   step_->load_state(weights, state);
   step_->set_learning_rate(learning_rate);
-  events_.push_back({next.number, k, membership_.replica_count(), lost_processes});
-  std::cerr << "elastic: generation " << next.number << " at step " << k << ": lost process " << lost_text << "; "
+  events_.push_back({next.number, k + 1, membership_.replica_count(), lost_processes, {}});
+  if (world_.rank != 0) return;  // one line for the change, from the generation's rank 0
+  std::cerr << "elastic: generation " << next.number << " at step " << k + 1 << ": lost process" <<
+            (lost_processes.size() > 1 ? "es " : " ") << lost_text << "; "
             << membership_.replica_count() << " of " << membership_.original_replicas << " replicas go on"
             << std::endl;
 }

@@ -77,6 +77,13 @@ void MetricsLog::log(const EvalMetrics& m) {
   if (tensorboard_) tensorboard_->add_scalar("eval/validation_loss", m.validation_loss, m.step);
 }
 
+void MetricsLog::log(const MembershipRecord& m) {
+  const ordered_json record = {{"kind", "membership"}, {"generation", m.generation}, {"step", m.step},
+                               {"replicas", m.replicas},  {"lost", m.lost},           {"joined", m.joined}};
+  out_ << record.dump() << std::endl;
+  if (tensorboard_) tensorboard_->add_scalar("membership/replicas", m.replicas, m.step);
+}
+
 int64_t peak_memory_bytes(const c10::Device& device) {
 #ifdef HARNESS_WITH_NCCL
   if (device.is_cuda()) {

@@ -1,6 +1,6 @@
 // Elastic training's recovery over 3 processes (worker scenario "elastic_train", the launcher
 // serving the store and elastic): 6 steps of a tiny GPT-2, each replica's batches from a seed of
-// its own. Killed at the start of step 2, replica 1's rows go to the other two, which end with
+// its own. Killed at the start of its third step (k = 2), replica 1's rows go to the other two, which end with
 // the undisturbed run's weights by the AdamW rule, bit-identical to each other.
 #include "harness/train/elastic_trainer.h"
 
@@ -67,7 +67,8 @@ void elastic_train_scenario(const dp::WorkerEnv& env) {
   if (kill_at >= 0) {
     const MembershipEvent& change = trainer.events().front();
     EXPECT_EQ(change.generation, 1);
-    EXPECT_EQ(change.step, kill_at);
+    EXPECT_EQ(change.step, kill_at + 1);  // the third step (1-based, as metrics.jsonl counts)
+    EXPECT_TRUE(change.joined.empty());
     EXPECT_EQ(change.replicas, 2);
     EXPECT_EQ(change.lost, std::vector<int>{1});
   }
@@ -103,7 +104,7 @@ TEST(ElasticTrainer, AKilledReplicasRowsGoToTheOthersWhichEndWithTheUndisturbedW
   const auto elastic = elastic_run((dir / "elastic").string(), 2);
   ASSERT_EQ(elastic.result.exit_code, 0) << elastic.result.failure << "\n" << elastic.joined();
   EXPECT_EQ(elastic.result.lost, std::vector<int>{1});
-  EXPECT_NE(elastic.joined().find("elastic: generation 1 at step 2: lost process 1; 2 of 3 replicas go on"),
+  EXPECT_NE(elastic.joined().find("elastic: generation 1 at step 3: lost process 1; 2 of 3 replicas go on"),
             std::string::npos)
       << elastic.joined();
   const auto expected = load_weights(weights_file((dir / "plain").string(), 0));

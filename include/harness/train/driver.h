@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "harness/data/loader.h"
 #include "harness/data/tokenizer.h"
 #include "harness/train/lr_schedule.h"
+#include "harness/train/metrics_log.h"
 #include "harness/train/report.h"
 #include "harness/train/train_step.h"
 
@@ -86,6 +88,20 @@ struct TrainingOptions {
 
   Tracer* tracer = nullptr;
   std::string trace_track = "main";
+
+  // --elastic (train/elastic_step.h): the world passed to run_training is the current
+  // generation's and may shrink between steps. Its rank 0 at the time writes the checkpoints and
+  // the final model (to `workdir`, whatever save_dir says), and takes metrics.jsonl over when the
+  // process that wrote it is lost.
+  bool elastic = false;
+  // Under --elastic: throws, naming the process, when one of the current generation is lost.
+  // Called while the ranks wait for the writer outside any collective, which would otherwise not
+  // notice a lost writer.
+  std::function<void()> peers_alive;
+  // Under --elastic: whether an error of a checkpoint's collectives or waits means a process was
+  // lost. That checkpoint is then abandoned (the previous one stays whole) and training goes on:
+  // the next step recovers.
+  std::function<bool(const std::exception&)> lost_peer;
 };
 
 struct TrainingData {
@@ -94,6 +110,12 @@ struct TrainingData {
   data::BatchLoader* validation = nullptr;
   const std::vector<data::TranslationExample>* test = nullptr;
   const data::Tokenizer* tokenizer = nullptr;
+  // Optional: told where each epoch starts (its first batch: 0, or a resumed position), before
+  // its first step (elastic training keeps other replicas' loaders there).
+  std::function<void(int64_t epoch, int64_t first_batch)> epoch_started;
+  // Optional: the membership changes since the last call (elastic training), asked after every
+  // step and logged to metrics.jsonl.
+  std::function<std::vector<MembershipRecord>()> membership_changes;
 };
 
 struct TrainingSummary {

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <stdexcept>
 #include <memory>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "harness/parallel/elastic.h"
 #include "harness/parallel/process_groups.h"
 #include "harness/train/compose_step.h"
+#include "harness/train/metrics_log.h"
 #include "harness/train/train_step.h"
 
 namespace harness::train {
@@ -33,14 +35,17 @@ struct ElasticSettings {
   std::chrono::milliseconds join_window = std::chrono::seconds(10);
 };
 
-// One membership change: the generation it formed, the step it happened in, the replicas left,
-// and the processes (launch ranks) lost.
-struct MembershipEvent {
-  int generation = 0;
-  int64_t step = 0;
-  int replicas = 0;
-  std::vector<int> lost;
+// One membership change (its step counted from 1, as metrics.jsonl counts steps).
+using MembershipEvent = MembershipRecord;
+
+// What a step trained on: its rows' examples, as a count and an order-free digest (the sum of
+// each example's 64-bit FNV-1a hash of de, a 0 byte and en). Summed over the members of a step,
+// the same as the undisturbed run's where no data is lost or repeated.
+struct ExampleDigest {
+  int64_t count = 0;
+  uint64_t digest = 0;
 };
+ExampleDigest example_digest(const std::vector<data::Batch>& batches);
 
 class ElasticTrainer {
  public:
@@ -51,7 +56,8 @@ class ElasticTrainer {
   // `world`: this process's generation-0 world (its rank is its launch rank; its store the
   // launcher's). Throws std::invalid_argument for a layout it cannot recover.
   ElasticTrainer(model::GPT2LMHeadModel model, StepComposition composition, data_parallel::DistOptions options,
-                 data_parallel::DistContext world, BatchSource batches, ElasticSettings settings = {});
+                 data_parallel::DistContext world, BatchSource batches, ElasticSettings settings = {},
+                 TrainStepSettings step_settings = {});
   ~ElasticTrainer();
 
   // Optimizer step `k`: its loss on this process. Recovers from lost processes as above; throws
@@ -60,9 +66,19 @@ class ElasticTrainer {
   double step(int64_t k);
 
   GPT2TrainStep& current() { return *step_; }
+  const GPT2TrainStep& current() const { return *step_; }
   const parallel::Membership& membership() const { return membership_; }
   const std::vector<MembershipEvent>& events() const { return events_; }
+  // The current generation's world: its rank and size change with the membership, its address
+  // does not.
   const data_parallel::DistContext& world() const { return world_; }
+  int launch_rank() const { return launch_rank_; }
+  int replica() const { return replica_; }
+  // Throws LostProcessError naming a process of the current generation that the launcher recorded
+  // as lost (a store lookup per member; for waits outside collectives).
+  void check_members_alive() const;
+  // The rows the last step() trained on this process.
+  const ExampleDigest& last_examples() const { return last_examples_; }
 
  private:
   void compose();
@@ -75,6 +91,7 @@ class ElasticTrainer {
   parallel::ProcessGroups groups_;
   BatchSource batches_;
   ElasticSettings settings_;
+  TrainStepSettings step_settings_;
   int launch_rank_ = 0;
   int replica_ = 0;  // this process's original replica
   parallel::Membership membership_;
@@ -82,6 +99,13 @@ class ElasticTrainer {
   std::unique_ptr<data_parallel::GradientSynchronizer> sync_;
   std::unique_ptr<GPT2TrainStep> step_;
   std::vector<MembershipEvent> events_;
+  ExampleDigest last_examples_;
+};
+
+// A process of the current generation was lost outside a training step (check_members_alive).
+class LostProcessError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
 };
 
 // Whether `error` is a collective or point-to-point failure (a peer gone or timed out), which

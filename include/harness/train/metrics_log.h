@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace harness::train {
 
@@ -32,6 +33,16 @@ struct EvalMetrics {
   double validation_loss = 0.0;
 };
 
+// An elastic membership change (train/elastic_trainer.h, SPEC §7.3): the generation it formed,
+// the step it happened in, the replicas after it, and the processes (launch ranks) lost and joined.
+struct MembershipRecord {
+  int generation = 0;
+  int64_t step = 0;
+  int replicas = 0;
+  std::vector<int> lost;
+  std::vector<int> joined;
+};
+
 class MetricsLog {
  public:
   // Opens `path` for appending. A fresh run (resumed_step < 0) starts it empty; a resumed one
@@ -45,6 +56,7 @@ class MetricsLog {
   // One line each, flushed (a killed run keeps what it logged).
   void log(const StepMetrics& m);
   void log(const EvalMetrics& m);
+  void log(const MembershipRecord& m);
 
  private:
   std::string path_;
