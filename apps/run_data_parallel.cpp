@@ -58,7 +58,9 @@ DataParallelFlags parse(int argc, char** argv) {
       ("save_every_rank", "ranks above 0 also write their replica to <workdir>/rank{r}/")
       ("max_restarts", "restart the group after a worker dies, up to N times", cxxopts::value<int>()->default_value("0"), "N")
       ("debug_sync", "compare each collective's fingerprint across ranks before it runs")
-      ("synchronous_step", "zb1p/zbv stage processes: step after the global norm, no early step to undo");
+      ("synchronous_step", "zb1p/zbv stage processes: step after the global norm, no early step to undo")
+      ("elastic", "a lost data-parallel replica does not end the run: the others continue")
+      ("min_replicas", "with --elastic: the fewest replicas to continue with", cxxopts::value<int>()->default_value("1"), "N");
   add_pipeline_options(options, "with --pipeline_parallel_size above 1");
   cxxopts::ParseResult result = parse_or_exit(options, what, argc, argv);
   DataParallelFlags flags;
@@ -84,6 +86,11 @@ DataParallelFlags parse(int argc, char** argv) {
     c.dist_timeout_s = result["dist_timeout_s"].as<int>();
     c.debug_sync = result.count("debug_sync") > 0;
     c.synchronous_step = result.count("synchronous_step") > 0;
+    c.elastic = result.count("elastic") > 0;
+    c.min_replicas = result["min_replicas"].as<int>();
+    if (result.count("min_replicas") > 0 && !c.elastic) {
+      throw std::invalid_argument("--min_replicas applies to --elastic runs only");
+    }
     const std::string reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
     if (reduce_dtype != "fp32" && reduce_dtype != "bf16") {
       throw std::invalid_argument("--grad_reduce_dtype '" + reduce_dtype + "': expected fp32 or bf16");
@@ -158,7 +165,10 @@ int main(int argc, char** argv) {
     launch.unresponsive_worker_timeout = std::chrono::seconds(config.dist_timeout_s + 10);
     // With restarts the launcher serves the rendezvous store, as torchrun's agent does: one store
     // for every attempt, which no worker's death takes with it.
-    launch.serve_store = config.max_restarts > 0;
+    launch.serve_store = config.max_restarts > 0 || config.elastic;
+    // --elastic: a lost worker is recorded in the store and the others go on (elastic_step.h).
+    launch.elastic = config.elastic;
+    if (config.elastic) launch.extra_env.emplace_back(harness::train::kElasticLaunchVariable, "1");
     return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts, launch);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: error: " << e.what() << std::endl;

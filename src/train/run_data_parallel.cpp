@@ -30,6 +30,7 @@
 #include "harness/train/programs.h"
 #include "harness/train/rank_agreement.h"
 #include "harness/train/compose_step.h"
+#include "harness/train/elastic_step.h"
 #include "harness/train/zero/zero3_step.h"
 
 namespace harness::train {
@@ -178,10 +179,43 @@ void check_zero_stage(const DataParallelConfig& flags) {
   }
 }
 
+void check_elastic_run(const DataParallelConfig& flags) {
+  if (!flags.elastic) return;
+  const parallel::Layout layout = run_layout(flags, flags.world_size);
+  const int D = layout.data_parallel_size();
+  if (layout.tensor_parallel_size() > 1 || layout.context_parallel_size() > 1 || layout.pipeline_parallel_size() > 1) {
+    throw std::invalid_argument(
+        "--elastic recovers replicas of the whole model (data parallelism alone) so far: it cannot take "
+        "--tensor_parallel_size, --context_parallel_size or --pipeline_parallel_size above 1 yet");
+  }
+  if (D < 2) {
+    throw std::invalid_argument("--elastic keeps training when a data-parallel replica is lost: it needs at least "
+                                "2 replicas, and --world_size " + std::to_string(flags.world_size) + " makes " +
+                                std::to_string(D) + " (with one, use --max_restarts)");
+  }
+  if (flags.zero_stage != 0) {
+    throw std::invalid_argument("--elastic with --zero_stage " + std::to_string(flags.zero_stage) +
+                                ": a lost rank's shard of the optimizer state" +
+                                (flags.zero_stage >= 2 ? std::string(" and of the gradients") : std::string()) +
+                                (flags.zero_stage == 3 ? std::string(" and parameters") : std::string()) +
+                                " exists nowhere else, so its replica could not be dropped; use --zero_stage 0");
+  }
+  if (flags.min_replicas < 1 || flags.min_replicas > D) {
+    throw std::invalid_argument("--min_replicas " + std::to_string(flags.min_replicas) + ": expected 1 to " +
+                                std::to_string(D) + " (the data-parallel replicas)");
+  }
+  if (flags.save_every_rank) {
+    throw std::invalid_argument("--save_every_rank with --elastic: the replicas hold the same weights, and the "
+                                "current rank 0 saves them to --workdir");
+  }
+  if (flags.pytest) throw std::invalid_argument("--pytest with --elastic: --pytest trains one step, nothing to recover");
+}
+
 void check_data_parallel_run(const DataParallelConfig& flags) {
   const RunConfig& f = flags.run;
   const parallel::Layout layout = run_layout(flags, flags.world_size);
   check_zero_stage(flags);
+  check_elastic_run(flags);
   const int64_t replica_batch = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
   dp::resolve_backend(flags.backend, worker_device(flags, flags.world_size - 1));
   check_writable_folder(f.workdir, "--workdir");
@@ -358,6 +392,7 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
             << (f.gradient_accumulation_steps > 1
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "");
+  if (flags.elastic) std::cerr << " elastic=true min_replicas=" << flags.min_replicas;
   if (T > 1) std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
   if (layout.sequence_parallel()) std::cerr << " sequence_parallel=true";
   if (const int C = layout.context_parallel_size(); C > 1) {
@@ -482,14 +517,10 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     composition.stages = agreed_stage_options(flags, layout, in, model, device, rank, world);
     composition.stages->tracer = tracer.get();  // each stage action a slice on the rank's trace
   }
-  StepParts parts = compose_step(model, layout, groups, composition);
-  if (flags.zero_stage >= 1 && rank == 0) print_zero_state(flags, layout.gradient_group_size(), model, *parts.optimizer);
   TrainStepSettings settings;
   settings.precision = f.precision;
   settings.tracer = tracer.get();
   settings.trace_track = track;
-  if (rank == 0) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, parts);
-  GPT2TrainStep step(model, std::move(parts.forward_backward), std::move(parts.optimizer), parts.sync.get(), settings);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
@@ -497,7 +528,6 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   // The ranks of a context group hold different positions: each draws its own masks.
   const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
   torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank * C + cp_rank));
-
   const int64_t max_length = f.model_max_length;
   data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
     return data::collate(ex, tokenizer, max_length);
@@ -514,6 +544,39 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   }
   data::BatchLoader validation_loader(in.corpus.validation, validation_collate, {f.batch_size, false, 0, false, 2});
 
+  // The step: composed once for the layout, or under --elastic composed again for each generation
+  // (elastic_step.h), the dropped replicas' batches read from their loaders' mirror.
+  StepParts parts;
+  std::unique_ptr<GPT2TrainStep> plain;
+  std::unique_ptr<ReplicaBatchMirror> mirror;
+  std::unique_ptr<ElasticTrainStep> elastic;
+  if (flags.elastic) {
+    mirror = std::make_unique<ReplicaBatchMirror>([&](int replica) {
+      return std::make_unique<dp::ShardedLoader>(replica, dp_size, in.corpus.train, f.batch_size, collate,
+                                                 dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
+    });
+    ElasticSettings elastic_settings;
+    elastic_settings.min_replicas = flags.min_replicas;
+    // A survivor blocked in a collective with another survivor learns of the loss when the
+    // collective times out, and the launcher declares a stopped process lost a little later.
+    elastic_settings.join_window = std::chrono::seconds(flags.dist_timeout_s + 15);
+    elastic = std::make_unique<ElasticTrainStep>(model, composition, options, world, *mirror, elastic_settings,
+                                                 settings);
+  } else {
+    parts = compose_step(model, layout, groups, composition);
+    if (flags.zero_stage >= 1 && rank == 0) {
+      print_zero_state(flags, layout.gradient_group_size(), model, *parts.optimizer);
+    }
+  }
+  if (rank == 0) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, parts);
+  if (!elastic) {
+    plain = std::make_unique<GPT2TrainStep>(model, std::move(parts.forward_backward), std::move(parts.optimizer),
+                                            parts.sync.get(), settings);
+  }
+  TrainStep& step = elastic ? static_cast<TrainStep&>(*elastic) : *plain;
+  // The world the run's collectives and checkpoints go over: the current generation's under --elastic.
+  const dp::DistContext& current_world = elastic ? elastic->world() : world;
+
   if (flags.pytest) {
     // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
     // gradients, written before any optimizer step.
@@ -529,18 +592,30 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     data.validation = &validation_loader;
     data.test = &in.corpus.test;
     data.tokenizer = &tokenizer;
-    run_training(step, data, training, &world);
-    if (rank == 0) print_after_training(flags, parts.sync.get());
-    if (const StepOptimizer::PostValidation pv = step.optimizer().post_validation(); pv.early > 0) {
+    if (elastic) {
+      training.elastic = true;
+      training.peers_alive = [&elastic] { elastic->trainer().check_members_alive(); };
+      training.lost_peer = [](const std::exception& e) {
+        return is_communication_failure(e) || dynamic_cast<const LostProcessError*>(&e) != nullptr;
+      };
+      data.epoch_started = [&mirror](int64_t epoch, int64_t first_batch) { mirror->start_epoch(epoch, first_batch); };
+      data.membership_changes = [&elastic] { return elastic->take_membership_changes(); };
+    }
+    run_training(step, data, training, &current_world);
+    if (rank == 0 && plain) print_after_training(flags, parts.sync.get());
+    if (const StepOptimizer::PostValidation pv = plain ? plain->optimizer().post_validation() : StepOptimizer::PostValidation{};
+        pv.early > 0) {
       std::cerr << "[rank " << rank << "] optimizer: post-validation stepped " << pv.early
                 << " times before the global norm arrived, " << pv.undone << " of them undone (clipped or skipped)"
                 << std::endl;
     }
     if (tracer) write_trace(*tracer, f.trace, env);
-    if (rank == 0) std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+    if (current_world.rank == 0) {
+      std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+    }
   }
-  dp::barrier(world);
-  report_debug_sync(world);
+  dp::barrier(current_world);
+  report_debug_sync(current_world);
   return 0;
 }
 
@@ -561,6 +636,13 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   const parallel::Layout layout = run_layout(flags, env.world_size);
   (void)layout.coordinates_of(env.rank);  // a rank outside the world is refused before connecting
   check_zero_stage(flags);
+  check_elastic_run(flags);
+  if (flags.elastic && env_or(kElasticLaunchVariable, "").empty()) {
+    throw std::invalid_argument(
+        "--elastic needs run_data_parallel's own launcher (start it without torchrun or srun): it holds the "
+        "rendezvous store and lets the other workers go on when one is lost, whereas torchrun's agent stops "
+        "every worker when one fails; under torchrun, use its --max-restarts with --resume auto");
+  }
   const dp::DistContext world = dp::init_process_group(options);
   try {
     return train_this_rank(flags, layout, env, device, threads, options, world);

@@ -98,6 +98,10 @@ struct DataParallelConfig {
   bool debug_sync = false;   // compare collective fingerprints across ranks (debug_sync.h)
   // --synchronous_step: no optimizer post-validation (every stage waits for the global norm)
   bool synchronous_step = false;
+  // --elastic: a lost data-parallel replica does not end the run (train/elastic_step.h); the
+  // others continue down to --min_replicas.
+  bool elastic = false;
+  int min_replicas = 1;
   at::ScalarType grad_reduce_dtype = at::kFloat;  // --grad_reduce_dtype: the gradient all-reduce's, fp32 | bf16
   int zero_stage = 0;                      // 1: AdamW state sharded over the data-parallel ranks
   int zero_prefetch = 1;                   // --zero_stage 3: units all-gathered ahead
@@ -105,6 +109,15 @@ struct DataParallelConfig {
   PipelineScheduleConfig pipe;             // how the stages run when P > 1
 };
 int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
+
+// Set in the workers run_data_parallel's own launcher starts for --elastic: it holds the store and
+// lets the others go on when one is lost. A worker of another launcher (torchrun, srun) refuses
+// --elastic.
+inline constexpr const char* kElasticLaunchVariable = "HARNESS_ELASTIC_LAUNCHER";
+
+// --elastic's rules (the flags named): data parallelism alone (C = T = P = 1) with D >= 2
+// replicas, no ZeRO, 1 <= --min_replicas <= D, the final model in --workdir alone.
+void check_elastic_run(const DataParallelConfig& config);
 
 // Every rule a worker would apply to the flags, model, data and devices, applied once in the
 // launching process before any worker starts, so that a bad run fails at once with one error

@@ -1,0 +1,239 @@
+"""--elastic end to end: a data-parallel replica killed (-9) at step 5 of 12 under (2,1,1,1) and
+(3,1,1,1). The run finishes without a restart; its weights equal the undisturbed run's by the AdamW
+rule; the membership line and metrics.jsonl record are there; each step trained on the same
+examples as the undisturbed run's (a per-step digest of the examples every process trained); no
+step is missing or repeated. Also: --min_replicas 2 ends the run naming the lost process, and the
+refusals before launch. gpt2-tiny, dropout 0 (a dropped replica's rows draw the survivors'
+dropout masks otherwise)."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import unittest
+
+SOURCE = os.environ.get("HARNESS_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BINARY = os.environ.get("HARNESS_BINARY_DIR", os.path.join(SOURCE, "build"))
+sys.path.insert(0, os.path.join(SOURCE, "scripts"))
+from fault_injection import descendants  # noqa: E402  every process below a pid, from /proc
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from after_adamw import weight_problems  # noqa: E402  weights of two runs compared as AdamW guarantees
+DP = os.path.join(BINARY, "run_data_parallel")
+
+STEPS, LR = 12, 3e-3
+# One epoch of 12 optimizer steps of 12 rows (6 or 4 a replica), dropout off.
+TINY = ["--model", "gpt2-tiny", "--model_max_length", "32", "--train_size", "144", "--validation_size", "6",
+        "--test_size", "2", "--no_progress", "--batch_size", "12", "--n_epochs", "1", "--dropout", "0",
+        "--learning_rate", str(LR), "--dist_timeout_s", "5", "--threads_per_device", "1"]
+TRAIN = re.compile(r"^Epoch 0 on Rank (\d+): Training Time")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, env_extra=None, timeout=300):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def weights(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def records(work):
+    with open(os.path.join(work, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_digests(folder):
+    """step -> (examples, digest) summed over every process's file, digests modulo 2^64."""
+    out = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                step, count, digest = (int(x) for x in line.split())
+                c, d = out.get(step, (0, 0))
+                out[step] = (c + count, (d + digest) % (1 << 64))
+    return out
+
+
+class ElasticRun(unittest.TestCase):
+    def elastic_run(self, tmp, name, world_size, kill=None, extra=()):
+        work = os.path.join(tmp, name)
+        digests = os.path.join(tmp, name + "-digests")
+        os.makedirs(digests)
+        env = {"HARNESS_TEST_EXAMPLE_DIGESTS": digests}
+        if kill:
+            env["HARNESS_TEST_KILL_AT_STEP"] = kill
+        proc = run([DP, "--world_size", str(world_size), "--master_port", str(free_port()), "--workdir", work,
+                    "--elastic"] + list(extra) + TINY, env)
+        return work, digests, proc
+
+    def check_lost_replica(self, tmp, world_size, lost, extra=()):
+        """Runs undisturbed and with process `lost` killed at step 5, checks the killed run against
+        the undisturbed one, and returns both workdirs."""
+        plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", world_size)
+        self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+        work, digests, k = self.elastic_run(tmp, "killed", world_size, kill=f"{lost}:5", extra=extra)
+        self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+        self.assertNotIn("restart", k.stderr)
+        left = world_size - 1
+        self.assertEqual(sum(f"elastic: generation 1 at step 5: lost process {lost}; {left} of {world_size} "
+                             "replicas go on" in line for line in k.stderr.splitlines()), 1, k.stderr[-3000:])
+        # The membership record, once, between steps 4 and 5; every step once, in order.
+        log = records(work)
+        members = [r for r in log if r["kind"] == "membership"]
+        self.assertEqual(members, [{"kind": "membership", "generation": 1, "step": 5, "replicas": left,
+                                    "lost": [lost], "joined": []}])
+        self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+        self.assertEqual(log.index(members[0]), 4, log)
+        # The lost replica prints no epoch line; the others do.
+        reporting = sorted(int(m[1]) for m in (TRAIN.match(l) for l in k.stdout.splitlines()) if m)
+        self.assertEqual(reporting, [r for r in range(world_size) if r != lost], k.stdout)
+        # The examples of every step, over all processes, are the undisturbed run's.
+        expected, actual = step_digests(plain_digests), step_digests(digests)
+        self.assertEqual(sorted(expected), list(range(1, STEPS + 1)))
+        self.assertEqual(actual, expected)
+        self.assertEqual({c for c, _ in expected.values()}, {12})
+        # The weights: the undisturbed run's by the AdamW rule.
+        problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+        self.assertEqual(problems, [], "\n".join(problems))
+        return plain, work
+
+    def test_a_killed_replica_of_two_leaves_one_that_trains_every_row(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            self.check_lost_replica(tmp, 2, lost=1)
+
+    def test_a_killed_replica_of_three_leaves_two_that_share_its_rows(self):
+        # Process 0 is the one lost: the next generation's rank 0 writes the checkpoints (every 3
+        # steps), the final model and metrics.jsonl from then on. The checkpoint of step 9, written
+        # by 2 processes, resumes under 3 without --elastic and ends as the undisturbed run.
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, work = self.check_lost_replica(tmp, 3, lost=0, extra=["--checkpoint_every", "3"])
+            checkpoint = os.path.join(work, "checkpoints", "step-00000009")
+            self.assertTrue(os.path.exists(os.path.join(checkpoint, "manifest.json")))
+            resumed = os.path.join(tmp, "resumed")
+            r = run([DP, "--world_size", "3", "--master_port", str(free_port()), "--workdir", resumed, "--resume",
+                     checkpoint] + TINY)
+            self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+            self.assertIn("resume: continuing from " + checkpoint, r.stderr)
+            problems = weight_problems(weights(resumed), weights(plain), LR, STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
+    def test_a_replica_stopped_past_the_timeout_is_dropped(self):
+        # SIGSTOP at step 5: the survivor's collective times out (--dist_timeout_s 5), the launcher
+        # kills the stopped process past its timeout and records it lost, and the survivor goes on.
+        with tempfile.TemporaryDirectory() as tmp:
+            work, _, proc = self.elastic_run(tmp, "stopped", 2, kill="1:5:stop")
+            self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+            self.assertIn("elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on", proc.stderr)
+            self.assertEqual([r["step"] for r in records(work) if r["kind"] == "train"], list(range(1, STEPS + 1)))
+
+    def test_below_min_replicas_the_run_stops_naming_the_lost_process(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            _, _, proc = self.elastic_run(tmp, "min2", 2, kill="1:5", extra=["--min_replicas", "2"])
+            self.assertNotEqual(proc.returncode, 0)
+            self.assertIn("lost process 1 at step 5; 1 replica(s) left, below --min_replicas 2", proc.stderr)
+
+    def test_without_a_loss_the_elastic_run_is_the_plain_run_bit_for_bit(self):
+        torch = __import__("torch")
+        with tempfile.TemporaryDirectory() as tmp:
+            work, _, e = self.elastic_run(tmp, "elastic", 2)
+            self.assertEqual(e.returncode, 0, e.stderr[-3000:])
+            self.assertIn("elastic=true min_replicas=1", e.stderr)
+            plain = os.path.join(tmp, "plain")
+            p = run([DP, "--world_size", "2", "--master_port", str(free_port()), "--workdir", plain] + TINY)
+            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            a, b = weights(work), weights(plain)
+            for key in b:
+                self.assertTrue(torch.equal(a[key], b[key]), key)
+
+
+def worker_of_rank(launcher_pid, rank):
+    for pid in descendants(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return pid
+    return None
+
+
+class LossDuringACheckpoint(unittest.TestCase):
+    def test_the_writer_killed_while_writing_leaves_the_previous_checkpoint_and_training_goes_on(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = os.path.join(tmp, "plain")
+            p = run([DP, "--world_size", "3", "--master_port", str(free_port()), "--workdir", plain] + TINY)
+            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            work = os.path.join(tmp, "w")
+            # Every checkpoint write stalls 2 s half-written; process 0, the writer, is killed in the
+            # second one (step 8).
+            env = dict(os.environ, HARNESS_TEST_CHECKPOINT_STALL_MS="2000")
+            proc = subprocess.Popen([DP, "--world_size", "3", "--master_port", str(free_port()), "--workdir", work,
+                                     "--elastic", "--checkpoint_every", "4"] + TINY, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+            err, out = [], []
+            reader = threading.Thread(target=lambda: out.extend(proc.stdout.read().splitlines()), daemon=True)
+            reader.start()
+            try:
+                writes = 0
+                for line in proc.stderr:
+                    err.append(line.rstrip("\n"))
+                    if "checkpoint: writing" in line:
+                        writes += 1
+                        if writes == 2:
+                            os.kill(worker_of_rank(proc.pid, 0), signal.SIGKILL)
+                code = proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            reader.join(timeout=10)
+            proc.stdout.close()
+            proc.stderr.close()
+            text = "\n".join(err)
+            self.assertEqual(code, 0, text[-4000:])
+            self.assertIn("checkpoint: step 8 abandoned, a process was lost", text)
+            self.assertIn("elastic: generation 1 at step 9: lost process 0; 2 of 3 replicas go on", text)
+            checkpoints = os.path.join(work, "checkpoints")
+            complete = sorted(d for d in os.listdir(checkpoints)
+                              if os.path.exists(os.path.join(checkpoints, d, "manifest.json")))
+            self.assertEqual(complete, ["step-00000004", "step-00000012"], os.listdir(checkpoints))
+            problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
+
+class Refusals(unittest.TestCase):
+    def refused(self, extra, expected, env_extra=None):
+        proc = run([DP, "--master_port", str(free_port()), "--workdir", tempfile.gettempdir()] + extra + TINY,
+                   env_extra, timeout=120)
+        self.assertNotEqual(proc.returncode, 0, proc.stderr)
+        self.assertIn(expected, proc.stderr)
+        self.assertNotIn("Epoch", proc.stdout)
+
+    def test_flags_that_cannot_work_are_refused_before_launch(self):
+        self.refused(["--world_size", "1", "--elastic"], "it needs at least 2 replicas")
+        self.refused(["--world_size", "2", "--elastic", "--zero_stage", "1"],
+                     "a lost rank's shard of the optimizer state exists nowhere else")
+        self.refused(["--world_size", "4", "--elastic", "--tensor_parallel_size", "2"],
+                     "--elastic recovers replicas of the whole model")
+        self.refused(["--world_size", "2", "--elastic", "--min_replicas", "3"], "--min_replicas 3: expected 1 to 2")
+        self.refused(["--world_size", "2", "--min_replicas", "2"], "--min_replicas applies to --elastic runs only")
+
+    def test_a_worker_of_another_launcher_refuses_elastic(self):
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost",
+               "MASTER_PORT": str(free_port())}
+        self.refused(["--world_size", "2", "--elastic"], "--elastic needs run_data_parallel's own launcher", env)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
