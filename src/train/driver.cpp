@@ -600,6 +600,13 @@ void TrainingRun::train() {
 // checkpoint (the last batch of an epoch is checkpointed after its evaluation, in end_epoch).
 void TrainingRun::after_step(int64_t epoch, int64_t total, const EpochTiming& so_far) {
   ++at_.global_step;
+  if (const char* folder = std::getenv("HARNESS_TEST_STEP_LOSSES"); folder != nullptr && *folder != '\0') {
+    // Test and benchmark hook: every process appends "<step> <loss>" to <folder>/rank<r>.txt, so
+    // that the mean over the processes that trained a step, its global loss, can be compared
+    // between runs (metrics.jsonl holds one process's).
+    std::ofstream(std::string(folder) + "/rank" + std::to_string(o_.rank) + ".txt", std::ios::app)
+        << at_.global_step << ' ' << std::setprecision(17) << so_far.last_loss << '\n';
+  }
   // The first step also allocates the gradients and AdamW's state: the model state, not activations.
   if (pipeline::activation_meter_installed() && ++counted_steps_ > 1) {
     step_tensor_increase_ = std::max(step_tensor_increase_, pipeline::cpu_tensor_window_increase());

@@ -3,6 +3,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
+#include <iomanip>
 #include <iostream>
 #include <stdexcept>
 #include <string>
@@ -117,6 +119,7 @@ double ElasticTrainer::step(int64_t k) {
 }
 
 void ElasticTrainer::recover(int64_t k) {
+  const auto start = std::chrono::steady_clock::now();
   // The weights have not moved (the optimizer steps after the all-reduce); AdamW's state and rate
   // go over to the next generation's step as they are. The failed generation's step and groups go
   // first: tearing down their connections takes a while, which the join window absorbs, not the
@@ -167,8 +170,10 @@ void ElasticTrainer::recover(int64_t k) {
   if (world_.rank != 0) return;  // one line for the change, from the generation's rank 0
   std::cerr << "elastic: generation " << next.number << " at step " << k + 1 << ": lost process" <<
             (lost_processes.size() > 1 ? "es " : " ") << lost_text << "; "
-            << membership_.replica_count() << " of " << membership_.original_replicas << " replicas go on"
-            << std::endl;
+            << membership_.replica_count() << " of " << membership_.original_replicas << " replicas go on ("
+            << std::fixed << std::setprecision(3)
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
+            << " s to agree and reconnect)" << std::defaultfloat << std::endl;
 }
 
 }  // namespace harness::train
