@@ -31,19 +31,7 @@ from bench_common import add_folder_arguments, cpu_model_name, free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fault_injection import descendants  # noqa: E402
-
-
-def worker_of_rank(launcher_pid, rank):
-    for pid in descendants(launcher_pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i)
-        except OSError:
-            continue
-        if env.get(b"RANK") == str(rank).encode():
-            return pid
-    return None
+from fault_injection import worker_of_rank  # noqa: E402
 
 
 def train_records(path):

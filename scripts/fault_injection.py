@@ -86,6 +86,11 @@ def rank_of(pid: int) -> Optional[int]:
         return None
 
 
+def worker_of_rank(launcher_pid: int, rank: int) -> Optional[int]:
+    """The pid of the launcher's worker whose RANK is `rank`, or None."""
+    return next((p for p in descendants(launcher_pid) if rank_of(p) == rank), None)
+
+
 def telling_line(text: str) -> str:
     """What a user reads: the first error line of the program (or of a rank) and the launcher's
     verdict when there is one, else the last line."""

@@ -19,7 +19,7 @@ import unittest
 SOURCE = os.environ.get("HARNESS_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BINARY = os.environ.get("HARNESS_BINARY_DIR", os.path.join(SOURCE, "build"))
 sys.path.insert(0, os.path.join(SOURCE, "scripts"))
-from fault_injection import descendants  # noqa: E402  every process below a pid, from /proc
+from fault_injection import worker_of_rank  # noqa: E402  a launcher's worker by its RANK, from /proc
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from after_adamw import weight_problems  # noqa: E402  weights of two runs compared as AdamW guarantees
 DP = os.path.join(BINARY, "run_data_parallel")
@@ -157,18 +157,6 @@ class ElasticRun(unittest.TestCase):
                 self.assertTrue(torch.equal(a[key], b[key]), key)
 
 
-def worker_of_rank(launcher_pid, rank):
-    for pid in descendants(launcher_pid):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(i.split(b"=", 1) for i in f.read().split(b"\0") if b"=" in i)
-        except OSError:
-            continue
-        if env.get(b"RANK") == str(rank).encode():
-            return pid
-    return None
-
-
 class LossDuringACheckpoint(unittest.TestCase):
     def test_the_writer_killed_while_writing_leaves_the_previous_checkpoint_and_training_goes_on(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -210,6 +198,32 @@ class LossDuringACheckpoint(unittest.TestCase):
             self.assertEqual(complete, ["step-00000004", "step-00000012"], os.listdir(checkpoints))
             problems = weight_problems(weights(work), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
+
+
+class ElasticBench(unittest.TestCase):
+    def test_the_bench_times_both_recoveries_and_compares_the_loss_curves(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "figures")
+            proc = subprocess.run([sys.executable, os.path.join(SOURCE, "scripts", "elastic_bench.py"), "--build-dir",
+                                   BINARY, "--workdir", tmp, "--out-dir", out, "--model", "gpt2-tiny", "--steps", "8",
+                                   "--kill-at", "4", "--checkpoint-every", "2"],
+                                  capture_output=True, text=True, timeout=600)
+            self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+            with open(os.path.join(out, "elastic.json")) as f:
+                summary = json.load(f)
+            self.assertTrue(os.path.getsize(os.path.join(out, "elastic.png")) > 0)
+            for name in ("elastic", "restart"):
+                self.assertGreater(summary["recovery_s"][name], 0)
+                self.assertEqual(len(summary["runs"][name]["losses"]), 8)
+            self.assertEqual(summary["largest_loss_difference_from_undisturbed"]["restart"], 0.0)
+            self.assertLess(summary["largest_loss_difference_from_undisturbed"]["elastic"], 1e-4)
+            self.assertAlmostEqual(summary["recovery_ratio_elastic_over_restart"],
+                                   summary["recovery_s"]["elastic"] / summary["recovery_s"]["restart"])
+            # A kill step that is not a checkpoint's is refused.
+            bad = subprocess.run([sys.executable, os.path.join(SOURCE, "scripts", "elastic_bench.py"), "--kill-at", "5",
+                                  "--checkpoint-every", "2"], capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(bad.returncode, 0)
+            self.assertIn("--kill-at must be a checkpoint's step", bad.stderr)
 
 
 class Refusals(unittest.TestCase):
