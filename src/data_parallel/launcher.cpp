@@ -181,6 +181,12 @@ class WorkerGroup {
 
   Worker& operator[](int rank) { return workers_[static_cast<size_t>(rank)]; }
   std::vector<Worker>& all() { return workers_; }
+  int size() const { return static_cast<int>(workers_.size()); }
+  // A slot for one more worker (references to the others may move); its index.
+  int add() {
+    workers_.emplace_back();
+    return size() - 1;
+  }
 
   // Sends `sig` to the process group and the process of every worker not yet reaped. A worker's
   // id stays its own until it is reaped, so this never reaches a stranger.
@@ -402,13 +408,16 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
   WorkerGroup workers(world_size);
   const pid_t launcher_pid = ::getpid();
 
-  for (int rank = 0; rank < world_size; ++rank) {
+  // Starts worker `slot` (its RANK and LOCAL_RANK `rank`; a replacement's slot is past the world,
+  // and its launch id, `slot`, goes in kElasticJoinIdVariable).
+  auto spawn = [&](int slot, int rank) {
     std::vector<std::string> env_strings = base_env;
     env_strings.push_back("RANK=" + std::to_string(rank));
     env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size));
     env_strings.push_back("LOCAL_RANK=" + std::to_string(rank));
     env_strings.push_back("MASTER_ADDR=" + master_addr);
     env_strings.push_back("MASTER_PORT=" + std::to_string(master_port));
+    if (slot != rank) env_strings.push_back(std::string(kElasticJoinIdVariable) + "=" + std::to_string(slot));
     std::vector<char*> envp;
     for (auto& s : env_strings) envp.push_back(s.data());
     envp.push_back(nullptr);
@@ -416,19 +425,19 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
     PipeEnds out_pipe, err_pipe;
     for (PipeEnds* ends : {&out_pipe, &err_pipe}) {
       int fds[2];
-      int err = injected_errno(options, "pipe2", rank);
+      int err = injected_errno(options, "pipe2", slot);
       if (err == 0 && ::pipe2(fds, O_CLOEXEC) != 0) err = errno;
       if (err != 0) {
-        throw std::runtime_error("launcher: pipe for rank " + std::to_string(rank) + " failed: " + std::strerror(err));
+        throw std::runtime_error("launcher: pipe for rank " + std::to_string(slot) + " failed: " + std::strerror(err));
       }
       ends->read = fds[0];
       ends->write = fds[1];
     }
-    int fork_error = injected_errno(options, "fork", rank);
+    int fork_error = injected_errno(options, "fork", slot);
     const pid_t pid = fork_error != 0 ? -1 : ::fork();
     if (pid < 0) {
       if (fork_error == 0) fork_error = errno;
-      throw std::runtime_error("launcher: fork of rank " + std::to_string(rank) + " failed: " + std::strerror(fork_error));
+      throw std::runtime_error("launcher: fork of rank " + std::to_string(slot) + " failed: " + std::strerror(fork_error));
     }
     if (pid == 0) {
       ::setpgid(0, 0);
@@ -442,13 +451,14 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
       ::_exit(127);
     }
     ::setpgid(pid, pid);  // also here, so that kill(-pid) works before the child runs
-    Worker& w = workers[rank];
+    Worker& w = workers[slot];
     w.pid = pid;
     w.running = true;
     std::swap(w.out.fd, out_pipe.read);
     std::swap(w.err.fd, err_pipe.read);
     result.pids.push_back(pid);
-  }
+  };
+  for (int rank = 0; rank < world_size; ++rank) spawn(rank, rank);
 
   bool stopping = false;
   Clock::time_point kill_deadline{};
@@ -474,7 +484,7 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
   auto suspects = [&]() {
     std::string text;
     char seconds[64];
-    for (int rank = 0; rank < world_size; ++rank) {
+    for (int rank = 0; rank < workers.size(); ++rank) {
       const Worker& w = workers[rank];
       if (w.running && w.stopped_since) {
         std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.stopped_since).count());
@@ -502,7 +512,7 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
   for (;;) {
     std::vector<pollfd> fds;
     std::vector<std::pair<int, bool>> owners;  // (rank, is_stderr) of each pollfd
-    for (int rank = 0; rank < world_size; ++rank) {
+    for (int rank = 0; rank < workers.size(); ++rank) {
       Worker& w = workers[rank];
       if (w.out.fd >= 0) {
         fds.push_back({w.out.fd, POLLIN, 0});
@@ -543,7 +553,8 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
       result.interrupted = true;
     }
 
-    for (int rank = 0; rank < world_size; ++rank) {
+    std::vector<int> to_replace;  // lost ranks whose replacements start after this pass
+    for (int rank = 0; rank < workers.size(); ++rank) {
       Worker& w = workers[rank];
       workers.note_stop_or_continue(w);
       const auto overdue = [&](const std::optional<Clock::time_point>& since) {
@@ -575,10 +586,24 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
         } catch (const std::exception& e) {
           begin_stop(why + " (and the store could not record it: " + e.what() + ")", 1);
         }
+        if (static_cast<int>(result.replacements.size() + to_replace.size()) < options.max_replacements) {
+          to_replace.push_back(rank);
+        }
       } else if (failed && !stopping) {
         const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
         begin_stop(describe_exit(rank, status), code);
       }
+    }
+    for (const int lost : to_replace) {
+      if (stopping) break;
+      // The replacement takes the lost worker's RANK and LOCAL_RANK (its device), and a launch id
+      // of its own, past the world, to join under (elastic_rendezvous.h).
+      const int slot = workers.add();
+      const int rank = lost < world_size ? lost : result.replacements.at(static_cast<size_t>(lost - world_size)).rank;
+      result.replacements.push_back({slot, rank});
+      std::fprintf(stderr, "launcher: starting rank %d as a replacement for rank %d (--elastic)\n", slot, lost);
+      std::fflush(stderr);
+      spawn(slot, rank);
     }
     if (stopping && Clock::now() >= kill_deadline) workers.signal_running(SIGKILL);
 

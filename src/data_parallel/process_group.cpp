@@ -235,6 +235,18 @@ DistOptions dist_options_for(const WorkerEnv& env, Backend backend,
   return options;
 }
 
+DistContext connect_rendezvous_store(const DistOptions& options) {
+  validate(options);
+  DistContext ctx;
+  ctx.rank = options.rank;
+  ctx.world_size = options.world_size;
+  ctx.local_rank = options.local_rank;
+  ctx.device = options.device;
+  ctx.backend = resolve_backend(options.backend, options.device);
+  ctx.store = connect_store(options);
+  return ctx;
+}
+
 DistContext init_process_group(const DistOptions& options) {
   validate(options);
   DistContext ctx;

@@ -346,6 +346,23 @@ TEST(Launcher, ElasticStoppedWorkerIsLeftOutThenRefusedWhenItComesBack) {
       << run.joined();
 }
 
+// With replacements, a lost worker's place is taken by a new process: the lost one's RANK and
+// LOCAL_RANK, a launch id of its own past the world, its lines labelled with that id.
+TEST(Launcher, ElasticReplacesALostWorkerWithANewProcess) {
+  const auto run = launch_scenario("elastic_replace", 2, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
+    o.serve_store = true;
+    o.elastic = true;
+    o.max_replacements = 1;
+  });
+  EXPECT_EQ(run.result.exit_code, 0) << run.result.failure << "\n" << run.joined();
+  EXPECT_EQ(run.result.lost, std::vector<int>{1});
+  EXPECT_EQ(run.result.replacements, (std::vector<LaunchResult::Replacement>{{2, 1}}));
+  EXPECT_EQ(run.result.pids.size(), 3u);
+  const std::string all = run.joined();
+  EXPECT_NE(all.find("out: [rank 2] replacement 2 started"), std::string::npos) << all;
+  EXPECT_NE(all.find("out: rank 0 met replacement 2 for rank 1 on local rank 1"), std::string::npos) << all;
+}
+
 TEST(Launcher, WithoutElasticALostWorkerStillEndsTheRun) {
   const auto run = served_launch("elastic_kill", false);
   EXPECT_NE(run.result.exit_code, 0) << run.joined();

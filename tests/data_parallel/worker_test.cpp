@@ -510,6 +510,28 @@ TEST(DpWorker, Run) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // rank 0 is gone by then
     const std::vector<uint8_t> value = ctx.store->get("written by rank 0");
     ASSERT_EQ(value, std::vector<uint8_t>{7});
+  } else if (scenario == "elastic_replace") {
+    // Rank 1 is lost at once; the launcher starts its replacement (RANK 1, launch id 2), which
+    // tells rank 0 through the store who it is.
+    DistOptions options = dist_options_for(*env, Backend::kGloo);
+    options.timeout = std::chrono::seconds(20);
+    const auto store = connect_rendezvous_store(options).store;
+    const char* join_id = std::getenv(kElasticJoinIdVariable);
+    if (rank == 1 && join_id == nullptr) {
+      std::printf("scenario elastic_replace passed on rank 1\n");  // its part: to be lost
+      std::fflush(stdout);
+      std::raise(SIGKILL);
+    }
+    if (rank == 1) {
+      const std::string text = std::string(join_id) + " for rank " + std::to_string(rank) + " on local rank " +
+                               std::to_string(env->local_rank);
+      store->set("replacement", std::vector<uint8_t>(text.begin(), text.end()));
+      std::printf("replacement %s started\n", join_id);
+    } else {
+      store->wait({"replacement"}, std::chrono::seconds(20));
+      const std::vector<uint8_t> text = store->get("replacement");
+      std::printf("rank 0 met replacement %s\n", std::string(text.begin(), text.end()).c_str());
+    }
   } else if (scenario == "elastic_kill" || scenario == "elastic_stop") {
     elastic_scenario(*env, scenario == "elastic_stop");
     if (rank == 1) return;  // its line was printed before it was lost

@@ -42,6 +42,9 @@ std::optional<WorkerEnv> worker_env_from_environment();
 // prefix "[rank r] ". Returns the line to print.
 std::string label_worker_line(int rank, const std::string& line);
 
+// Set in a replacement worker (LaunchOptions::max_replacements): its launch id, past the world.
+inline constexpr const char* kElasticJoinIdVariable = "HARNESS_ELASTIC_JOIN_ID";
+
 struct LaunchOptions {
   std::string executable = "/proc/self/exe";
   // Extra variables for the workers, on top of this process's environment and the five above.
@@ -68,6 +71,12 @@ struct LaunchOptions {
   // lost_process_key, the reason as the value) and lets the others go on; one that exits 0 early
   // is not waited for. The launch fails when no worker exits 0 (LaunchResult::lost lists them).
   bool elastic = false;
+  // Under elastic: how many lost workers the launcher replaces. For each lost worker (a
+  // replacement included), while fewer than this many were started, it starts a new process with
+  // the lost one's RANK and LOCAL_RANK (its device) and a launch id of its own, world_size,
+  // world_size + 1, ... in kElasticJoinIdVariable, under which it joins the run
+  // (elastic_rendezvous.h). Its lines are labelled with that id. 0: none.
+  int max_replacements = 0;
   // Which attempt of launch_with_restarts this is (the workers' store keys are under its prefix).
   int restart_count = 0;
   // Fault injection for tests: called before the launcher's "pipe2" and "fork" for each rank; a
@@ -82,6 +91,14 @@ struct LaunchResult {
   std::vector<int> wait_status; // each worker's waitpid status, by rank
   bool interrupted = false;     // the launcher itself received SIGINT or SIGTERM
   std::vector<int> lost;        // under elastic: the ranks lost while the others went on, in order
+  // Under elastic with max_replacements: each replacement started, in order (its launch id, past
+  // the world, and the RANK it took); their pids follow the world's in pids.
+  struct Replacement {
+    int id = 0;
+    int rank = 0;
+    bool operator==(const Replacement& o) const { return id == o.id && rank == o.rank; }
+  };
+  std::vector<Replacement> replacements;
 };
 
 // Starts world_size copies of options.executable with argv_of_self (argv[0] first) and RANK,

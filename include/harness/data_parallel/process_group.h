@@ -63,6 +63,11 @@ Backend resolve_backend(Backend backend, const Device& device);
 // NCCL without a GPU (--backend gloo --device cpu).
 DistContext init_process_group(const DistOptions& options);
 
+// init_process_group without the group: the rendezvous store alone, connected as it connects it
+// (under options.use_agent_store, the launcher's, under this attempt's prefix), for a process
+// that joins a run under way (launcher.h's replacements) and connects its group later.
+DistContext connect_rendezvous_store(const DistOptions& options);
+
 // The options of the worker `env` describes (rank, world size, local rank, rendezvous address)
 // with `backend` and `device`; the timeout stays the default.
 DistOptions dist_options_for(const WorkerEnv& env, Backend backend = Backend::kAuto,
