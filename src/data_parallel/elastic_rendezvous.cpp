@@ -86,6 +86,68 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
   return next;
 }
 
+int ask_to_join(c10d::Store& store, int launch_id) {
+  const int64_t n = store.add("elastic/joins", 1);
+  const std::string id = std::to_string(launch_id);
+  store.set("elastic/join/" + std::to_string(n), std::vector<uint8_t>(id.begin(), id.end()));
+  return static_cast<int>(n);
+}
+
+std::vector<int> joins_after(c10d::Store& store, int admitted) {
+  const int64_t asked = store.add("elastic/joins", 0);
+  std::vector<int> out;
+  for (int64_t n = admitted + 1; n <= asked; ++n) {
+    const std::string key = "elastic/join/" + std::to_string(n);
+    // Counted before its id was written: the asker is between the two calls; the next boundary.
+    if (!store.check({key})) break;
+    const std::vector<uint8_t> id = store.get(key);
+    out.push_back(std::stoi(std::string(id.begin(), id.end())));
+  }
+  return out;
+}
+
+Generation admit(c10d::Store& store, const Generation& now, const std::vector<int>& members,
+                 const std::vector<int>& replicas) {
+  std::vector<int> sorted = members;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    throw std::invalid_argument("elastic: generation " + std::to_string(now.number + 1) + "'s members " +
+                                ranks_text(members) + " repeat a process");
+  }
+  if (replicas.size() != members.size()) {
+    throw std::invalid_argument("elastic: generation " + std::to_string(now.number + 1) + ": " +
+                                std::to_string(replicas.size()) + " replicas for " + std::to_string(members.size()) +
+                                " members");
+  }
+  Generation next{now.number + 1, members, replicas};
+  store.set(generation_key(next.number, "replicas"), encode(replicas));
+  store.set(generation_key(next.number, "members"), encode(members));
+  const std::string number = std::to_string(next.number);
+  for (const int member : members) {
+    if (now.rank_of(member) < 0) {
+      store.set("elastic/admitted/" + std::to_string(member), std::vector<uint8_t>(number.begin(), number.end()));
+    }
+  }
+  return next;
+}
+
+Generation await_admission(c10d::Store& store, int launch_id, std::chrono::milliseconds timeout) {
+  const std::string key = "elastic/admitted/" + std::to_string(launch_id);
+  try {
+    store.wait({key}, timeout);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("elastic: process " + std::to_string(launch_id) + " asked to join and was not admitted " +
+                             "within " + std::to_string(timeout.count()) + " ms (" +
+                             std::string(e.what()).substr(0, std::string(e.what()).find('\n')) + ")");
+  }
+  const std::vector<uint8_t> number = store.get(key);
+  Generation out;
+  out.number = std::stoi(std::string(number.begin(), number.end()));
+  out.members = decode(store.get(generation_key(out.number, "members")));
+  out.replicas = decode(store.get(generation_key(out.number, "replicas")));
+  return out;
+}
+
 DistContext connect_generation(const DistContext& world, const Generation& generation,
                                const std::vector<int>& members, int launch_rank, const DistOptions& options) {
   const int rank = Generation{generation.number, members}.rank_of(launch_rank);

@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <iomanip>
+#include <algorithm>
+#include <utility>
 #include <iostream>
 #include <stdexcept>
 #include <string>
@@ -54,7 +56,7 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
       batches_(std::move(batches)),
       settings_(settings),
       step_settings_(std::move(step_settings)),
-      launch_rank_(first_world_.rank) {
+      launch_rank_(settings.join_id >= 0 ? settings.join_id : first_world_.rank) {
   if (composition_.stages || composition_.data_parallel.zero_stage != 0 || model_->tensor_parallel() != nullptr) {
     throw std::invalid_argument(
         "elastic training recovers replicas of the whole model without ZeRO (data parallelism alone) so far");
@@ -64,10 +66,149 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
     throw std::invalid_argument("--min_replicas " + std::to_string(settings_.min_replicas) + ": expected 1 to " +
                                 std::to_string(membership_.original_replicas) + " (the data-parallel size)");
   }
-  replica_ = membership_.layout().coordinates_of(launch_rank_).data;
+  // A replacement's world rank is the lost process's: its replica.
+  replica_ = membership_.layout().coordinates_of(first_world_.rank).data;
+  if (settings_.join_id >= 0) {
+    join();
+    return;
+  }
   generation_.number = 0;
   for (int r = 0; r < first_world_.world_size; ++r) generation_.members.push_back(r);
   compose();
+}
+
+namespace {
+
+std::string ranks_list(const std::vector<int>& ranks) {
+  std::string text;
+  for (const int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
+}
+
+}  // namespace
+
+void ElasticTrainer::release_generation() {
+  step_.reset();  // its synchronizer's hooks leave the parameters first
+  sync_.reset();
+  groups_ = parallel::ProcessGroups{};
+  if (generation_.number > 0) world_.group.reset();  // the first generation's stays with first_world_
+}
+
+int64_t ElasticTrainer::share_state(int64_t step) {
+  torch::NoGradGuard no_grad;
+  const c10::Device device = world_.device.torch_device();
+  const bool sender = world_.rank == 0;
+  auto broadcast = [&](at::Tensor& t) {
+    std::vector<at::Tensor> tensors{t};
+    world_.group->broadcast(tensors)->wait();
+  };
+  const auto parameters = model_->named_parameters();
+  OptimizerState state = sender ? step_->optimizer_state() : OptimizerState{};
+  // The step, the learning rate, and each parameter's AdamW step count (0: not stepped yet).
+  std::vector<double> header{static_cast<double>(step), step_->learning_rate()};
+  for (const auto& item : parameters) {
+    const auto it = state.find(item.key());
+    header.push_back(it == state.end() ? 0.0 : static_cast<double>(it->second.step));
+  }
+  at::Tensor head = torch::tensor(header, torch::kFloat64).to(device);
+  broadcast(head);
+  head = head.cpu();
+  const double* h = head.data_ptr<double>();
+  model::NamedTensors weights;
+  size_t i = 2;
+  for (const auto& item : parameters) {
+    at::Tensor w = item.value().detach().clone();
+    broadcast(w);
+    weights.emplace_back(item.key(), w.cpu());
+    const int64_t steps = static_cast<int64_t>(h[i++]);
+    if (steps == 0) continue;
+    AdamWParamState& mine = state[item.key()];
+    at::Tensor avg = sender ? mine.exp_avg.to(device) : torch::zeros_like(item.value(), torch::kFloat32).to(device);
+    at::Tensor avg_sq = sender ? mine.exp_avg_sq.to(device) : torch::zeros_like(item.value(), torch::kFloat32).to(device);
+    broadcast(avg);
+    broadcast(avg_sq);
+    mine.step = steps;
+    mine.exp_avg = avg.cpu();
+    mine.exp_avg_sq = avg_sq.cpu();
+  }
+  if (!sender) {
+    step_->load_state(weights, state);
+    step_->set_learning_rate(h[1]);
+  }
+  return static_cast<int64_t>(h[0]);
+}
+
+void ElasticTrainer::join() {
+  c10d::Store& store = *first_world_.store;
+  // The askers before it were admitted before it (or wait for a later loss): as its rank 0 would.
+  admitted_ = dp::ask_to_join(store, launch_rank_);
+  generation_ = dp::await_admission(store, launch_rank_, settings_.admission_timeout);
+  membership_.generation = generation_.number;
+  membership_.replicas = generation_.replicas;
+  std::sort(membership_.replicas.begin(), membership_.replicas.end());
+  world_ = dp::connect_generation(first_world_, generation_, generation_.members, launch_rank_, options_);
+  compose();
+  joined_at_step_ = share_state(0);
+  just_joined_ = true;
+  events_.push_back({generation_.number, joined_at_step_ + 1, membership_.replica_count(), {}, {launch_rank_}});
+}
+
+void ElasticTrainer::admit_joiners(int64_t k) {
+  c10d::Store& store = *first_world_.store;
+  const int64_t asked = world_.rank == 0 ? static_cast<int64_t>(dp::joins_after(store, admitted_).size()) : 0;
+  at::Tensor count = torch::tensor({asked}, torch::kLong).to(world_.device.torch_device());
+  std::vector<at::Tensor> tensors{count};
+  world_.group->broadcast(tensors)->wait();
+  const int64_t n = count.cpu().item<int64_t>();
+  if (n == 0) return;
+  // The dropped replicas, in order, take the askers in the order they asked; askers beyond them
+  // wait for a later loss.
+  std::vector<int> dropped;
+  for (int r = 0; r < membership_.original_replicas; ++r) {
+    if (membership_.member_index(r) < 0) dropped.push_back(r);
+  }
+  std::vector<int> asking = dp::joins_after(store, admitted_);
+  asking.resize(static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(dropped.size()))));
+  if (asking.empty()) return;
+  dropped.resize(asking.size());
+  const auto start = std::chrono::steady_clock::now();
+  const parallel::MembershipChange change = parallel::rejoin_replicas(membership_, dropped);
+  std::vector<int> order(change.next.layout().world_size(), -1), replicas(order.size(), -1);
+  for (size_t i = 0; i < generation_.members.size(); ++i) {
+    const int rank = change.rank_in_next.at(i);
+    if (rank >= 0) order.at(rank) = generation_.members[i];
+  }
+  for (size_t j = 0; j < asking.size(); ++j) order.at(change.next.member_index(dropped[j])) = asking[j];
+  for (size_t m = 0; m < order.size(); ++m) replicas[m] = change.next.replicas.at(m);
+  dp::Generation next{generation_.number + 1, order, replicas};
+  const OptimizerState state = step_->optimizer_state();
+  const double learning_rate = step_->learning_rate();
+  model::NamedTensors weights;
+  for (const auto& item : model_->named_parameters()) weights.emplace_back(item.key(), item.value().detach().clone());
+  const bool decider = world_.rank == 0;
+  release_generation();
+  try {
+    if (decider) next = dp::admit(store, generation_, order, replicas);
+    admitted_ += static_cast<int>(asking.size());
+    world_ = dp::connect_generation(first_world_, next, order, launch_rank_, options_);
+    generation_ = next;
+    membership_ = change.next;
+    compose();
+    step_->load_state(weights, state);
+    step_->set_learning_rate(learning_rate);
+    (void)share_state(k);
+  } catch (const std::exception& e) {
+    // The state is no longer held by a step to recover from (a loss while growing back).
+    throw AdmissionError("elastic: admitting process " + ranks_list(asking) + " at step " + std::to_string(k + 1) +
+                         " failed, and the run cannot go on: " + e.what());
+  }
+  events_.push_back({next.number, k + 1, membership_.replica_count(), {}, asking});
+  if (world_.rank != 0) return;
+  std::cerr << "elastic: generation " << next.number << " at step " << k + 1 << ": process"
+            << (asking.size() > 1 ? "es " : " ") << ranks_list(asking) << " joined; " << membership_.replica_count()
+            << " of " << membership_.original_replicas << " replicas go on (" << std::fixed << std::setprecision(3)
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
+            << " s to admit and send the state)" << std::defaultfloat << std::endl;
 }
 
 ElasticTrainer::~ElasticTrainer() = default;
@@ -93,6 +234,20 @@ void ElasticTrainer::check_members_alive() const {
 
 double ElasticTrainer::step(int64_t k) {
   for (;;) {
+    try {
+      // Its broadcast is where a loss shows first. A replacement's first step skips it: the others
+      // took this boundary's decision when they admitted it.
+      if (settings_.accept_joiners && !std::exchange(just_joined_, false)) admit_joiners(k);
+    } catch (const AdmissionError&) {
+      throw;
+    } catch (const std::exception& e) {
+      if (!is_communication_failure(e)) throw;
+      std::cerr << "[process " << launch_rank_ << "] elastic: step " << k + 1 << "'s start failed in a collective ("
+                << std::string(e.what()).substr(0, std::string(e.what()).find('\n')) << "); agreeing who is left"
+                << std::endl;
+      recover(k);
+      continue;
+    }
     // This member's rows: its own batches, and its share of every dropped replica's.
     std::vector<std::vector<data::Batch>> replica_batches(membership_.original_replicas);
     std::vector<int64_t> rows(membership_.original_replicas, 0);
@@ -128,10 +283,7 @@ void ElasticTrainer::recover(int64_t k) {
   const double learning_rate = step_->learning_rate();
   model::NamedTensors weights;
   for (const auto& item : model_->named_parameters()) weights.emplace_back(item.key(), item.value().detach().clone());
-  step_.reset();  // its synchronizer's hooks leave the parameters first
-  sync_.reset();
-  groups_ = parallel::ProcessGroups{};
-  if (generation_.number > 0) world_.group.reset();  // the first generation's stays with first_world_
+  release_generation();
   const dp::Generation next =
       dp::agree_next_generation(*first_world_.store, generation_, launch_rank_, settings_.join_window);
   std::vector<int> lost_ranks, lost_processes;

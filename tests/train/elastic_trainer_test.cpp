@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,9 @@ std::string weights_file(const std::string& prefix, int rank) { return prefix + 
 
 void elastic_train_scenario(const dp::WorkerEnv& env) {
   const int kill_at = std::atoi(std::getenv("HARNESS_TEST_KILL_AT"));
+  const char* join_at_text = std::getenv("HARNESS_TEST_JOIN_AT");
+  const int join_at = join_at_text != nullptr ? std::atoi(join_at_text) : -1;
+  const char* join_id = std::getenv(dp::kElasticJoinIdVariable);  // set in the replacement
   const std::string out = std::getenv("HARNESS_TEST_OUT");
   dp::DistOptions options = dp::dist_options_for(env, dp::Backend::kGloo);
   // A survivor blocked in a collective with another survivor (which left it for the dead one's
@@ -48,30 +52,53 @@ void elastic_train_scenario(const dp::WorkerEnv& env) {
   composition.optimizer = OptimizerSettings(1e-3);
   ElasticSettings settings;
   settings.join_window = std::chrono::seconds(10);
-  ElasticTrainer trainer(testing::make_model(config), composition, options, dp::init_process_group(options),
+  settings.accept_joiners = join_at >= 0;
+  if (join_id != nullptr) settings.join_id = std::atoi(join_id);
+  settings.admission_timeout = std::chrono::seconds(60);
+  const dp::DistContext world = join_id != nullptr ? dp::connect_rendezvous_store(options) : dp::init_process_group(options);
+  if (join_id != nullptr) {
+    // The replacement asks once the survivors are at the join step, so that it joins there (it
+    // would otherwise join at whichever boundary follows its start).
+    world.store->wait({"test/at the join step"}, std::chrono::seconds(60));
+  }
+  ElasticTrainer trainer(testing::make_model(config), composition, options, world,
                          [&](int replica, int64_t step) { return std::vector<data::Batch>{replica_batch(config, replica, step)}; },
                          settings);
-  for (int64_t k = 0; k < kSteps; ++k) {
-    if (env.rank == 1 && k == kill_at) {
+  for (int64_t k = trainer.joined_at_step(); k < kSteps; ++k) {
+    if (join_id == nullptr && env.rank == 1 && k == kill_at) {
       std::printf("scenario elastic_train passed on rank 1\n");  // its part: to be lost
       std::fflush(stdout);
       std::raise(SIGKILL);
+    }
+    if (join_id == nullptr && k == join_at) {
+      // The survivors wait for the replacement to ask (it starts in a second or two), so that it
+      // joins at this step.
+      world.store->set("test/at the join step", std::vector<uint8_t>{1});
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (dp::joins_after(*world.store, 0).empty() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
     }
     trainer.step(k);
   }
   std::vector<at::Tensor> weights;
   for (const auto& item : trainer.current().model()->named_parameters()) weights.push_back(item.value().detach().clone());
-  torch::save(weights, weights_file(out, env.rank));
-  EXPECT_EQ(trainer.membership().replica_count(), kill_at >= 0 ? 2 : 3);
-  ASSERT_EQ(trainer.events().size(), kill_at >= 0 ? 1u : 0u);
-  if (kill_at >= 0) {
-    const MembershipEvent& change = trainer.events().front();
-    EXPECT_EQ(change.generation, 1);
-    EXPECT_EQ(change.step, kill_at + 1);  // the third step (1-based, as metrics.jsonl counts)
-    EXPECT_TRUE(change.joined.empty());
-    EXPECT_EQ(change.replicas, 2);
-    EXPECT_EQ(change.lost, std::vector<int>{1});
+  torch::save(weights, weights_file(out, trainer.launch_rank()));
+  const bool joined = join_at >= 0;
+  EXPECT_EQ(trainer.membership().replica_count(), kill_at >= 0 && !joined ? 2 : 3);
+  std::vector<MembershipEvent> expected;
+  if (kill_at >= 0 && join_id == nullptr) expected.push_back({1, kill_at + 1, 2, {1}, {}});
+  if (joined) expected.push_back({2, join_at + 1, 3, {}, {3}});
+  ASSERT_EQ(trainer.events().size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const MembershipEvent& change = trainer.events()[i];
+    EXPECT_EQ(change.generation, expected[i].generation);
+    EXPECT_EQ(change.step, expected[i].step);  // counted from 1, as metrics.jsonl counts
+    EXPECT_EQ(change.replicas, expected[i].replicas);
+    EXPECT_EQ(change.lost, expected[i].lost);
+    EXPECT_EQ(change.joined, expected[i].joined);
   }
+  if (join_id != nullptr) EXPECT_EQ(trainer.joined_at_step(), join_at);
 }
 
 std::map<std::string, at::Tensor> load_weights(const std::string& path) {
@@ -85,13 +112,16 @@ std::map<std::string, at::Tensor> load_weights(const std::string& path) {
   return out;
 }
 
-test_workers::CapturedLaunch elastic_run(const std::string& out, int kill_at) {
+test_workers::CapturedLaunch elastic_run(const std::string& out, int kill_at, int join_at = -1) {
   return test_workers::launch_test_workers(
       "train_tests", "ElasticWorker.Run", "elastic_train", 3,
-      {{"HARNESS_TEST_KILL_AT", std::to_string(kill_at)}, {"HARNESS_TEST_OUT", out}}, std::chrono::seconds(5),
-      [](dp::LaunchOptions& o) {
+      {{"HARNESS_TEST_KILL_AT", std::to_string(kill_at)},
+       {"HARNESS_TEST_JOIN_AT", std::to_string(join_at)},
+       {"HARNESS_TEST_OUT", out}},
+      std::chrono::seconds(5), [join_at](dp::LaunchOptions& o) {
         o.serve_store = true;
         o.elastic = true;
+        o.max_replacements = join_at >= 0 ? 1 : 0;
       });
 }
 
@@ -118,6 +148,34 @@ TEST(ElasticTrainer, AKilledReplicasRowsGoToTheOthersWhichEndWithTheUndisturbedW
                            expected.at("transformer.wte.weight")));
   const auto initial = testing::make_model(testing::tiny_config(2, 0.0))->named_parameters();
   EXPECT_FALSE(torch::equal(initial["transformer.wte.weight"], expected.at("transformer.wte.weight")));
+  test_workers::remove_tree(made);
+}
+
+// Growing back: replica 1 killed at its third step (k = 2); the launcher starts a replacement
+// (launch id 3), which joins at k = 4, receives the survivors' weights and AdamW state, and trains
+// replica 1's rows again. All three end bit-identical, with the undisturbed weights by the AdamW
+// rule.
+TEST(ElasticTrainer, AReplacementJoinsAtAStepBoundaryAndEndsLikeTheOthers) {
+  const std::string made = test_workers::make_temp_dir("elastic-join");
+  ASSERT_FALSE(made.empty());
+  const std::filesystem::path dir = made;
+  const auto plain = elastic_run((dir / "plain").string(), -1);
+  ASSERT_EQ(plain.result.exit_code, 0) << plain.result.failure << "\n" << plain.joined();
+  const auto grown = elastic_run((dir / "grown").string(), 2, 4);
+  ASSERT_EQ(grown.result.exit_code, 0) << grown.result.failure << "\n" << grown.joined();
+  EXPECT_EQ(grown.result.lost, std::vector<int>{1});
+  EXPECT_EQ(grown.result.replacements, (std::vector<dp::LaunchResult::Replacement>{{3, 1}}));
+  EXPECT_NE(grown.joined().find("elastic: generation 2 at step 5: process 3 joined; 3 of 3 replicas go on"),
+            std::string::npos)
+      << grown.joined();
+  const auto expected = load_weights(weights_file((dir / "plain").string(), 0));
+  const auto first = load_weights(weights_file((dir / "grown").string(), 0));
+  for (const int p : {2, 3}) {
+    const auto other = load_weights(weights_file((dir / "grown").string(), p));
+    for (const auto& [name, w] : first) EXPECT_TRUE(torch::equal(other.at(name), w)) << "process " << p << ": " << name;
+  }
+  test_support::expect_weights_agree_after_adamw(first, expected, testing::tiny_config(2, 0.0).n_embd, {1e-3, kSteps},
+                                                 1e-2, "replica 1 lost at step 3, replaced at step 5");
   test_workers::remove_tree(made);
 }
 

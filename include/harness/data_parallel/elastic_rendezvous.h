@@ -31,6 +31,9 @@ namespace harness::data_parallel {
 struct Generation {
   int number = 0;
   std::vector<int> members;  // launch ranks, in rank order
+  // Where an admission recorded it (admit): each member's original data-parallel replica, in
+  // member order, for a process that joins and knows only its own.
+  std::vector<int> replicas;
   // This process's rank in the generation (its position in members), or -1.
   int rank_of(int launch_rank) const;
 };
@@ -49,6 +52,25 @@ std::string lost_process_key(int launch_rank);
 // decision arrives within join_window and 30 s more (its decider died while deciding).
 Generation agree_next_generation(c10d::Store& store, const Generation& now, int launch_rank,
                                  std::chrono::milliseconds join_window);
+
+// Joining (a replacement the launcher started for a lost process, launcher.h): the process asks
+// to join under its launch id; rank 0 of the current generation, at a step boundary, reads who
+// asked (and must tell the others: they may read the store at other times) and writes the next
+// generation with them; the asker waits for that generation. Keys:
+//   elastic/joins                          a counter: the askers so far
+//   elastic/join/<n>                       the n-th asker's launch id (from 1)
+//   elastic/admitted/<launch id>           the generation that admitted it
+// Returns its place among the askers (from 1).
+int ask_to_join(c10d::Store& store, int launch_id);
+// The launch ids that asked after the first `admitted` askers, in the order they asked.
+std::vector<int> joins_after(c10d::Store& store, int admitted);
+// Writes generation now.number + 1 with `members` (launch ranks in its rank order: now's members
+// and the admitted) and their original `replicas` (in member order), then tells each new member;
+// returns it. Throws std::invalid_argument for members that repeat or replicas of another count.
+Generation admit(c10d::Store& store, const Generation& now, const std::vector<int>& members,
+                 const std::vector<int>& replicas);
+// The asker's wait for the generation that admits it; std::runtime_error after `timeout`.
+Generation await_admission(c10d::Store& store, int launch_id, std::chrono::milliseconds timeout);
 
 // The process group of the processes `members` (launch ranks, in the new rank order, a subset of
 // `generation`'s members that includes this process) under `generation`'s keys: `world` (the

@@ -33,6 +33,16 @@ struct ElasticSettings {
   int min_replicas = 1;  // fewer left: the run stops (std::runtime_error naming the ranks lost)
   // How long the survivors wait for each other to check in (a stopped process never does).
   std::chrono::milliseconds join_window = std::chrono::seconds(10);
+  // Replacements may join (the launcher starts them, launcher.h): at the start of every step rank
+  // 0 reads whether any asked, and tells the others (a one-number broadcast a step).
+  bool accept_joiners = false;
+  // This process is a replacement (its launch id, past the world: launcher.h's
+  // kElasticJoinIdVariable; -1: a process of the launch). It joins the run under way: asks, waits
+  // for admission at the others' next step boundary, and receives the weights, AdamW state,
+  // learning rate and step from their rank 0. Its world (rank: the lost process's) needs a store
+  // only.
+  int join_id = -1;
+  std::chrono::milliseconds admission_timeout = std::chrono::minutes(10);
 };
 
 // One membership change (its step counted from 1, as metrics.jsonl counts steps).
@@ -60,10 +70,12 @@ class ElasticTrainer {
                  TrainStepSettings step_settings = {});
   ~ElasticTrainer();
 
-  // Optimizer step `k`: its loss on this process. Recovers from lost processes as above; throws
-  // DeadGenerationError where this process is left out, and std::runtime_error below
-  // min_replicas.
+  // Optimizer step `k`: its loss on this process. Admits replacements first (accept_joiners), and
+  // recovers from lost processes as above; throws DeadGenerationError where this process is left
+  // out, and std::runtime_error below min_replicas.
   double step(int64_t k);
+  // A replacement: the step it joined at, the next it must take (0 for others).
+  int64_t joined_at_step() const { return joined_at_step_; }
 
   GPT2TrainStep& current() { return *step_; }
   const GPT2TrainStep& current() const { return *step_; }
@@ -83,6 +95,15 @@ class ElasticTrainer {
  private:
   void compose();
   void recover(int64_t k);
+  // Replacements (join_id): asks to join, waits for admission, connects, receives the state.
+  void join();
+  // At step k's start: admits the replacements that asked, if any (accept_joiners).
+  void admit_joiners(int64_t k);
+  // Rank 0's weights, AdamW state, learning rate and `step` to every member (a broadcast over the
+  // current world); the others load them. Returns the step.
+  int64_t share_state(int64_t step);
+  // The failed or outgrown generation's step and groups go (after the state is read).
+  void release_generation();
 
   model::GPT2LMHeadModel model_;
   StepComposition composition_;
@@ -100,10 +121,19 @@ class ElasticTrainer {
   std::unique_ptr<GPT2TrainStep> step_;
   std::vector<MembershipEvent> events_;
   ExampleDigest last_examples_;
+  int admitted_ = 0;  // askers to join seen so far (elastic_rendezvous.h's joins_after)
+  int64_t joined_at_step_ = 0;
+  bool just_joined_ = false;
 };
 
 // A process of the current generation was lost outside a training step (check_members_alive).
 class LostProcessError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Growing back failed after the outgrown generation was let go (a loss while admitting): fatal.
+class AdmissionError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
