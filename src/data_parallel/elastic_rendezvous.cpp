@@ -150,7 +150,7 @@ Generation await_admission(c10d::Store& store, int launch_id, std::chrono::milli
 
 DistContext connect_generation(const DistContext& world, const Generation& generation,
                                const std::vector<int>& members, int launch_rank, const DistOptions& options) {
-  const int rank = Generation{generation.number, members}.rank_of(launch_rank);
+  const int rank = Generation{generation.number, members, {}}.rank_of(launch_rank);
   if (rank < 0) {
     throw std::invalid_argument("connect_generation: process " + std::to_string(launch_rank) + " is not among " +
                                 ranks_text(members));

@@ -22,7 +22,7 @@ TEST(ElasticJoin, RankZeroReadsTheAskersInOrderAndAdmitsThem) {
   EXPECT_TRUE(joins_after(*store, 2).empty());
 
   // Generation 1 lost process 1 (members 0 and 2); generation 2 takes process 3 in its place.
-  const Generation now{1, {0, 2}};
+  const Generation now{1, {0, 2}, {0, 2}};
   const Generation next = admit(*store, now, {0, 3, 2}, {0, 1, 2});
   EXPECT_EQ(next.number, 2);
   EXPECT_EQ(next.members, (std::vector<int>{0, 3, 2}));
@@ -45,8 +45,8 @@ TEST(ElasticJoin, AnAskerNotAdmittedInTimeIsToldSo) {
               std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(admit(*store, Generation{0, {0, 1}}, {0, 1, 1}, {0, 1, 2}), std::invalid_argument);
-  EXPECT_THROW(admit(*store, Generation{0, {0, 1}}, {0, 1, 2}, {0, 1}), std::invalid_argument);
+  EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}}, {0, 1, 1}, {0, 1, 2}), std::invalid_argument);
+  EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}}, {0, 1, 2}, {0, 1}), std::invalid_argument);
 }
 
 }  // namespace
