@@ -243,18 +243,6 @@ DistContext connect_rendezvous_store(const DistOptions& options) {
   ctx.local_rank = options.local_rank;
   ctx.device = options.device;
   ctx.backend = resolve_backend(options.backend, options.device);
-  ctx.store = connect_store(options);
-  return ctx;
-}
-
-DistContext init_process_group(const DistOptions& options) {
-  validate(options);
-  DistContext ctx;
-  ctx.rank = options.rank;
-  ctx.world_size = options.world_size;
-  ctx.local_rank = options.local_rank;
-  ctx.device = options.device;
-  ctx.backend = resolve_backend(options.backend, options.device);
   if (ctx.backend == Backend::kNccl && !torch::cuda::is_available()) {
     // Before the rendezvous, so that no rank waits for one that cannot start.
     throw std::runtime_error(
@@ -262,7 +250,11 @@ DistContext init_process_group(const DistOptions& options) {
         ") needs a CUDA GPU and none is visible here: use --backend gloo --device cpu");
   }
   ctx.store = connect_store(options);
+  return ctx;
+}
 
+DistContext init_process_group(const DistOptions& options) {
+  DistContext ctx = connect_rendezvous_store(options);
   try {
     ctx.group = create_backend(ctx.backend, ctx.store, ctx.rank, ctx.world_size, options);
   } catch (const std::exception& e) {

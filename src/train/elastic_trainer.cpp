@@ -87,14 +87,38 @@ std::string ranks_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-void ElasticTrainer::release_generation() {
+ElasticTrainer::HeldState ElasticTrainer::hold_and_release() {
+  HeldState held{{}, step_->optimizer_state(), step_->learning_rate()};
+  for (const auto& item : model_->named_parameters()) {
+    held.weights.emplace_back(item.key(), item.value().detach().clone());
+  }
   step_.reset();  // its synchronizer's hooks leave the parameters first
   sync_.reset();
   groups_ = parallel::ProcessGroups{};
   if (generation_.number > 0) world_.group.reset();  // the first generation's stays with first_world_
+  return held;
 }
 
-int64_t ElasticTrainer::share_state(int64_t step) {
+void ElasticTrainer::enter(const dp::Generation& next, const std::vector<int>& order,
+                           const parallel::Membership& membership, const HeldState& held) {
+  world_ = dp::connect_generation(first_world_, next, order, launch_rank_, options_);
+  generation_ = next;
+  membership_ = membership;
+  compose();
+  step_->load_state(held.weights, held.optimizer);
+  step_->set_learning_rate(held.learning_rate);
+}
+
+std::vector<int> ElasticTrainer::staying_members_in_order(const parallel::MembershipChange& change) const {
+  std::vector<int> order(change.next.layout().world_size(), -1);
+  for (size_t i = 0; i < generation_.members.size(); ++i) {
+    const int rank = change.rank_in_next.at(i);
+    if (rank >= 0) order.at(rank) = generation_.members[i];
+  }
+  return order;
+}
+
+int64_t ElasticTrainer::share_state(int64_t step, bool load) {
   torch::NoGradGuard no_grad;
   const c10::Device device = world_.device.torch_device();
   const bool sender = world_.rank == 0;
@@ -131,7 +155,7 @@ int64_t ElasticTrainer::share_state(int64_t step) {
     mine.exp_avg = avg.cpu();
     mine.exp_avg_sq = avg_sq.cpu();
   }
-  if (!sender) {
+  if (load) {
     step_->load_state(weights, state);
     step_->set_learning_rate(h[1]);
   }
@@ -148,7 +172,7 @@ void ElasticTrainer::join() {
   std::sort(membership_.replicas.begin(), membership_.replicas.end());
   world_ = dp::connect_generation(first_world_, generation_, generation_.members, launch_rank_, options_);
   compose();
-  joined_at_step_ = share_state(0);
+  joined_at_step_ = share_state(0, /*load=*/true);
   just_joined_ = true;
   events_.push_back({generation_.number, joined_at_step_ + 1, membership_.replica_count(), {}, {launch_rank_}});
 }
@@ -173,30 +197,17 @@ void ElasticTrainer::admit_joiners(int64_t k) {
   dropped.resize(asking.size());
   const auto start = std::chrono::steady_clock::now();
   const parallel::MembershipChange change = parallel::rejoin_replicas(membership_, dropped);
-  std::vector<int> order(change.next.layout().world_size(), -1), replicas(order.size(), -1);
-  for (size_t i = 0; i < generation_.members.size(); ++i) {
-    const int rank = change.rank_in_next.at(i);
-    if (rank >= 0) order.at(rank) = generation_.members[i];
-  }
+  std::vector<int> order = staying_members_in_order(change);
   for (size_t j = 0; j < asking.size(); ++j) order.at(change.next.member_index(dropped[j])) = asking[j];
-  for (size_t m = 0; m < order.size(); ++m) replicas[m] = change.next.replicas.at(m);
+  const std::vector<int>& replicas = change.next.replicas;
   dp::Generation next{generation_.number + 1, order, replicas};
-  const OptimizerState state = step_->optimizer_state();
-  const double learning_rate = step_->learning_rate();
-  model::NamedTensors weights;
-  for (const auto& item : model_->named_parameters()) weights.emplace_back(item.key(), item.value().detach().clone());
   const bool decider = world_.rank == 0;
-  release_generation();
+  const HeldState held = hold_and_release();
   try {
     if (decider) next = dp::admit(store, generation_, order, replicas);
     admitted_ += static_cast<int>(asking.size());
-    world_ = dp::connect_generation(first_world_, next, order, launch_rank_, options_);
-    generation_ = next;
-    membership_ = change.next;
-    compose();
-    step_->load_state(weights, state);
-    step_->set_learning_rate(learning_rate);
-    (void)share_state(k);
+    enter(next, order, change.next, held);
+    (void)share_state(k, /*load=*/false);
   } catch (const std::exception& e) {
     // The state is no longer held by a step to recover from (a loss while growing back).
     throw AdmissionError("elastic: admitting process " + ranks_list(asking) + " at step " + std::to_string(k + 1) +
@@ -276,14 +287,8 @@ double ElasticTrainer::step(int64_t k) {
 void ElasticTrainer::recover(int64_t k) {
   const auto start = std::chrono::steady_clock::now();
   // The weights have not moved (the optimizer steps after the all-reduce); AdamW's state and rate
-  // go over to the next generation's step as they are. The failed generation's step and groups go
-  // first: tearing down their connections takes a while, which the join window absorbs, not the
-  // next group's rendezvous.
-  const OptimizerState state = step_->optimizer_state();
-  const double learning_rate = step_->learning_rate();
-  model::NamedTensors weights;
-  for (const auto& item : model_->named_parameters()) weights.emplace_back(item.key(), item.value().detach().clone());
-  release_generation();
+  // go over to the next generation's step as they are.
+  const HeldState held = hold_and_release();
   const dp::Generation next =
       dp::agree_next_generation(*first_world_.store, generation_, launch_rank_, settings_.join_window);
   std::vector<int> lost_ranks, lost_processes;
@@ -294,8 +299,7 @@ void ElasticTrainer::recover(int64_t k) {
     }
   }
   const parallel::MembershipChange change = parallel::drop_lost_ranks(membership_, lost_ranks);
-  std::string lost_text;
-  for (const int p : lost_processes) lost_text += (lost_text.empty() ? "" : ", ") + std::to_string(p);
+  const std::string lost_text = ranks_list(lost_processes);
   if (change.next.member_index(replica_) < 0) {
     throw dp::DeadGenerationError("elastic: process " + std::to_string(launch_rank_) + "'s replica " +
                                   std::to_string(replica_) + " lost process " + lost_text +
@@ -306,18 +310,7 @@ void ElasticTrainer::recover(int64_t k) {
                              std::to_string(change.next.replica_count()) + " replica(s) left, below --min_replicas " +
                              std::to_string(settings_.min_replicas));
   }
-  // The members in the next generation's rank order.
-  std::vector<int> order(change.next.layout().world_size(), -1);
-  for (size_t i = 0; i < generation_.members.size(); ++i) {
-    const int rank = change.rank_in_next.at(i);
-    if (rank >= 0) order.at(rank) = generation_.members[i];
-  }
-  world_ = dp::connect_generation(first_world_, next, order, launch_rank_, options_);
-  generation_ = next;
-  membership_ = change.next;
-  compose();
-  step_->load_state(weights, state);
-  step_->set_learning_rate(learning_rate);
+  enter(next, staying_members_in_order(change), change.next, held);
   events_.push_back({next.number, k + 1, membership_.replica_count(), lost_processes, {}});
   if (world_.rank != 0) return;  // one line for the change, from the generation's rank 0
   std::cerr << "elastic: generation " << next.number << " at step " << k + 1 << ": lost process" <<

@@ -125,58 +125,65 @@ test_workers::CapturedLaunch elastic_run(const std::string& out, int kill_at, in
       });
 }
 
-TEST(ElasticTrainer, AKilledReplicasRowsGoToTheOthersWhichEndWithTheUndisturbedWeights) {
-  const std::string made = test_workers::make_temp_dir("elastic-trainer");
-  ASSERT_FALSE(made.empty());
-  const std::filesystem::path dir = made;
-  const auto plain = elastic_run((dir / "plain").string(), -1);
-  ASSERT_EQ(plain.result.exit_code, 0) << plain.result.failure << "\n" << plain.joined();
-  const auto elastic = elastic_run((dir / "elastic").string(), 2);
+// One undisturbed run, which every test compares against.
+class ElasticTraining : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = test_workers::make_temp_dir("elastic-trainer");
+    ASSERT_FALSE(dir_.empty());
+    const auto plain = elastic_run(path("plain"), -1);
+    ASSERT_EQ(plain.result.exit_code, 0) << plain.result.failure << "\n" << plain.joined();
+    expected_ = load_weights(weights_file(path("plain"), 0));
+    // Every replica of the undisturbed run ends alike, and training moved the weights.
+    ASSERT_TRUE(torch::equal(load_weights(weights_file(path("plain"), 1)).at("transformer.wte.weight"),
+                             expected_.at("transformer.wte.weight")));
+    const auto initial = testing::make_model(testing::tiny_config(2, 0.0))->named_parameters();
+    ASSERT_FALSE(torch::equal(initial["transformer.wte.weight"], expected_.at("transformer.wte.weight")));
+  }
+  static void TearDownTestSuite() {
+    if (!dir_.empty()) test_workers::remove_tree(dir_);
+  }
+  static std::string path(const std::string& run) { return (std::filesystem::path(dir_) / run).string(); }
+  // The run's process-0 weights, checked bit-identical to those of `others` and equal to the
+  // undisturbed run's by the AdamW rule.
+  static void expect_undisturbed_weights(const std::string& run, const std::vector<int>& others,
+                                         const std::string& what) {
+    const auto first = load_weights(weights_file(path(run), 0));
+    for (const int p : others) {
+      const auto other = load_weights(weights_file(path(run), p));
+      for (const auto& [name, w] : first) EXPECT_TRUE(torch::equal(other.at(name), w)) << "process " << p << ": " << name;
+    }
+    test_support::expect_weights_agree_after_adamw(first, expected_, testing::tiny_config(2, 0.0).n_embd,
+                                                   {1e-3, kSteps}, 1e-2, what);
+  }
+
+  static inline std::string dir_;
+  static inline std::map<std::string, at::Tensor> expected_;
+};
+
+TEST_F(ElasticTraining, AKilledReplicasRowsGoToTheOthersWhichEndWithTheUndisturbedWeights) {
+  const auto elastic = elastic_run(path("elastic"), 2);
   ASSERT_EQ(elastic.result.exit_code, 0) << elastic.result.failure << "\n" << elastic.joined();
   EXPECT_EQ(elastic.result.lost, std::vector<int>{1});
   EXPECT_NE(elastic.joined().find("elastic: generation 1 at step 3: lost process 1; 2 of 3 replicas go on"),
             std::string::npos)
       << elastic.joined();
-  const auto expected = load_weights(weights_file((dir / "plain").string(), 0));
-  const auto first = load_weights(weights_file((dir / "elastic").string(), 0));
-  const auto third = load_weights(weights_file((dir / "elastic").string(), 2));
-  for (const auto& [name, w] : first) EXPECT_TRUE(torch::equal(third.at(name), w)) << name;
-  test_support::expect_weights_agree_after_adamw(first, expected, testing::tiny_config(2, 0.0).n_embd, {1e-3, kSteps},
-                                                 1e-2, "replica 1 lost at step 2");
-  // Every replica of the undisturbed run ends alike, and training moved the weights.
-  EXPECT_TRUE(torch::equal(load_weights(weights_file((dir / "plain").string(), 1)).at("transformer.wte.weight"),
-                           expected.at("transformer.wte.weight")));
-  const auto initial = testing::make_model(testing::tiny_config(2, 0.0))->named_parameters();
-  EXPECT_FALSE(torch::equal(initial["transformer.wte.weight"], expected.at("transformer.wte.weight")));
-  test_workers::remove_tree(made);
+  expect_undisturbed_weights("elastic", {2}, "replica 1 lost at step 2");
 }
 
 // Growing back: replica 1 killed at its third step (k = 2); the launcher starts a replacement
 // (launch id 3), which joins at k = 4, receives the survivors' weights and AdamW state, and trains
 // replica 1's rows again. All three end bit-identical, with the undisturbed weights by the AdamW
 // rule.
-TEST(ElasticTrainer, AReplacementJoinsAtAStepBoundaryAndEndsLikeTheOthers) {
-  const std::string made = test_workers::make_temp_dir("elastic-join");
-  ASSERT_FALSE(made.empty());
-  const std::filesystem::path dir = made;
-  const auto plain = elastic_run((dir / "plain").string(), -1);
-  ASSERT_EQ(plain.result.exit_code, 0) << plain.result.failure << "\n" << plain.joined();
-  const auto grown = elastic_run((dir / "grown").string(), 2, 4);
+TEST_F(ElasticTraining, AReplacementJoinsAtAStepBoundaryAndEndsLikeTheOthers) {
+  const auto grown = elastic_run(path("grown"), 2, 4);
   ASSERT_EQ(grown.result.exit_code, 0) << grown.result.failure << "\n" << grown.joined();
   EXPECT_EQ(grown.result.lost, std::vector<int>{1});
   EXPECT_EQ(grown.result.replacements, (std::vector<dp::LaunchResult::Replacement>{{3, 1}}));
   EXPECT_NE(grown.joined().find("elastic: generation 2 at step 5: process 3 joined; 3 of 3 replicas go on"),
             std::string::npos)
       << grown.joined();
-  const auto expected = load_weights(weights_file((dir / "plain").string(), 0));
-  const auto first = load_weights(weights_file((dir / "grown").string(), 0));
-  for (const int p : {2, 3}) {
-    const auto other = load_weights(weights_file((dir / "grown").string(), p));
-    for (const auto& [name, w] : first) EXPECT_TRUE(torch::equal(other.at(name), w)) << "process " << p << ": " << name;
-  }
-  test_support::expect_weights_agree_after_adamw(first, expected, testing::tiny_config(2, 0.0).n_embd, {1e-3, kSteps},
-                                                 1e-2, "replica 1 lost at step 3, replaced at step 5");
-  test_workers::remove_tree(made);
+  expect_undisturbed_weights("grown", {2, 3}, "replica 1 lost at step 3, replaced at step 5");
 }
 
 TEST(ElasticWorker, Run) { test_workers::play_worker_scenario({{"elastic_train", elastic_train_scenario}}); }

@@ -100,10 +100,25 @@ class ElasticTrainer {
   // At step k's start: admits the replacements that asked, if any (accept_joiners).
   void admit_joiners(int64_t k);
   // Rank 0's weights, AdamW state, learning rate and `step` to every member (a broadcast over the
-  // current world); the others load them. Returns the step.
-  int64_t share_state(int64_t step);
-  // The failed or outgrown generation's step and groups go (after the state is read).
-  void release_generation();
+  // current world); a joiner (`load`) loads them, the members already hold them. Returns the step.
+  int64_t share_state(int64_t step, bool load);
+
+  // What the next generation's step starts from: the weights, AdamW state and learning rate.
+  struct HeldState {
+    model::NamedTensors weights;
+    OptimizerState optimizer;
+    double learning_rate = 0.0;
+  };
+  // Moving to a new generation, in two halves. The first holds the state and lets the failed or
+  // outgrown generation's step and groups go (their teardown takes a while, which the join
+  // window absorbs, not the next group's rendezvous).
+  HeldState hold_and_release();
+  // The second connects the next generation (`order`: its members' launch ranks in its rank
+  // order), composes its step for `membership` and loads `held` into it.
+  void enter(const data_parallel::Generation& next, const std::vector<int>& order,
+             const parallel::Membership& membership, const HeldState& held);
+  // The current members that stay, placed at their ranks in change.next (-1 where a new one goes).
+  std::vector<int> staying_members_in_order(const parallel::MembershipChange& change) const;
 
   model::GPT2LMHeadModel model_;
   StepComposition composition_;
