@@ -168,7 +168,16 @@ int main(int argc, char** argv) {
     launch.serve_store = config.max_restarts > 0 || config.elastic;
     // --elastic: a lost worker is recorded in the store and the others go on (elastic_step.h).
     launch.elastic = config.elastic;
-    if (config.elastic) launch.extra_env.emplace_back(harness::train::kElasticLaunchVariable, "1");
+    if (config.elastic) {
+      launch.extra_env.emplace_back(harness::train::kElasticLaunchVariable, "1");
+      // A replacement starts for each lost worker and joins at a step boundary (elastic_trainer.h).
+      const std::string replacements = env_or(harness::train::kElasticReplacementsVariable, "");
+      if (replacements.find_first_not_of("0123456789") != std::string::npos || replacements.size() > 6) {
+        throw std::invalid_argument(std::string(harness::train::kElasticReplacementsVariable) + "=" + replacements +
+                                    ": expected a count of replacement processes (0 or more)");
+      }
+      launch.max_replacements = replacements.empty() ? config.world_size : std::atoi(replacements.c_str());
+    }
     return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts, launch);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: error: " << e.what() << std::endl;

@@ -43,6 +43,10 @@ int Generation::rank_of(int launch_rank) const {
 
 std::string lost_process_key(int launch_rank) { return "elastic/lost/" + std::to_string(launch_rank); }
 
+std::string admitted_key(int launch_id) { return "elastic/admitted/" + std::to_string(launch_id); }
+
+std::string admissions_closed_key() { return "elastic/closed"; }
+
 Generation agree_next_generation(c10d::Store& store, const Generation& now, int launch_rank,
                                  std::chrono::milliseconds join_window) {
   Generation next;
@@ -125,20 +129,27 @@ Generation admit(c10d::Store& store, const Generation& now, const std::vector<in
   const std::string number = std::to_string(next.number);
   for (const int member : members) {
     if (now.rank_of(member) < 0) {
-      store.set("elastic/admitted/" + std::to_string(member), std::vector<uint8_t>(number.begin(), number.end()));
+      store.set(admitted_key(member), std::vector<uint8_t>(number.begin(), number.end()));
     }
   }
   return next;
 }
 
 Generation await_admission(c10d::Store& store, int launch_id, std::chrono::milliseconds timeout) {
-  const std::string key = "elastic/admitted/" + std::to_string(launch_id);
-  try {
-    store.wait({key}, timeout);
-  } catch (const std::exception& e) {
-    throw std::runtime_error("elastic: process " + std::to_string(launch_id) + " asked to join and was not admitted " +
-                             "within " + std::to_string(timeout.count()) + " ms (" +
-                             std::string(e.what()).substr(0, std::string(e.what()).find('\n')) + ")");
+  const std::string key = admitted_key(launch_id);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // Polled, not waited on: the launcher may close admissions instead (the run ended).
+  for (auto pause = std::chrono::milliseconds(1); !store.check({key});
+       pause = std::min(2 * pause, std::chrono::milliseconds(50))) {
+    if (store.check({admissions_closed_key()})) {
+      throw RunEndedError("elastic: process " + std::to_string(launch_id) +
+                          " asked to join, and the run ended before the others reached a step boundary to admit it");
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error("elastic: process " + std::to_string(launch_id) +
+                               " asked to join and was not admitted within " + std::to_string(timeout.count()) + " ms");
+    }
+    std::this_thread::sleep_for(pause);
   }
   const std::vector<uint8_t> number = store.get(key);
   Generation out;

@@ -407,6 +407,8 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
   LaunchResult result;
   WorkerGroup workers(world_size);
   const pid_t launcher_pid = ::getpid();
+  bool admissions_closed = false;  // elastic: no member left to admit a waiting replacement
+  std::set<int> unneeded;          // the replacements that were waiting then
 
   // Starts worker `slot` (its RANK and LOCAL_RANK `rank`; a replacement's slot is past the world,
   // and its launch id, `slot`, goes in kElasticJoinIdVariable).
@@ -594,6 +596,23 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
         begin_stop(describe_exit(rank, status), code);
       }
     }
+    if (options.elastic && !stopping && !admissions_closed && !result.replacements.empty()) {
+      // Replacements still waiting to join when no member is left to admit them (the run ended,
+      // or failed) are told through the store, and leave without training.
+      std::vector<int> waiting;
+      bool member_running = false;
+      for (int slot = 0; slot < workers.size() && !member_running; ++slot) {
+        if (!workers[slot].running) continue;
+        const bool admitted = slot < world_size || store->check({attempt_key(options.restart_count, admitted_key(slot))});
+        if (admitted) member_running = true;
+        else waiting.push_back(slot);
+      }
+      if (!member_running && !waiting.empty()) {
+        admissions_closed = true;
+        unneeded.insert(waiting.begin(), waiting.end());
+        store->set(attempt_key(options.restart_count, admissions_closed_key()), std::vector<uint8_t>{1});
+      }
+    }
     for (const int lost : to_replace) {
       if (stopping) break;
       // The replacement takes the lost worker's RANK and LOCAL_RANK (its device), and a launch id
@@ -621,8 +640,12 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
   for (auto& w : workers.all()) result.wait_status.push_back(w.status);
   if (options.elastic && !stopping) {
     // The run went on without its lost workers: it succeeded when one of them finished it.
+    // (A replacement that was never needed left with status 0 too: it finished nothing.)
     bool finished = false;
-    for (auto& w : workers.all()) finished = finished || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0);
+    for (int slot = 0; slot < workers.size(); ++slot) {
+      const int status = workers[slot].status;
+      finished = finished || (unneeded.count(slot) == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
     if (finished) result.exit_code = 0;
     if (!finished && result.failure.empty()) result.failure = "no worker finished";
   }

@@ -584,7 +584,11 @@ void TrainingRun::start() {
   if (o_.controls.eval_every < 0) throw std::invalid_argument("--eval_every must be >= 0");
   validate_lr_schedule(o_.controls.lr_schedule, o_.learning_rate);
   const double load_start = now_seconds();
-  if (const std::optional<Resumption> resumption = agreed_resumption()) resume_from(*resumption, load_start);
+  if (o_.joined_at) {
+    at_ = {o_.joined_at->epoch, o_.joined_at->batch_in_epoch, o_.joined_at->global_step};
+  } else if (const std::optional<Resumption> resumption = agreed_resumption()) {
+    resume_from(*resumption, load_start);
+  }
   step_.set_global_step(at_.global_step);
   summary_.training_steps = run_training_steps(data_.train(at_.epoch), o_);
   if (o_.controls.async_checkpoint) async_.emplace();

@@ -7,6 +7,9 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <thread>
+
+#include "harness/data_parallel/elastic_rendezvous.h"
 
 namespace harness::train {
 
@@ -80,6 +83,32 @@ void record_examples_if_asked(int launch_rank, int64_t step, const ExampleDigest
   out << step << ' ' << examples.count << ' ' << examples.digest << '\n';
 }
 
+// Test and benchmark hook HARNESS_TEST_JOIN_AT_STEP=<step>: a replacement joins at that step (counted
+// from 1). The members reach its start, say so in the store and wait for the replacement to ask;
+// the replacement asks only then (it would otherwise join at whichever boundary follows its start).
+constexpr const char* kAtTheJoinStep = "test/at the join step";
+
+int64_t join_step_asked() {
+  const char* hook = std::getenv("HARNESS_TEST_JOIN_AT_STEP");
+  return hook != nullptr && *hook != '\0' ? std::atoll(hook) : -1;
+}
+
+dp::DistContext when_the_others_admit(dp::DistContext world, const ElasticSettings& settings) {
+  if (settings.join_id >= 0 && join_step_asked() > 0) world.store->wait({kAtTheJoinStep}, std::chrono::minutes(5));
+  return world;
+}
+
+void wait_for_the_replacement_if_asked(const ElasticTrainer& trainer, int64_t step) {
+  if (trainer.is_replacement() || step != join_step_asked()) return;
+  c10d::Store& store = *trainer.first_world().store;
+  store.set(kAtTheJoinStep, std::vector<uint8_t>{1});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  while (dp::joins_after(store, 0).empty()) {
+    if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("test hook: no replacement asked to join");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 }  // namespace
 
 ElasticTrainStep::ElasticTrainStep(model::GPT2LMHeadModel model, StepComposition composition, dp::DistOptions options,
@@ -87,7 +116,7 @@ ElasticTrainStep::ElasticTrainStep(model::GPT2LMHeadModel model, StepComposition
                                    TrainStepSettings step_settings)
     : mirror_(mirror),
       trainer_(
-          std::move(model), std::move(composition), std::move(options), std::move(world),
+          std::move(model), std::move(composition), std::move(options), when_the_others_admit(std::move(world), settings),
           [this](int replica, int64_t) {
             if (replica == trainer_.replica()) return *own_;
             std::vector<data::Batch> out;
@@ -96,10 +125,11 @@ ElasticTrainStep::ElasticTrainStep(model::GPT2LMHeadModel model, StepComposition
             }
             return out;
           },
-          settings, std::move(step_settings)) {}
+          settings, std::move(step_settings), [this] { return mirror_.position(); }) {}
 
 double ElasticTrainStep::step(const std::vector<data::Batch>& batches) {
   kill_here_if_asked(trainer_.launch_rank(), global_step_ + 1);
+  wait_for_the_replacement_if_asked(trainer_, global_step_ + 1);
   own_ = &batches;
   const double loss = trainer_.step(global_step_);
   own_ = nullptr;
@@ -107,6 +137,11 @@ double ElasticTrainStep::step(const std::vector<data::Batch>& batches) {
   ++global_step_;
   record_examples_if_asked(trainer_.launch_rank(), global_step_, trainer_.last_examples());
   return loss;
+}
+
+std::optional<ElasticTrainStep::JoinedAt> ElasticTrainStep::joined_at() const {
+  if (!trainer_.is_replacement()) return std::nullopt;
+  return JoinedAt{trainer_.joined_at_step(), trainer_.joined_at_position()};
 }
 
 c10::Device ElasticTrainStep::input_device() const { return trainer_.current().input_device(); }

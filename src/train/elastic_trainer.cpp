@@ -47,7 +47,7 @@ ExampleDigest example_digest(const std::vector<data::Batch>& batches) {
 
 ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition composition, dp::DistOptions options,
                                dp::DistContext world, BatchSource batches, ElasticSettings settings,
-                               TrainStepSettings step_settings)
+                               TrainStepSettings step_settings, PositionSource position)
     : model_(std::move(model)),
       composition_(std::move(composition)),
       options_(std::move(options)),
@@ -56,6 +56,7 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
       batches_(std::move(batches)),
       settings_(settings),
       step_settings_(std::move(step_settings)),
+      position_(std::move(position)),
       launch_rank_(settings.join_id >= 0 ? settings.join_id : first_world_.rank) {
   if (composition_.stages || composition_.data_parallel.zero_stage != 0 || model_->tensor_parallel() != nullptr) {
     throw std::invalid_argument(
@@ -128,8 +129,11 @@ int64_t ElasticTrainer::share_state(int64_t step, bool load) {
   };
   const auto parameters = model_->named_parameters();
   OptimizerState state = sender ? step_->optimizer_state() : OptimizerState{};
-  // The step, the learning rate, and each parameter's AdamW step count (0: not stepped yet).
-  std::vector<double> header{static_cast<double>(step), step_->learning_rate()};
+  // The step, the learning rate, the data position, and each parameter's AdamW step count (0: not
+  // stepped yet). (Counts as doubles: exact below 2^53.)
+  const DataPosition at = sender && position_ ? position_() : DataPosition{};
+  std::vector<double> header{static_cast<double>(step), step_->learning_rate(), static_cast<double>(at.epoch),
+                             static_cast<double>(at.batch)};
   for (const auto& item : parameters) {
     const auto it = state.find(item.key());
     header.push_back(it == state.end() ? 0.0 : static_cast<double>(it->second.step));
@@ -139,7 +143,7 @@ int64_t ElasticTrainer::share_state(int64_t step, bool load) {
   head = head.cpu();
   const double* h = head.data_ptr<double>();
   model::NamedTensors weights;
-  size_t i = 2;
+  size_t i = 4;
   for (const auto& item : parameters) {
     at::Tensor w = item.value().detach().clone();
     broadcast(w);
@@ -158,6 +162,7 @@ int64_t ElasticTrainer::share_state(int64_t step, bool load) {
   if (load) {
     step_->load_state(weights, state);
     step_->set_learning_rate(h[1]);
+    joined_at_position_ = {static_cast<int64_t>(h[2]), static_cast<int64_t>(h[3])};
   }
   return static_cast<int64_t>(h[0]);
 }

@@ -5,13 +5,16 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/debug_sync.h"
+#include "harness/data_parallel/elastic_rendezvous.h"
 #include "harness/data_parallel/grad_sync.h"
+#include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/sharded_loader.h"
@@ -310,13 +313,24 @@ struct RankInputs {
 // Every rank trains its own tokenizer; only rank 0 keeps the file, so the ranks need no shared
 // folder when they span machines. They must have trained the same one: checked here. What one
 // rank may find wrong on its own machine (its folder, its copy of the dataset) stops every rank
-// with the same reason.
-void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::DistContext& world, RankInputs& in) {
+// with the same reason. A replacement joining under --elastic (`joining`) has no group yet: it
+// prepares alone, keeps no file, and its errors are its own.
+void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::DistContext& world, bool joining,
+                         RankInputs& in) {
   const RunConfig& f = flags.run;
+  const bool keeps_file = rank == 0 && !joining;
   in.tokenizer_path =
-      rank == 0 ? f.workdir + "/tokenizer.model"
-                : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
-  if (rank != 0) in.temporary_tokenizer.path = in.tokenizer_path;
+      keeps_file ? f.workdir + "/tokenizer.model"
+                 : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
+  if (!keeps_file) in.temporary_tokenizer.path = in.tokenizer_path;
+  if (joining) {
+    in.corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
+    in.config = resolve_config(f.model);
+    in.tokenizer.emplace(prepare_tokenizer(f.model, in.config, in.corpus.train, in.tokenizer_path));
+    in.sequence_length = padded_sequence_length(flags, in.config);
+    if (f.fit_vocab) fit_vocabulary(in.config, f.model, *in.tokenizer);
+    return;
+  }
   std::string refusal;
   try {
     check_writable_folder(f.workdir, "--workdir");
@@ -477,6 +491,21 @@ TrainingOptions rank_training_options(const DataParallelConfig& flags, const par
   return training;
 }
 
+// Test hook HARNESS_TEST_WEIGHT_DIGESTS=<folder>: after training, each process writes a 64-bit FNV-1a
+// digest of its weights' bytes (in the model's parameter order) to <folder>/process<launch rank>.txt,
+// so that replicas can be compared bit for bit when one process writes the model.
+void record_weight_digest_if_asked(model::GPT2LMHeadModel& model, int launch_rank) {
+  const char* folder = std::getenv("HARNESS_TEST_WEIGHT_DIGESTS");
+  if (folder == nullptr || *folder == '\0') return;
+  uint64_t hash = 1469598103934665603ull;
+  for (const auto& item : model->named_parameters()) {
+    const at::Tensor w = item.value().detach().to(torch::kCPU).contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(w.data_ptr());
+    for (size_t i = 0; i < w.nbytes(); ++i) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  }
+  std::ofstream(std::string(folder) + "/process" + std::to_string(launch_rank) + ".txt") << hash << '\n';
+}
+
 void write_trace(const Tracer& tracer, const std::string& trace, const dp::WorkerEnv& env) {
   const fs::path file(trace);
   const std::string path =
@@ -487,24 +516,30 @@ void write_trace(const Tracer& tracer, const std::string& trace, const dp::Worke
   tracer.write_chrome_json(path);
 }
 
+// `join_id`: under --elastic, a replacement's launch id (launcher.h's kElasticJoinIdVariable), whose
+// `world` is the store alone: it joins the run under way and receives its state; -1 otherwise.
 int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
-                    const Device& device, int threads, const dp::DistOptions& options, const dp::DistContext& world) {
+                    const Device& device, int threads, const dp::DistOptions& options, const dp::DistContext& world,
+                    int join_id) {
   const RunConfig& f = flags.run;
   const int rank = env.rank;
+  const bool joining = join_id >= 0;
   const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
   RankInputs in;
   in.rows = dp::per_device_batch_size(f.batch_size, dp_size);
-  prepare_rank_inputs(flags, rank, world, in);
+  prepare_rank_inputs(flags, rank, world, joining, in);
   const data::Tokenizer& tokenizer = *in.tokenizer;
 
   // The model, split over its tensor-parallel group from the start (each rank builds and loads its
-  // own slices), starts from rank 0's weights on every rank that holds the same slices.
-  const parallel::ProcessGroups groups = parallel::make_process_groups(world, options, layout);
+  // own slices), starts from rank 0's weights on every rank that holds the same slices (a
+  // replacement: from the weights the others send it as it joins).
+  const parallel::ProcessGroups groups = joining ? parallel::ProcessGroups{}
+                                                 : parallel::make_process_groups(world, options, layout);
   std::shared_ptr<model::TensorParallelGroup> split =
       layout.tensor_parallel_size() == 1 ? nullptr : tp::make_tensor_parallel_group(groups.tensor);
   model::GPT2LMHeadModel model = build_model(f.model, in.config, f.seed, split);
   model->to(device.torch_device());
-  broadcast_parameters(groups.gradient, *model);
+  if (!joining) broadcast_parameters(groups.gradient, *model);
 
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
   const std::string track = "rank " + std::to_string(rank);
@@ -557,18 +592,25 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     });
     ElasticSettings elastic_settings;
     elastic_settings.min_replicas = flags.min_replicas;
+    elastic_settings.accept_joiners = true;  // the launcher's replacements (their count: its option)
+    elastic_settings.join_id = join_id;
     // A survivor blocked in a collective with another survivor learns of the loss when the
     // collective times out, and the launcher declares a stopped process lost a little later.
     elastic_settings.join_window = std::chrono::seconds(flags.dist_timeout_s + 15);
     elastic = std::make_unique<ElasticTrainStep>(model, composition, options, world, *mirror, elastic_settings,
                                                  settings);
+    if (const auto joined = elastic->joined_at()) {
+      // Its own dropout stream, unlike any other replica's or replacement's: the lost one's
+      // cannot be recovered.
+      torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank + joined->step * dp_size));
+    }
   } else {
     parts = compose_step(model, layout, groups, composition);
     if (flags.zero_stage >= 1 && rank == 0) {
       print_zero_state(flags, layout.gradient_group_size(), model, *parts.optimizer);
     }
   }
-  if (rank == 0) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, parts);
+  if (rank == 0 && !joining) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, parts);
   if (!elastic) {
     plain = std::make_unique<GPT2TrainStep>(model, std::move(parts.forward_backward), std::move(parts.optimizer),
                                             parts.sync.get(), settings);
@@ -600,8 +642,12 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
       };
       data.epoch_started = [&mirror](int64_t epoch, int64_t first_batch) { mirror->start_epoch(epoch, first_batch); };
       data.membership_changes = [&elastic] { return elastic->take_membership_changes(); };
+      if (const auto joined = elastic->joined_at()) {
+        training.joined_at = TrainingOptions::JoinedAt{joined->data.epoch, joined->data.batch, joined->step};
+      }
     }
     run_training(step, data, training, &current_world);
+    record_weight_digest_if_asked(model, elastic ? elastic->trainer().launch_rank() : rank);
     if (rank == 0 && plain) print_after_training(flags, parts.sync.get());
     if (const StepOptimizer::PostValidation pv = plain ? plain->optimizer().post_validation() : StepOptimizer::PostValidation{};
         pv.early > 0) {
@@ -643,11 +689,19 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
         "rendezvous store and lets the other workers go on when one is lost, whereas torchrun's agent stops "
         "every worker when one fails; under torchrun, use its --max-restarts with --resume auto");
   }
-  const dp::DistContext world = dp::init_process_group(options);
+  // A replacement the launcher started for a lost worker joins the run under way: the store
+  // alone, until the others admit it.
+  const std::string join_id = flags.elastic ? env_or(dp::kElasticJoinIdVariable, "") : "";
+  const dp::DistContext world =
+      join_id.empty() ? dp::init_process_group(options) : dp::connect_rendezvous_store(options);
   try {
-    return train_this_rank(flags, layout, env, device, threads, options, world);
+    return train_this_rank(flags, layout, env, device, threads, options, world,
+                           join_id.empty() ? -1 : std::stoi(join_id));
   } catch (const AgreedStop&) {
     throw;  // every rank says the same
+  } catch (const dp::RunEndedError& e) {
+    std::cerr << e.what() << "; nothing to do" << std::endl;
+    return 0;
   } catch (const std::exception& e) {
     // A peer that finds this rank gone reads why in the store; this rank, finding a peer gone,
     // names it rather than repeating the transport's words.

@@ -2,8 +2,9 @@
 (3,1,1,1). The run finishes without a restart; its weights equal the undisturbed run's by the AdamW
 rule; the membership line and metrics.jsonl record are there; each step trained on the same
 examples as the undisturbed run's (a per-step digest of the examples every process trained); no
-step is missing or repeated. Also: --min_replicas 2 ends the run naming the lost process, and the
-refusals before launch. gpt2-tiny, dropout 0 (a dropped replica's rows draw the survivors'
+step is missing or repeated. A replacement the launcher starts joins at step 7 and both replicas end
+bit-identical; one that arrives after the last step leaves with nothing to do. Also: --min_replicas 2
+ends the run naming the lost process, and the refusals before launch. gpt2-tiny, dropout 0 (a dropped replica's rows draw the survivors'
 dropout masks otherwise)."""
 import json
 import os
@@ -66,11 +67,14 @@ def step_digests(folder):
 
 
 class ElasticRun(unittest.TestCase):
-    def elastic_run(self, tmp, name, world_size, kill=None, extra=()):
+    def elastic_run(self, tmp, name, world_size, kill=None, extra=(), replacements=0, env_extra=None):
+        """replacements: how many the launcher may start (None: its default, --world_size)."""
         work = os.path.join(tmp, name)
         digests = os.path.join(tmp, name + "-digests")
         os.makedirs(digests)
-        env = {"HARNESS_TEST_EXAMPLE_DIGESTS": digests}
+        env = dict({"HARNESS_TEST_EXAMPLE_DIGESTS": digests}, **(env_extra or {}))
+        if replacements is not None:
+            env["HARNESS_ELASTIC_MAX_REPLACEMENTS"] = str(replacements)
         if kill:
             env["HARNESS_TEST_KILL_AT_STEP"] = kill
         proc = run([DP, "--world_size", str(world_size), "--master_port", str(free_port()), "--workdir", work,
@@ -128,6 +132,57 @@ class ElasticRun(unittest.TestCase):
             problems = weight_problems(weights(resumed), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
 
+    def test_a_replacement_joins_at_step_7_and_the_replicas_end_bit_identical(self):
+        # Process 1 killed at step 5; the launcher starts process 2 in its place (RANK 1), which
+        # joins at step 7, receives the weights, AdamW state and data position, and trains replica
+        # 1's rows from there. The run ends with 2 replicas again.
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", 2)
+            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            finals = os.path.join(tmp, "final-weights")
+            os.makedirs(finals)
+            work, digests, k = self.elastic_run(
+                tmp, "grown", 2, kill="1:5", replacements=None,
+                env_extra={"HARNESS_TEST_JOIN_AT_STEP": "7", "HARNESS_TEST_WEIGHT_DIGESTS": finals})
+            self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+            self.assertIn("launcher: starting rank 2 as a replacement for rank 1 (--elastic)", k.stderr)
+            for line in ("elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on",
+                         "elastic: generation 2 at step 7: process 2 joined; 2 of 2 replicas go on"):
+                self.assertEqual(sum(line in l for l in k.stderr.splitlines()), 1, k.stderr[-4000:])
+            log = records(work)
+            self.assertEqual([r for r in log if r["kind"] == "membership"], [
+                {"kind": "membership", "generation": 1, "step": 5, "replicas": 1, "lost": [1], "joined": []},
+                {"kind": "membership", "generation": 2, "step": 7, "replicas": 2, "lost": [], "joined": [2]}])
+            self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+            # The replacement reports as the replica it took over (Rank 1), the lost one did not.
+            reporting = sorted(int(m[1]) for m in (TRAIN.match(l) for l in k.stdout.splitlines()) if m)
+            self.assertEqual(reporting, [0, 1], k.stdout)
+            # Every step's examples are the undisturbed run's; the replacement trained steps 7 to 12.
+            self.assertEqual(step_digests(digests), step_digests(plain_digests))
+            with open(os.path.join(digests, "process2.txt")) as f:
+                self.assertEqual([int(line.split()[0]) for line in f], list(range(7, STEPS + 1)))
+            # Both replicas bit-identical, and the undisturbed weights by the AdamW rule.
+            ends = {}
+            for name in os.listdir(finals):
+                with open(os.path.join(finals, name)) as f:
+                    ends[name] = f.read().strip()
+            self.assertEqual(sorted(ends), ["process0.txt", "process2.txt"])
+            self.assertEqual(ends["process0.txt"], ends["process2.txt"])
+            problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
+    def test_a_replacement_arriving_after_the_last_step_leaves_with_nothing_to_do(self):
+        # Killed as step 12, the last, starts: the survivor takes it alone and finishes; the
+        # launcher closes the admissions, and the waiting replacement exits 0 without training.
+        with tempfile.TemporaryDirectory() as tmp:
+            work, _, k = self.elastic_run(tmp, "late", 2, kill="1:12", replacements=None)
+            self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+            self.assertIn("launcher: starting rank 2 as a replacement for rank 1 (--elastic)", k.stderr)
+            self.assertIn("asked to join, and the run ended before the others reached a step boundary to admit it; "
+                          "nothing to do", k.stderr)
+            self.assertNotIn("joined;", k.stderr)
+            self.assertEqual([r["step"] for r in records(work) if r["kind"] == "train"], list(range(1, STEPS + 1)))
+
     def test_a_replica_stopped_past_the_timeout_is_dropped(self):
         # SIGSTOP at step 5: the survivor's collective times out (--dist_timeout_s 5), the launcher
         # kills the stopped process past its timeout and records it lost, and the survivor goes on.
@@ -166,7 +221,7 @@ class LossDuringACheckpoint(unittest.TestCase):
             work = os.path.join(tmp, "w")
             # Every checkpoint write stalls 2 s half-written; process 0, the writer, is killed in the
             # second one (step 8).
-            env = dict(os.environ, HARNESS_TEST_CHECKPOINT_STALL_MS="2000")
+            env = dict(os.environ, HARNESS_TEST_CHECKPOINT_STALL_MS="2000", HARNESS_ELASTIC_MAX_REPLACEMENTS="0")
             proc = subprocess.Popen([DP, "--world_size", "3", "--master_port", str(free_port()), "--workdir", work,
                                      "--elastic", "--checkpoint_every", "4"] + TINY, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)

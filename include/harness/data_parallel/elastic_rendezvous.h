@@ -60,6 +60,8 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
 //   elastic/joins                          a counter: the askers so far
 //   elastic/join/<n>                       the n-th asker's launch id (from 1)
 //   elastic/admitted/<launch id>           the generation that admitted it
+//   elastic/closed                         the launcher: no member is left to admit anyone (the
+//                                          run ended); the askers still waiting leave
 // Returns its place among the askers (from 1).
 int ask_to_join(c10d::Store& store, int launch_id);
 // The launch ids that asked after the first `admitted` askers, in the order they asked.
@@ -69,8 +71,17 @@ std::vector<int> joins_after(c10d::Store& store, int admitted);
 // returns it. Throws std::invalid_argument for members that repeat or replicas of another count.
 Generation admit(c10d::Store& store, const Generation& now, const std::vector<int>& members,
                  const std::vector<int>& replicas);
-// The asker's wait for the generation that admits it; std::runtime_error after `timeout`.
+// The asker's wait for the generation that admits it; RunEndedError once admissions are closed,
+// std::runtime_error after `timeout`.
 Generation await_admission(c10d::Store& store, int launch_id, std::chrono::milliseconds timeout);
+// The keys above, for the launcher: whether launch id `launch_id` was admitted, and the closing.
+std::string admitted_key(int launch_id);
+std::string admissions_closed_key();
+// The run ended before a waiting replacement was admitted: it has nothing to do.
+class RunEndedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // The process group of the processes `members` (launch ranks, in the new rank order, a subset of
 // `generation`'s members that includes this process) under `generation`'s keys: `world` (the

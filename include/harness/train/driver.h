@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -102,6 +103,15 @@ struct TrainingOptions {
   // lost. That checkpoint is then abandoned (the previous one stays whole) and training goes on:
   // the next step recovers.
   std::function<bool(const std::exception&)> lost_peer;
+  // Under --elastic, a replacement that joined the run under way (its state received from the
+  // others): where it starts, instead of a checkpoint. It chooses no checkpoint and keeps no
+  // metrics.jsonl (the others' rank 0 does).
+  struct JoinedAt {
+    int64_t epoch = 0;
+    int64_t batch_in_epoch = 0;  // the epoch's batches the others had trained
+    int64_t global_step = 0;     // the steps they had taken
+  };
+  std::optional<JoinedAt> joined_at;
 };
 
 struct TrainingData {

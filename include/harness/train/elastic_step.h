@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "harness/data/collate.h"
@@ -34,6 +35,8 @@ class ReplicaBatchMirror {
   const std::vector<data::Batch>& batches(int replica, int64_t count);
   // This step's batches are trained: the position moves `count` batches on.
   void advance(int64_t count);
+  // Where the driver stands: the epoch, and its next batch.
+  ElasticTrainer::DataPosition position() const { return {epoch_, position_}; }
 
  private:
   struct Replica {
@@ -49,7 +52,8 @@ class ReplicaBatchMirror {
 
 // ElasticTrainer behind the TrainStep interface. The processes are numbered by their launch rank
 // (RANK at start); `world()` is the current generation's, whose rank 0 writes checkpoints and the
-// final model.
+// final model. A replacement (ElasticSettings::join_id, `world` its store alone) joins while it is
+// constructed, and then trains from joined_at().
 class ElasticTrainStep : public TrainStep {
  public:
   ElasticTrainStep(model::GPT2LMHeadModel model, StepComposition composition, data_parallel::DistOptions options,
@@ -79,6 +83,12 @@ class ElasticTrainStep : public TrainStep {
   void set_global_step(int64_t global_step) override;
 
   const data_parallel::DistContext& world() const { return trainer_.world(); }
+  // A replacement's place in the run: the step it joins at and where the data stood then.
+  struct JoinedAt {
+    int64_t step = 0;
+    ElasticTrainer::DataPosition data;
+  };
+  std::optional<JoinedAt> joined_at() const;
   const ElasticTrainer& trainer() const { return trainer_; }
   // The membership changes since the last call.
   std::vector<MembershipRecord> take_membership_changes();

@@ -63,19 +63,30 @@ class ElasticTrainer {
   // same on every process.
   using BatchSource = std::function<std::vector<data::Batch>(int replica, int64_t step)>;
 
+  // Where the run's data stands at a step's start (the epoch, and the batch in it), which a
+  // replacement receives with the state; nullptr: at the start.
+  struct DataPosition {
+    int64_t epoch = 0;
+    int64_t batch = 0;
+  };
+  using PositionSource = std::function<DataPosition()>;
+
   // `world`: this process's generation-0 world (its rank is its launch rank; its store the
   // launcher's). Throws std::invalid_argument for a layout it cannot recover.
   ElasticTrainer(model::GPT2LMHeadModel model, StepComposition composition, data_parallel::DistOptions options,
                  data_parallel::DistContext world, BatchSource batches, ElasticSettings settings = {},
-                 TrainStepSettings step_settings = {});
+                 TrainStepSettings step_settings = {}, PositionSource position = nullptr);
   ~ElasticTrainer();
 
   // Optimizer step `k`: its loss on this process. Admits replacements first (accept_joiners), and
   // recovers from lost processes as above; throws DeadGenerationError where this process is left
   // out, and std::runtime_error below min_replicas.
   double step(int64_t k);
-  // A replacement: the step it joined at, the next it must take (0 for others).
+  // A replacement: the step it joined at, the next it must take (0 for others), and where the
+  // data stood then.
   int64_t joined_at_step() const { return joined_at_step_; }
+  const DataPosition& joined_at_position() const { return joined_at_position_; }
+  bool is_replacement() const { return settings_.join_id >= 0; }
 
   GPT2TrainStep& current() { return *step_; }
   const GPT2TrainStep& current() const { return *step_; }
@@ -84,6 +95,8 @@ class ElasticTrainer {
   // The current generation's world: its rank and size change with the membership, its address
   // does not.
   const data_parallel::DistContext& world() const { return world_; }
+  // The first generation's (its store: the launcher's, under this attempt's prefix).
+  const data_parallel::DistContext& first_world() const { return first_world_; }
   int launch_rank() const { return launch_rank_; }
   int replica() const { return replica_; }
   // Throws LostProcessError naming a process of the current generation that the launcher recorded
@@ -99,8 +112,9 @@ class ElasticTrainer {
   void join();
   // At step k's start: admits the replacements that asked, if any (accept_joiners).
   void admit_joiners(int64_t k);
-  // Rank 0's weights, AdamW state, learning rate and `step` to every member (a broadcast over the
-  // current world); a joiner (`load`) loads them, the members already hold them. Returns the step.
+  // Rank 0's weights, AdamW state, learning rate, `step` and data position to every member (a
+  // broadcast over the current world); a joiner (`load`) loads them, the members already hold
+  // them. Returns the step (and a joiner keeps the position).
   int64_t share_state(int64_t step, bool load);
 
   // What the next generation's step starts from: the weights, AdamW state and learning rate.
@@ -128,6 +142,8 @@ class ElasticTrainer {
   BatchSource batches_;
   ElasticSettings settings_;
   TrainStepSettings step_settings_;
+  PositionSource position_;
+  DataPosition joined_at_position_;
   int launch_rank_ = 0;
   int replica_ = 0;  // this process's original replica
   parallel::Membership membership_;

@@ -114,6 +114,9 @@ int run_data_parallel_worker(const DataParallelConfig& config, const data_parall
 // lets the others go on when one is lost. A worker of another launcher (torchrun, srun) refuses
 // --elastic.
 inline constexpr const char* kElasticLaunchVariable = "HARNESS_ELASTIC_LAUNCHER";
+// How many replacement processes an --elastic launch starts over the run, for lost ones (default:
+// --world_size; 0: none, the others go on without).
+inline constexpr const char* kElasticReplacementsVariable = "HARNESS_ELASTIC_MAX_REPLACEMENTS";
 
 // --elastic's rules (the flags named): data parallelism alone (C = T = P = 1) with D >= 2
 // replicas, no ZeRO, 1 <= --min_replicas <= D, the final model in --workdir alone.
