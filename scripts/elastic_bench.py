@@ -11,14 +11,16 @@ For each: the global training loss of every step (the mean of the losses of the 
 trained it, which each process writes through the HARNESS_TEST_STEP_LOSSES hook: under --elastic
 the survivors' losses are scaled so that this mean is the undisturbed run's), and for the two
 killed runs the wall time from the kill to the next completed step (the step's record appearing in
-metrics.jsonl). A replacement process joining the elastic run is not built yet: the elastic run
-ends with 2 replicas.
+metrics.jsonl). In the elastic run the launcher starts a replacement for process 1, which joins at
+step --join-at (the HARNESS_TEST_JOIN_AT_STEP hook holds the others there until it has asked), so
+that the run ends with 3 replicas; the time it took to admit it and send it the state is recorded.
 
 Writes WORKDIR/elastic/*.log, OUT_DIR/elastic.json and OUT_DIR/elastic.png.
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -60,7 +62,7 @@ def global_losses(folder):
     return {s: statistics.fmean(l[s] for l in by_rank.values() if s in l) for s in steps}
 
 
-def run_one(args, name, extra, kill):
+def run_one(args, name, extra, kill, env_extra=None):
     """Runs one configuration; with `kill`, kills process 1 once step args.kill_at's checkpoint is
     saved and times the next step. Returns the losses by step and the recovery time (or None)."""
     work = os.path.join(args.workdir, "elastic", name)
@@ -81,7 +83,8 @@ def run_one(args, name, extra, kill):
     start = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env=dict(os.environ, HARNESS_TEST_STEP_LOSSES=losses))
+                                start_new_session=True,
+                                env=dict(os.environ, HARNESS_TEST_STEP_LOSSES=losses, **(env_extra or {})))
 
         def read():
             for line in proc.stdout:
@@ -114,7 +117,15 @@ def run_one(args, name, extra, kill):
     for what, steps in (("metrics.jsonl", sorted(records)), ("the loss records", sorted(mean))):
         if steps != list(range(1, args.steps + 1)):
             raise SystemExit(f"{name}: steps {steps} in {what}, expected 1 to {args.steps}")
-    return {"losses": [mean[s] for s in range(1, args.steps + 1)], "recovery_s": recovery,
+    joined = None
+    with open(log_path) as log:
+        for line in log:
+            m = re.search(r"elastic: generation \d+ at step (\d+): process \d+ joined; .* \(([0-9.]+) s to admit", line)
+            if m:
+                joined = {"step": int(m[1]), "admit_and_send_s": float(m[2])}
+    if env_extra and "HARNESS_TEST_JOIN_AT_STEP" in env_extra and joined is None:
+        raise SystemExit(f"{name}: no replacement joined; see {log_path}")
+    return {"losses": [mean[s] for s in range(1, args.steps + 1)], "recovery_s": recovery, "joined": joined,
             "wall_s": time.time() - start, "log": os.path.relpath(log_path, REPO_ROOT)}
 
 
@@ -127,9 +138,11 @@ def plot(summary, path):
     for name, style in (("undisturbed", "-"), ("elastic", "--"), ("restart", ":")):
         curves.plot(steps, summary["runs"][name]["losses"], style, label=name)
     curves.axvline(summary["config"]["kill_at"] + 0.5, color="grey", lw=0.8)
+    curves.axvline(summary["config"]["join_at"] - 0.5, color="grey", lw=0.8, ls=":")
     curves.set_xlabel("optimizer step")
     curves.set_ylabel("training loss (mean over the processes)")
-    curves.set_title("process 1 killed after step %d" % summary["config"]["kill_at"])
+    curves.set_title("process 1 killed after step %d; its replacement joins at step %d"
+                     % (summary["config"]["kill_at"], summary["config"]["join_at"]))
     curves.legend()
     names = ["elastic", "restart"]
     values = [summary["recovery_s"][n] for n in names]
@@ -150,6 +163,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-at", type=int, default=20, help="kill after this step's checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--join-at", type=int, default=30, help="the step a replacement joins the elastic run at")
     p.add_argument("--batch-size", type=int, default=24)
     p.add_argument("--dist-timeout-s", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1)
@@ -157,11 +171,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.kill_at % args.checkpoint_every or not 0 < args.kill_at < args.steps:
         raise SystemExit("--kill-at must be a checkpoint's step (a multiple of --checkpoint-every) below --steps")
+    if not args.kill_at + 2 <= args.join_at <= args.steps:
+        raise SystemExit("--join-at must lie after the step that follows --kill-at, and not past --steps")
     runs = {"undisturbed": ["--elastic"], "elastic": ["--elastic"], "restart": ["--max_restarts", "1"]}
     rounds = []
     for r in range(args.rounds):
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        rounds.append({name: run_one(args, f"{name}{r}", runs[name], kill=name != "undisturbed") for name in order})
+        join = {"HARNESS_TEST_JOIN_AT_STEP": str(args.join_at)}
+        rounds.append({name: run_one(args, f"{name}{r}", runs[name], kill=name != "undisturbed",
+                                     env_extra=join if name == "elastic" else None) for name in order})
         print(f"[elastic] round {r}: " + ", ".join(f"{n} {v['recovery_s']}" for n, v in rounds[-1].items()),
               file=sys.stderr)
     recovery = {n: statistics.median(r[n]["recovery_s"] for r in rounds) for n in ("elastic", "restart")}
@@ -170,9 +188,10 @@ def main(argv=None):
         "config": {"model": args.model, "world_size": 3, "threads_per_process": 1, "steps": args.steps,
                    "kill_at": args.kill_at, "checkpoint_every": args.checkpoint_every, "batch_size": args.batch_size,
                    "dist_timeout_s": args.dist_timeout_s, "rounds": args.rounds, "cpu": cpu_model_name(),
-                   "device": "CPU: each process a share of the cores", "replacement_joins": "not built yet"},
+                   "device": "CPU: each process a share of the cores", "join_at": args.join_at},
         "recovery_s": recovery,
         "recovery_ratio_elastic_over_restart": recovery["elastic"] / recovery["restart"],
+        "replacement_admit_and_send_s": statistics.median(r["elastic"]["joined"]["admit_and_send_s"] for r in rounds),
         "largest_loss_difference_from_undisturbed": {
             n: max(abs(a - b) for a, b in zip(last[n]["losses"], last["undisturbed"]["losses"]))
             for n in ("elastic", "restart")},
@@ -184,6 +203,7 @@ def main(argv=None):
         json.dump(summary, f, indent=1)
     plot(summary, os.path.join(args.out_dir, "elastic.png"))
     print(json.dumps({k: summary[k] for k in ("recovery_s", "recovery_ratio_elastic_over_restart",
+                                              "replacement_admit_and_send_s",
                                               "largest_loss_difference_from_undisturbed")}, indent=1))
 
 

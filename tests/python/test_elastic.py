@@ -261,7 +261,7 @@ class ElasticBench(unittest.TestCase):
             out = os.path.join(tmp, "figures")
             proc = subprocess.run([sys.executable, os.path.join(SOURCE, "scripts", "elastic_bench.py"), "--build-dir",
                                    BINARY, "--workdir", tmp, "--out-dir", out, "--model", "gpt2-tiny", "--steps", "8",
-                                   "--kill-at", "4", "--checkpoint-every", "2"],
+                                   "--kill-at", "4", "--checkpoint-every", "2", "--join-at", "6"],
                                   capture_output=True, text=True, timeout=600)
             self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
             with open(os.path.join(out, "elastic.json")) as f:
@@ -272,6 +272,8 @@ class ElasticBench(unittest.TestCase):
                 self.assertEqual(len(summary["runs"][name]["losses"]), 8)
             self.assertEqual(summary["largest_loss_difference_from_undisturbed"]["restart"], 0.0)
             self.assertLess(summary["largest_loss_difference_from_undisturbed"]["elastic"], 1e-4)
+            self.assertEqual(summary["runs"]["elastic"]["joined"]["step"], 6)
+            self.assertGreater(summary["replacement_admit_and_send_s"], 0)
             self.assertAlmostEqual(summary["recovery_ratio_elastic_over_restart"],
                                    summary["recovery_s"]["elastic"] / summary["recovery_s"]["restart"])
             # A kill step that is not a checkpoint's is refused.
