@@ -409,6 +409,7 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
   const pid_t launcher_pid = ::getpid();
   bool admissions_closed = false;  // elastic: no member left to admit a waiting replacement
   std::set<int> unneeded;          // the replacements that were waiting then
+  std::set<int> declared_lost;     // elastic: the workers recorded lost in the store
 
   // Starts worker `slot` (its RANK and LOCAL_RANK `rank`; a replacement's slot is past the world,
   // and its launch id, `slot`, goes in kElasticJoinIdVariable).
@@ -556,14 +557,40 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
     }
 
     std::vector<int> to_replace;  // lost ranks whose replacements start after this pass
+    // Elastic: the worker is recorded lost in the store, so that the others go on without it, and
+    // a replacement may start for it.
+    const auto declare_lost = [&](int rank, const std::string& why, int code) {
+      declared_lost.insert(rank);
+      result.lost.push_back(rank);
+      if (result.exit_code == 0) result.exit_code = code;
+      result.failure += (result.failure.empty() ? "" : "; ") + why;
+      std::fprintf(stderr, "launcher: %s; it is lost, the others go on (--elastic)\n", why.c_str());
+      std::fflush(stderr);
+      try {
+        const std::string key = attempt_key(options.restart_count, lost_process_key(rank));
+        store->set(key, std::vector<uint8_t>(why.begin(), why.end()));
+      } catch (const std::exception& e) {
+        begin_stop(why + " (and the store could not record it: " + e.what() + ")", 1);
+      }
+      if (static_cast<int>(result.replacements.size() + to_replace.size()) < options.max_replacements) {
+        to_replace.push_back(rank);
+      }
+    };
     for (int rank = 0; rank < workers.size(); ++rank) {
       Worker& w = workers[rank];
       workers.note_stop_or_continue(w);
       const auto overdue = [&](const std::optional<Clock::time_point>& since) {
         return since && Clock::now() - *since > options.unresponsive_worker_timeout;
       };
-      if (options.elastic && !stopping && w.running && overdue(w.stopped_since)) {
-        ::kill(-w.pid, SIGKILL);  // lost: reaped below as killed
+      if (options.elastic && !stopping && w.running && overdue(w.stopped_since) && declared_lost.count(rank) == 0) {
+        // Lost, but not killed: continued, it finds that its generation went on without it and
+        // leaves with that reason (elastic_rendezvous.h). It is killed once the run is over.
+        declare_lost(rank,
+                     "rank " + std::to_string(rank) + " was stopped by " + signal_name(w.stop_signal) +
+                         " for more than " +
+                         std::to_string(std::chrono::duration_cast<std::chrono::seconds>(options.unresponsive_worker_timeout).count()) +
+                         " s",
+                     1);
       } else if (!options.elastic && !stopping && ((w.running && overdue(w.stopped_since)) || overdue(w.left_early))) {
         begin_stop(suspects(), 1);
       }
@@ -576,41 +603,43 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
       }
       const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
       if (failed && !stopping && options.elastic) {
-        const std::string why = describe_exit(rank, status);
-        result.lost.push_back(rank);
-        if (result.exit_code == 0) result.exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-        result.failure += (result.failure.empty() ? "" : "; ") + why;
-        std::fprintf(stderr, "launcher: %s; it is lost, the others go on (--elastic)\n", why.c_str());
-        std::fflush(stderr);
-        try {
-          const std::string key = attempt_key(options.restart_count, lost_process_key(rank));
-          store->set(key, std::vector<uint8_t>(why.begin(), why.end()));
-        } catch (const std::exception& e) {
-          begin_stop(why + " (and the store could not record it: " + e.what() + ")", 1);
-        }
-        if (static_cast<int>(result.replacements.size() + to_replace.size()) < options.max_replacements) {
-          to_replace.push_back(rank);
+        if (declared_lost.count(rank) > 0) {
+          std::fprintf(stderr, "launcher: %s (lost already)\n", describe_exit(rank, status).c_str());
+          std::fflush(stderr);
+        } else {
+          declare_lost(rank, describe_exit(rank, status), WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status));
         }
       } else if (failed && !stopping) {
         const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
         begin_stop(describe_exit(rank, status), code);
       }
     }
-    if (options.elastic && !stopping && !admissions_closed && !result.replacements.empty()) {
-      // Replacements still waiting to join when no member is left to admit them (the run ended,
-      // or failed) are told through the store, and leave without training.
-      std::vector<int> waiting;
+    if (options.elastic && !stopping) {
+      // When no member is left (the run ended, or failed): replacements still waiting to join are
+      // told through the store, and leave without training; workers declared lost that still
+      // run (stopped, say) are killed.
+      std::vector<int> waiting, leftovers;
       bool member_running = false;
       for (int slot = 0; slot < workers.size() && !member_running; ++slot) {
         if (!workers[slot].running) continue;
-        const bool admitted = slot < world_size || store->check({attempt_key(options.restart_count, admitted_key(slot))});
-        if (admitted) member_running = true;
-        else waiting.push_back(slot);
+        if (declared_lost.count(slot) > 0) {
+          leftovers.push_back(slot);
+        } else if (slot < world_size || store->check({attempt_key(options.restart_count, admitted_key(slot))})) {
+          member_running = true;
+        } else {
+          waiting.push_back(slot);
+        }
       }
-      if (!member_running && !waiting.empty()) {
+      if (!member_running && !waiting.empty() && !admissions_closed) {
         admissions_closed = true;
         unneeded.insert(waiting.begin(), waiting.end());
         store->set(attempt_key(options.restart_count, admissions_closed_key()), std::vector<uint8_t>{1});
+      }
+      if (!member_running) {
+        for (const int slot : leftovers) {
+          ::kill(-workers[slot].pid, SIGKILL);
+          ::kill(workers[slot].pid, SIGKILL);
+        }
       }
     }
     for (const int lost : to_replace) {

@@ -183,13 +183,32 @@ class ElasticRun(unittest.TestCase):
             self.assertNotIn("joined;", k.stderr)
             self.assertEqual([r["step"] for r in records(work) if r["kind"] == "train"], list(range(1, STEPS + 1)))
 
-    def test_a_replica_stopped_past_the_timeout_is_dropped(self):
+    def test_a_replica_stopped_past_the_timeout_is_dropped_then_refused_when_continued(self):
         # SIGSTOP at step 5: the survivor's collective times out (--dist_timeout_s 5), the launcher
-        # kills the stopped process past its timeout and records it lost, and the survivor goes on.
+        # records the stopped process lost past its timeout, and the survivor goes on. Continued
+        # then, the process finds that its generation went on without it and leaves, saying so.
         with tempfile.TemporaryDirectory() as tmp:
-            work, _, proc = self.elastic_run(tmp, "stopped", 2, kill="1:5:stop")
-            self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-            self.assertIn("elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on", proc.stderr)
+            work = os.path.join(tmp, "stopped")
+            env = dict(os.environ, HARNESS_TEST_KILL_AT_STEP="1:5:stop", HARNESS_ELASTIC_MAX_REPLACEMENTS="0")
+            proc = subprocess.Popen([DP, "--world_size", "2", "--master_port", str(free_port()), "--workdir", work,
+                                     "--elastic"] + TINY, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True, env=env, start_new_session=True)
+            err = []
+            try:
+                for line in proc.stderr:
+                    err.append(line.rstrip("\n"))
+                    if "elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on" in line:
+                        os.kill(worker_of_rank(proc.pid, 1), signal.SIGCONT)
+                code = proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.stderr.close()
+            text = "\n".join(err)
+            self.assertEqual(code, 0, text[-4000:])
+            self.assertIn("launcher: rank 1 was stopped by SIGSTOP for more than 15 s; it is lost", text)
+            self.assertIn("elastic: process 1 belongs to generation 0, and generation 1 went on without it", text)
+            self.assertIn("(lost already)", text)
             self.assertEqual([r["step"] for r in records(work) if r["kind"] == "train"], list(range(1, STEPS + 1)))
 
     def test_below_min_replicas_the_run_stops_naming_the_lost_process(self):
