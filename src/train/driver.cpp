@@ -617,8 +617,8 @@ void TrainingRun::after_step(int64_t epoch, int64_t total, const EpochTiming& so
   }
   if (data_.membership_changes) {
     const std::vector<MembershipRecord> changes = data_.membership_changes();
-    if (!changes.empty() && !metrics_ && o_.elastic && world_ != nullptr && world_->rank == 0 && !o_.workdir.empty()) {
-      // The process that wrote metrics.jsonl was lost: this one, the new rank 0, goes on with it.
+    if (!changes.empty() && !metrics_ && o_.keeps_metrics && o_.keeps_metrics() && !o_.workdir.empty()) {
+      // The process that wrote metrics.jsonl was lost: this one goes on with it.
       metrics_.emplace((fs::path(o_.workdir) / "metrics.jsonl").string(), at_.global_step - 1,
                        o_.controls.tensorboard_dir);
     }

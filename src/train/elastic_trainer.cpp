@@ -2,6 +2,7 @@
 #include "harness/train/elastic_trainer.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
 #include <iomanip>
@@ -58,11 +59,24 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
       step_settings_(std::move(step_settings)),
       position_(std::move(position)),
       launch_rank_(settings.join_id >= 0 ? settings.join_id : first_world_.rank) {
-  if (composition_.stages || composition_.data_parallel.zero_stage != 0 || model_->tensor_parallel() != nullptr) {
+  for (const auto& item : model_->named_parameters()) shapes_.push_back(item.value().sizes().vec());
+  const parallel::LayoutSizes& sizes = settings_.sizes;
+  if (sizes.tensor != 1 || sizes.context != 1 || sizes.zero_stage != 0 || composition_.data_parallel.zero_stage != 0 ||
+      model_->tensor_parallel() != nullptr) {
     throw std::invalid_argument(
-        "elastic training recovers replicas of the whole model without ZeRO (data parallelism alone) so far");
+        "elastic training recovers replicas of the whole model or of pipeline stages, without ZeRO, tensor or "
+        "context parallelism, so far");
   }
-  membership_ = parallel::initial_membership(first_world_.world_size, {});
+  if ((sizes.pipeline > 1) != composition_.stages.has_value()) {
+    throw std::invalid_argument("elastic training: " + std::to_string(sizes.pipeline) +
+                                " pipeline stages in the layout, and the step's stage options " +
+                                (composition_.stages ? "given" : "missing"));
+  }
+  if (sizes.pipeline > 1 && (settings_.accept_joiners || settings_.join_id >= 0)) {
+    throw std::invalid_argument("elastic training: replacements join replicas of one process so far, not of " +
+                                std::to_string(sizes.pipeline) + " pipeline stages");
+  }
+  membership_ = parallel::initial_membership(first_world_.world_size, sizes);
   if (settings_.min_replicas < 1 || settings_.min_replicas > membership_.original_replicas) {
     throw std::invalid_argument("--min_replicas " + std::to_string(settings_.min_replicas) + ": expected 1 to " +
                                 std::to_string(membership_.original_replicas) + " (the data-parallel size)");
@@ -75,6 +89,9 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
   }
   generation_.number = 0;
   for (int r = 0; r < first_world_.world_size; ++r) generation_.members.push_back(r);
+  // The world's own group serves generation 0; the groups composed over it are the trainer's own,
+  // under keys of their own (the program may have made groups of the same names before).
+  world_.store = c10::make_intrusive<c10d::PrefixStore>("elastic/generation 0", first_world_.store);
   compose();
 }
 
@@ -89,24 +106,31 @@ std::string ranks_list(const std::vector<int>& ranks) {
 }  // namespace
 
 ElasticTrainer::HeldState ElasticTrainer::hold_and_release() {
-  HeldState held{{}, step_->optimizer_state(), step_->learning_rate()};
-  for (const auto& item : model_->named_parameters()) {
-    held.weights.emplace_back(item.key(), item.value().detach().clone());
-  }
+  HeldState held{step_->optimizer().local_state(), step_->learning_rate()};
   step_.reset();  // its synchronizer's hooks leave the parameters first
   sync_.reset();
   groups_ = parallel::ProcessGroups{};
   if (generation_.number > 0) world_.group.reset();  // the first generation's stays with first_world_
+  torch::NoGradGuard no_grad;
+  size_t i = 0;
+  for (const auto& item : model_->named_parameters()) {
+    at::Tensor p = item.value();
+    const std::vector<int64_t>& shape = shapes_.at(i++);
+    if (p.sizes() != at::IntArrayRef(shape)) p.set_data(at::empty(shape, p.options()));
+  }
   return held;
 }
 
 void ElasticTrainer::enter(const dp::Generation& next, const std::vector<int>& order,
                            const parallel::Membership& membership, const HeldState& held) {
   world_ = dp::connect_generation(first_world_, next, order, launch_rank_, options_);
+  // Its members are those that train in it: a process that checked in but whose replica was
+  // dropped (another stage of it lost) leaves.
   generation_ = next;
+  generation_.members = order;
   membership_ = membership;
   compose();
-  step_->load_state(held.weights, held.optimizer);
+  step_->optimizer().load_local_state(held.optimizer);
   step_->set_learning_rate(held.learning_rate);
 }
 
@@ -237,6 +261,25 @@ void ElasticTrainer::compose() {
   step_ = std::make_unique<GPT2TrainStep>(model_, std::move(parts.forward_backward), std::move(parts.optimizer),
                                           sync_.get(), step_settings_);
   step_->set_training(true);
+  if (layout.pipeline_parallel_size() > 1) {
+    // A stage's gradient all-reduce may succeed while another stage's fails: none may step before
+    // every member got this far.
+    step_->after_backward = [this] { dp::barrier(world_); };
+  }
+}
+
+bool ElasticTrainer::keeps_the_log() const {
+  const parallel::Layout original = parallel::initial_membership(first_world_.world_size, settings_.sizes).layout();
+  int keeper = -1, lowest = membership_.original_replicas;
+  for (const int member : generation_.members) {
+    if (member >= first_world_.world_size || !original.reports(member)) continue;
+    const int replica = original.coordinates_of(member).data;
+    if (replica < lowest) {
+      lowest = replica;
+      keeper = member;
+    }
+  }
+  return keeper == launch_rank_;
 }
 
 void ElasticTrainer::check_members_alive() const {

@@ -82,7 +82,7 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
 
 // The run's data x context x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags
 // named). Context parallelism does not run through pipeline stages: refused here, before launch.
-parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
+parallel::LayoutSizes run_layout_sizes(const DataParallelConfig& flags) {
   parallel::LayoutSizes sizes;
   sizes.tensor = flags.tensor_parallel_size;
   sizes.context = flags.context_parallel_size;
@@ -90,7 +90,11 @@ parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
   sizes.zero_stage = flags.zero_stage;
   sizes.sequence_parallel = flags.sequence_parallel;
   sizes.loss_on_first_stage = pipeline::placement_of(flags.pipe.schedule) == pipeline::StagePlacement::kV;
-  return parallel::Layout::create(world_size, sizes);
+  return sizes;
+}
+
+parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
+  return parallel::Layout::create(world_size, run_layout_sizes(flags));
 }
 
 // The positions each sequence is padded to: --model_max_length, or with C > 1 a multiple of 2C
@@ -186,10 +190,10 @@ void check_elastic_run(const DataParallelConfig& flags) {
   if (!flags.elastic) return;
   const parallel::Layout layout = run_layout(flags, flags.world_size);
   const int D = layout.data_parallel_size();
-  if (layout.tensor_parallel_size() > 1 || layout.context_parallel_size() > 1 || layout.pipeline_parallel_size() > 1) {
+  if (layout.tensor_parallel_size() > 1 || layout.context_parallel_size() > 1) {
     throw std::invalid_argument(
-        "--elastic recovers replicas of the whole model (data parallelism alone) so far: it cannot take "
-        "--tensor_parallel_size, --context_parallel_size or --pipeline_parallel_size above 1 yet");
+        "--elastic recovers replicas of the whole model or of pipeline stages so far: it cannot take "
+        "--tensor_parallel_size or --context_parallel_size above 1 yet");
   }
   if (D < 2) {
     throw std::invalid_argument("--elastic keeps training when a data-parallel replica is lost: it needs at least "
@@ -545,7 +549,8 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   const std::string track = "rank " + std::to_string(rank);
   StepComposition composition;
   composition.optimizer = f.optimizer_settings();
-  composition.optimizer.post_validate = !flags.synchronous_step;
+  // (Under --elastic no stage steps before the others are known alive: post-validation is off.)
+  composition.optimizer.post_validate = !flags.synchronous_step && !flags.elastic;
   composition.data_parallel = data_parallel_settings(flags);
   composition.debug_sync = flags.debug_sync;
   if (layout.pipeline_parallel_size() > 1) {
@@ -592,7 +597,9 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     });
     ElasticSettings elastic_settings;
     elastic_settings.min_replicas = flags.min_replicas;
-    elastic_settings.accept_joiners = true;  // the launcher's replacements (their count: its option)
+    elastic_settings.sizes = run_layout_sizes(flags);
+    // The launcher's replacements (their count: its option), for replicas of one process.
+    elastic_settings.accept_joiners = layout.pipeline_parallel_size() == 1;
     elastic_settings.join_id = join_id;
     // A survivor blocked in a collective with another survivor learns of the loss when the
     // collective times out, and the launcher declares a stopped process lost a little later.
@@ -637,6 +644,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     if (elastic) {
       training.elastic = true;
       training.peers_alive = [&elastic] { elastic->trainer().check_members_alive(); };
+      training.keeps_metrics = [&elastic] { return elastic->trainer().keeps_the_log(); };
       training.lost_peer = [](const std::exception& e) {
         return is_communication_failure(e) || dynamic_cast<const LostProcessError*>(&e) != nullptr;
       };

@@ -217,6 +217,8 @@ class LayoutAdamW final : public StepOptimizer {
   OptimizerState state() override;
   void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override;
   void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) override;
+  OptimizerState local_state() override;
+  void load_local_state(const OptimizerState& state) override;
   model::NamedTensors unsplit_gradients() override;
   bool stream_weights(const std::string& path, bool write) override;
   int64_t state_bytes() const override { return state_->state_bytes(); }
@@ -446,6 +448,27 @@ OptimizerState LayoutAdamW::state() {
                          exp_avg_sq.to(torch::kCPU, torch::kFloat, false, /*copy=*/true)};
   });
   return full;
+}
+
+OptimizerState LayoutAdamW::local_state() {
+  if (state_->shard_group() != nullptr || state_->keeps_weights()) {
+    throw std::logic_error("local_state: this rank's AdamW state is a shard of its data-parallel group's (ZeRO)");
+  }
+  OptimizerState local;
+  for (size_t i = 0; i < placement_.held.size(); ++i) {
+    const std::optional<int64_t> steps = state_->steps_of(i);
+    if (!steps) continue;
+    const auto [exp_avg, exp_avg_sq] = state_->moments(i);
+    local[placement_.held[i].first] = {*steps, exp_avg.clone(), exp_avg_sq.clone()};
+  }
+  return local;
+}
+
+void LayoutAdamW::load_local_state(const OptimizerState& state) {
+  if (state_->shard_group() != nullptr || state_->keeps_weights()) {
+    throw std::logic_error("load_local_state: this rank's AdamW state is a shard of its data-parallel group's (ZeRO)");
+  }
+  state_->load(state);
 }
 
 void LayoutAdamW::save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) {

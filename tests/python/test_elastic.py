@@ -171,6 +171,30 @@ class ElasticRun(unittest.TestCase):
             problems = weight_problems(weights(work), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
 
+    def test_a_lost_stage_drops_its_replica_and_the_other_pipeline_finishes_alone(self):
+        # (2,1,1,2): ranks 0 and 2 are replica 0's stages, 1 and 3 replica 1's (rank = p*D + d).
+        # Process 1 (replica 1's first stage) killed at step 5: process 3, its other stage, leaves
+        # with the reason, and replica 0's two stages train every row to step 12.
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", 2)
+            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            stages = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
+            work, digests, k = self.elastic_run(tmp, "staged", 4, kill="1:5", extra=stages)
+            self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+            self.assertEqual(sum("elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on" in line
+                                 for line in k.stderr.splitlines()), 1, k.stderr[-4000:])
+            self.assertIn("process 3's replica 1 lost process 1 and cannot train; it leaves generation 1", k.stderr)
+            log = records(work)
+            self.assertEqual([r for r in log if r["kind"] == "membership"],
+                             [{"kind": "membership", "generation": 1, "step": 5, "replicas": 1, "lost": [1],
+                               "joined": []}])
+            self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+            # Each stage process of a replica trains its rows: every step's examples twice over.
+            expected = {s: (2 * c, 2 * d % (1 << 64)) for s, (c, d) in step_digests(plain_digests).items()}
+            self.assertEqual(step_digests(digests), expected)
+            problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
     def test_a_replacement_arriving_after_the_last_step_leaves_with_nothing_to_do(self):
         # Killed as step 12, the last, starts: the survivor takes it alone and finishes; the
         # launcher closes the admissions, and the waiting replacement exits 0 without training.
@@ -315,7 +339,7 @@ class Refusals(unittest.TestCase):
         self.refused(["--world_size", "2", "--elastic", "--zero_stage", "1"],
                      "a lost rank's shard of the optimizer state exists nowhere else")
         self.refused(["--world_size", "4", "--elastic", "--tensor_parallel_size", "2"],
-                     "--elastic recovers replicas of the whole model")
+                     "--elastic recovers replicas of the whole model or of pipeline stages")
         self.refused(["--world_size", "2", "--elastic", "--min_replicas", "3"], "--min_replicas 3: expected 1 to 2")
         self.refused(["--world_size", "2", "--min_replicas", "2"], "--min_replicas applies to --elastic runs only")
 

@@ -186,6 +186,44 @@ TEST_F(ElasticTraining, AReplacementJoinsAtAStepBoundaryAndEndsLikeTheOthers) {
   expect_undisturbed_weights("grown", {2, 3}, "replica 1 lost at step 3, replaced at step 5");
 }
 
+// What a generation change carries: a step composed again over the same parameters, with this
+// rank's AdamW state (local_state, no collective) loaded, takes the next steps bit for bit as the
+// step that was let go would have; without the state it would not.
+TEST(ElasticState, LocalAdamWStateCarriesIntoAStepComposedAgain) {
+  const auto make = [] { return testing::make_model(testing::tiny_config(2, 0.0)); };
+  const auto step_with_gradients = [](model::GPT2LMHeadModel& model, StepOptimizer& optimizer, int64_t k) {
+    optimizer.zero_grad();
+    torch::manual_seed(100 + k);
+    for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p);
+    optimizer.step();
+  };
+  model::GPT2LMHeadModel kept = make(), recomposed = make(), fresh = make();
+  auto kept_optimizer = replicated_adamw(kept, OptimizerSettings(1e-2));
+  auto recomposed_optimizer = replicated_adamw(recomposed, OptimizerSettings(1e-2));
+  auto fresh_optimizer = replicated_adamw(fresh, OptimizerSettings(1e-2));
+  for (int64_t k = 0; k < 2; ++k) {
+    step_with_gradients(kept, *kept_optimizer, k);
+    step_with_gradients(recomposed, *recomposed_optimizer, k);
+    step_with_gradients(fresh, *fresh_optimizer, k);
+  }
+  const OptimizerState local = recomposed_optimizer->local_state();
+  EXPECT_EQ(local.size(), recomposed->parameters().size());
+  EXPECT_EQ(local.at("transformer.wte.weight").step, 2);
+  recomposed_optimizer = replicated_adamw(recomposed, OptimizerSettings(1e-2));
+  recomposed_optimizer->load_local_state(local);
+  fresh_optimizer = replicated_adamw(fresh, OptimizerSettings(1e-2));  // its state not carried
+  for (int64_t k = 2; k < 4; ++k) {
+    step_with_gradients(kept, *kept_optimizer, k);
+    step_with_gradients(recomposed, *recomposed_optimizer, k);
+    step_with_gradients(fresh, *fresh_optimizer, k);
+  }
+  auto expected = kept->named_parameters(), other = fresh->named_parameters();
+  for (const auto& item : recomposed->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), expected[item.key()])) << item.key();
+  }
+  EXPECT_FALSE(torch::equal(other["transformer.wte.weight"], expected["transformer.wte.weight"]));
+}
+
 TEST(ElasticWorker, Run) { test_workers::play_worker_scenario({{"elastic_train", elastic_train_scenario}}); }
 
 }  // namespace

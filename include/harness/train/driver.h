@@ -103,6 +103,9 @@ struct TrainingOptions {
   // lost. That checkpoint is then abandoned (the previous one stays whole) and training goes on:
   // the next step recovers.
   std::function<bool(const std::exception&)> lost_peer;
+  // Under --elastic: whether this process keeps metrics.jsonl after a membership change (it takes
+  // the file over when the process that kept it was lost).
+  std::function<bool()> keeps_metrics;
   // Under --elastic, a replacement that joined the run under way (its state received from the
   // others): where it starts, instead of a checkpoint. It chooses no checkpoint and keeps no
   // metrics.jsonl (the others' rank 0 does).

@@ -71,7 +71,19 @@ class ElasticTrainStep : public TrainStep {
   double learning_rate() const override;
   double last_grad_norm() const override;
   model::GPT2LMHeadModel model() override { return trainer_.current().model(); }
+  model::GPT2LMHeadModel gathered_model() override { return trainer_.current().gathered_model(); }
+  double validation_loss(data::BatchLoader& loader) override { return trainer_.current().validation_loss(loader); }
+  std::vector<std::string> generate(const data::Tokenizer& tokenizer,
+                                    const std::vector<data::TranslationExample>& examples, int64_t model_max_length,
+                                    bool show_progress) override {
+    return trainer_.current().generate(tokenizer, examples, model_max_length, show_progress);
+  }
   OptimizerState optimizer_state() override { return trainer_.current().optimizer_state(); }
+  bool collective_state() const override { return trainer_.current().collective_state(); }
+  GeneratorStates extra_generator_states() override { return trainer_.current().extra_generator_states(); }
+  void restore_extra_generator_states(const GeneratorStates& states) override {
+    trainer_.current().restore_extra_generator_states(states);
+  }
   void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) override {
     trainer_.current().save_state(weights_path, optimizer_path, write);
   }

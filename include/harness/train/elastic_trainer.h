@@ -7,8 +7,12 @@
 // the interrupted step again: the weights have not moved, since the optimizer steps only after the
 // gradients' all-reduce.
 //
-// Layouts: replicas of the whole model (C = T = P = 1), without ZeRO (whose shards of the lost
-// replica exist nowhere else); others are refused.
+// Layouts: replicas of the whole model or of P pipeline stages as processes (a lost stage drops its
+// whole replica; the other stages of that replica leave with DeadGenerationError), without ZeRO
+// (whose shards of the lost replica exist nowhere else), tensor or context parallelism; others are
+// refused. With P > 1 every member passes a barrier of the whole generation before the optimizer
+// steps, so that no stage steps in a step another stage must take again. Replacements join
+// replicas of one process (P = 1) so far.
 #pragma once
 
 #include <chrono>
@@ -30,6 +34,9 @@
 namespace harness::train {
 
 struct ElasticSettings {
+  // The layout's sizes other than D: pipeline stages as processes (composition.stages), the
+  // others 1 and ZeRO off.
+  parallel::LayoutSizes sizes;
   int min_replicas = 1;  // fewer left: the run stops (std::runtime_error naming the ranks lost)
   // How long the survivors wait for each other to check in (a stopped process never does).
   std::chrono::milliseconds join_window = std::chrono::seconds(10);
@@ -102,6 +109,10 @@ class ElasticTrainer {
   // Throws LostProcessError naming a process of the current generation that the launcher recorded
   // as lost (a store lookup per member; for waits outside collectives).
   void check_members_alive() const;
+  // Whether this process keeps the run's metrics.jsonl now: of the current members that started
+  // with the run and print a replica's lines (Layout::reports), the one of the lowest replica.
+  // (It changes only when that process is lost; a replacement never keeps it.)
+  bool keeps_the_log() const;
   // The rows the last step() trained on this process.
   const ExampleDigest& last_examples() const { return last_examples_; }
 
@@ -117,15 +128,16 @@ class ElasticTrainer {
   // them. Returns the step (and a joiner keeps the position).
   int64_t share_state(int64_t step, bool load);
 
-  // What the next generation's step starts from: the weights, AdamW state and learning rate.
+  // What the next generation's step starts from besides the weights, which stay in the model's
+  // parameters (this rank's stages' own): this rank's AdamW state and the learning rate.
   struct HeldState {
-    model::NamedTensors weights;
     OptimizerState optimizer;
     double learning_rate = 0.0;
   };
   // Moving to a new generation, in two halves. The first holds the state and lets the failed or
   // outgrown generation's step and groups go (their teardown takes a while, which the join
-  // window absorbs, not the next group's rendezvous).
+  // window absorbs, not the next group's rendezvous); the parameters another stage holds get
+  // their shapes back, for the next step to cut again.
   HeldState hold_and_release();
   // The second connects the next generation (`order`: its members' launch ranks in its rank
   // order), composes its step for `membership` and loads `held` into it.
@@ -135,6 +147,7 @@ class ElasticTrainer {
   std::vector<int> staying_members_in_order(const parallel::MembershipChange& change) const;
 
   model::GPT2LMHeadModel model_;
+  std::vector<std::vector<int64_t>> shapes_;  // each parameter's, whole, in the model's order
   StepComposition composition_;
   data_parallel::DistOptions options_;
   data_parallel::DistContext first_world_, world_;

@@ -69,6 +69,12 @@ class StepOptimizer {
   virtual void save_state(const std::string& weights_path, const std::string& optimizer_path, bool write) = 0;
   // Unsplit weights and state in (each rank keeps its part). Errors name the tensor.
   virtual void load_state(const model::NamedTensors& weights, const OptimizerState& optimizer) = 0;
+  // The AdamW state of the parameters this rank steps, by name and shaped as here (copies), with
+  // no collective; and its loading into a step composed again for the same stages over other
+  // groups (elastic training, whose weights stay in the model's parameters meanwhile). Where the
+  // state is sharded (ZeRO) it is not this rank's alone: std::logic_error.
+  virtual OptimizerState local_state() = 0;
+  virtual void load_local_state(const OptimizerState& state) = 0;
   // The last backward's gradients, averaged over the data-parallel ranks, unsplit, on the CPU
   // (collective where the state is).
   virtual model::NamedTensors unsplit_gradients() = 0;

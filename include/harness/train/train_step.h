@@ -181,6 +181,7 @@ class GPT2TrainStep : public TrainStep {
                                     const std::vector<data::TranslationExample>& examples, int64_t model_max_length,
                                     bool show_progress) override;
   const StepOptimizer& optimizer() const { return *optimizer_; }
+  StepOptimizer& optimizer() { return *optimizer_; }
   ForwardBackward& forward_backward() { return *forward_backward_; }
   const TrainStepSettings& settings() const { return settings_; }
 
