@@ -40,6 +40,14 @@ class ProcessGroupTensorParallel : public model::TensorParallelGroup {
   }
   std::map<std::string, at::Tensor> rank_stream_states() const override { return rng_.states(); }
   void set_rank_stream_states(const std::map<std::string, at::Tensor>& states) override { rng_.set_states(states); }
+  void reconnect(data_parallel::DistContext tp) {
+    if (!tp.group || tp.rank != tp_.rank || tp.world_size != tp_.world_size) {
+      throw std::invalid_argument("reconnect_tensor_parallel_group: rank " + std::to_string(tp.rank) + " of " +
+                                  std::to_string(tp.world_size) + " for the group's rank " + std::to_string(tp_.rank) +
+                                  " of " + std::to_string(tp_.world_size));
+    }
+    tp_ = std::move(tp);
+  }
 
  private:
   data_parallel::DistContext tp_;
@@ -47,6 +55,12 @@ class ProcessGroupTensorParallel : public model::TensorParallelGroup {
 };
 
 }  // namespace
+
+void reconnect_tensor_parallel_group(model::TensorParallelGroup& group, data_parallel::DistContext tp) {
+  auto* ours = dynamic_cast<ProcessGroupTensorParallel*>(&group);
+  if (ours == nullptr) throw std::invalid_argument("reconnect_tensor_parallel_group: not a process group's");
+  ours->reconnect(std::move(tp));
+}
 
 std::shared_ptr<model::TensorParallelGroup> make_tensor_parallel_group(data_parallel::DistContext tp) {
   if (!tp.group) throw std::invalid_argument("tensor-parallel GPT-2: no tensor-parallel process group");

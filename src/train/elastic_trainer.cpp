@@ -12,11 +12,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "harness/tensor_parallel/group.h"
 #include "harness/train/elastic_batches.h"
 
 namespace harness::train {
 
 namespace dp = harness::data_parallel;
+namespace tp = harness::tensor_parallel;
 
 bool is_communication_failure(const std::exception& error) {
   if (dynamic_cast<const c10::DistError*>(&error) != nullptr) return true;
@@ -61,20 +63,21 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
       launch_rank_(settings.join_id >= 0 ? settings.join_id : first_world_.rank) {
   for (const auto& item : model_->named_parameters()) shapes_.push_back(item.value().sizes().vec());
   const parallel::LayoutSizes& sizes = settings_.sizes;
-  if (sizes.tensor != 1 || sizes.context != 1 || sizes.zero_stage != 0 || composition_.data_parallel.zero_stage != 0 ||
-      model_->tensor_parallel() != nullptr) {
-    throw std::invalid_argument(
-        "elastic training recovers replicas of the whole model or of pipeline stages, without ZeRO, tensor or "
-        "context parallelism, so far");
+  if (sizes.zero_stage != 0 || composition_.data_parallel.zero_stage != 0) {
+    throw std::invalid_argument("elastic training: a lost rank's ZeRO shard exists nowhere else (use ZeRO stage 0)");
+  }
+  if ((sizes.tensor > 1) != (model_->tensor_parallel() != nullptr)) {
+    throw std::invalid_argument("elastic training: the layout's tensor-parallel size " + std::to_string(sizes.tensor) +
+                                " and the model " + (model_->tensor_parallel() ? "split" : "whole") + " disagree");
   }
   if ((sizes.pipeline > 1) != composition_.stages.has_value()) {
     throw std::invalid_argument("elastic training: " + std::to_string(sizes.pipeline) +
                                 " pipeline stages in the layout, and the step's stage options " +
                                 (composition_.stages ? "given" : "missing"));
   }
-  if (sizes.pipeline > 1 && (settings_.accept_joiners || settings_.join_id >= 0)) {
+  if (sizes.tensor * sizes.context * sizes.pipeline > 1 && (settings_.accept_joiners || settings_.join_id >= 0)) {
     throw std::invalid_argument("elastic training: replacements join replicas of one process so far, not of " +
-                                std::to_string(sizes.pipeline) + " pipeline stages");
+                                std::to_string(sizes.tensor * sizes.context * sizes.pipeline) + " processes");
   }
   membership_ = parallel::initial_membership(first_world_.world_size, sizes);
   if (settings_.min_replicas < 1 || settings_.min_replicas > membership_.original_replicas) {
@@ -256,6 +259,9 @@ ElasticTrainer::~ElasticTrainer() = default;
 void ElasticTrainer::compose() {
   const parallel::Layout layout = membership_.layout();
   groups_ = parallel::make_process_groups(world_, options_, layout);
+  // The split model's collectives go over the new generation's tensor group (the same ranks of
+  // the replica); the context group is set by compose_step.
+  if (model_->tensor_parallel() != nullptr) tp::reconnect_tensor_parallel_group(*model_->tensor_parallel(), groups_.tensor);
   StepParts parts = compose_step(model_, layout, groups_, composition_);
   sync_ = std::move(parts.sync);
   step_ = std::make_unique<GPT2TrainStep>(model_, std::move(parts.forward_backward), std::move(parts.optimizer),

@@ -190,11 +190,6 @@ void check_elastic_run(const DataParallelConfig& flags) {
   if (!flags.elastic) return;
   const parallel::Layout layout = run_layout(flags, flags.world_size);
   const int D = layout.data_parallel_size();
-  if (layout.tensor_parallel_size() > 1 || layout.context_parallel_size() > 1) {
-    throw std::invalid_argument(
-        "--elastic recovers replicas of the whole model or of pipeline stages so far: it cannot take "
-        "--tensor_parallel_size or --context_parallel_size above 1 yet");
-  }
   if (D < 2) {
     throw std::invalid_argument("--elastic keeps training when a data-parallel replica is lost: it needs at least "
                                 "2 replicas, and --world_size " + std::to_string(flags.world_size) + " makes " +
@@ -599,7 +594,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     elastic_settings.min_replicas = flags.min_replicas;
     elastic_settings.sizes = run_layout_sizes(flags);
     // The launcher's replacements (their count: its option), for replicas of one process.
-    elastic_settings.accept_joiners = layout.pipeline_parallel_size() == 1;
+    elastic_settings.accept_joiners = layout.world_size() == dp_size;
     elastic_settings.join_id = join_id;
     // A survivor blocked in a collective with another survivor learns of the loss when the
     // collective times out, and the launcher declares a stopped process lost a little later.

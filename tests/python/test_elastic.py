@@ -195,6 +195,29 @@ class ElasticRun(unittest.TestCase):
             problems = weight_problems(weights(work), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
 
+    def test_a_lost_tensor_or_context_rank_drops_its_replica(self):
+        # (2,1,2,1) and (2,2,1,1): ranks 2 and 3 are replica 1's tensor (or context) ranks
+        # (rank = ((p*D + d)*C + c)*T + t). Process 3 killed at step 5: process 2 leaves, and
+        # replica 0's two ranks train every row to step 12.
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", 2)
+            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            doubled = {s: (2 * c, 2 * d % (1 << 64)) for s, (c, d) in step_digests(plain_digests).items()}
+            for name, flag in (("tensor", "--tensor_parallel_size"), ("context", "--context_parallel_size")):
+                with self.subTest(name):
+                    work, digests, k = self.elastic_run(tmp, name, 4, kill="3:5", extra=[flag, "2"])
+                    self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+                    self.assertIn("elastic: generation 1 at step 5: lost process 3; 1 of 2 replicas go on", k.stderr)
+                    self.assertIn("process 2's replica 1 lost process 3 and cannot train; it leaves generation 1",
+                                  k.stderr)
+                    log = records(work)
+                    self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+                    self.assertEqual([r["lost"] for r in log if r["kind"] == "membership"], [[3]])
+                    # Each rank of a replica trains its rows (its slices, or its part of the sequence).
+                    self.assertEqual(step_digests(digests), doubled)
+                    problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+                    self.assertEqual(problems, [], "\n".join(problems))
+
     def test_a_replacement_arriving_after_the_last_step_leaves_with_nothing_to_do(self):
         # Killed as step 12, the last, starts: the survivor takes it alone and finishes; the
         # launcher closes the admissions, and the waiting replacement exits 0 without training.
@@ -338,8 +361,7 @@ class Refusals(unittest.TestCase):
         self.refused(["--world_size", "1", "--elastic"], "it needs at least 2 replicas")
         self.refused(["--world_size", "2", "--elastic", "--zero_stage", "1"],
                      "a lost rank's shard of the optimizer state exists nowhere else")
-        self.refused(["--world_size", "4", "--elastic", "--tensor_parallel_size", "2"],
-                     "--elastic recovers replicas of the whole model or of pipeline stages")
+        self.refused(["--world_size", "2", "--elastic", "--tensor_parallel_size", "2"], "it needs at least 2 replicas")
         self.refused(["--world_size", "2", "--elastic", "--min_replicas", "3"], "--min_replicas 3: expected 1 to 2")
         self.refused(["--world_size", "2", "--min_replicas", "2"], "--min_replicas applies to --elastic runs only")
 

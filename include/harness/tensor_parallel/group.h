@@ -14,4 +14,9 @@ namespace harness::tensor_parallel {
 // call its collectives in the same order. Throws when `tp` has no process group.
 std::shared_ptr<model::TensorParallelGroup> make_tensor_parallel_group(data_parallel::DistContext tp);
 
+// Points a group make_tensor_parallel_group made at another process group of the same ranks (its
+// rank and size; elastic training's next generation), keeping its dropout streams. Throws
+// std::invalid_argument for another kind of group, or another rank or size.
+void reconnect_tensor_parallel_group(model::TensorParallelGroup& group, data_parallel::DistContext tp);
+
 }  // namespace harness::tensor_parallel

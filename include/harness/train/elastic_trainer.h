@@ -7,12 +7,11 @@
 // the interrupted step again: the weights have not moved, since the optimizer steps only after the
 // gradients' all-reduce.
 //
-// Layouts: replicas of the whole model or of P pipeline stages as processes (a lost stage drops its
-// whole replica; the other stages of that replica leave with DeadGenerationError), without ZeRO
-// (whose shards of the lost replica exist nowhere else), tensor or context parallelism; others are
-// refused. With P > 1 every member passes a barrier of the whole generation before the optimizer
-// steps, so that no stage steps in a step another stage must take again. Replacements join
-// replicas of one process (P = 1) so far.
+// Layouts: any of replicas of C x T x P ranks (context, tensor and pipeline parallelism), without
+// ZeRO (whose shards of the lost replica exist nowhere else). A lost rank drops its whole replica;
+// that replica's other ranks leave with DeadGenerationError. With P > 1 every member passes a
+// barrier of the whole generation before the optimizer steps, so that no stage steps in a step
+// another stage must take again. Replacements join replicas of one process so far.
 #pragma once
 
 #include <chrono>
@@ -34,8 +33,9 @@
 namespace harness::train {
 
 struct ElasticSettings {
-  // The layout's sizes other than D: pipeline stages as processes (composition.stages), the
-  // others 1 and ZeRO off.
+  // The layout's sizes other than D: context, tensor (the model split over make_tensor_parallel_group's
+  // group, reconnected for each generation) and pipeline stages as processes (composition.stages);
+  // ZeRO off.
   parallel::LayoutSizes sizes;
   int min_replicas = 1;  // fewer left: the run stops (std::runtime_error naming the ranks lost)
   // How long the survivors wait for each other to check in (a stopped process never does).

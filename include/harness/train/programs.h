@@ -118,8 +118,8 @@ inline constexpr const char* kElasticLaunchVariable = "HARNESS_ELASTIC_LAUNCHER"
 // --world_size; 0: none, the others go on without).
 inline constexpr const char* kElasticReplacementsVariable = "HARNESS_ELASTIC_MAX_REPLACEMENTS";
 
-// --elastic's rules (the flags named): replicas of the whole model or of pipeline stages (C = T = 1) with D >= 2
-// replicas, no ZeRO, 1 <= --min_replicas <= D, the final model in --workdir alone.
+// --elastic's rules (the flags named): D >= 2 replicas (of any C x T x P ranks), no ZeRO,
+// 1 <= --min_replicas <= D, the final model in --workdir alone.
 void check_elastic_run(const DataParallelConfig& config);
 
 // Every rule a worker would apply to the flags, model, data and devices, applied once in the
