@@ -9,6 +9,7 @@ dropout masks otherwise)."""
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,7 +68,28 @@ def step_digests(folder):
 
 
 class ElasticRun(unittest.TestCase):
-    def elastic_run(self, tmp, name, world_size, kill=None, extra=(), replacements=0, env_extra=None):
+    # The undisturbed runs, one of each world size, shared by the tests (made on first use).
+    undisturbed = {}
+
+    @classmethod
+    def setUpClass(cls):
+        cls.shared = tempfile.mkdtemp(prefix="elastic-undisturbed-")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.shared, ignore_errors=True)
+
+    def undisturbed_run(self, world_size):
+        """The workdir and example digests of an --elastic run of `world_size` without a loss."""
+        if world_size not in self.undisturbed:
+            work, digests, p = self.elastic_run(self.shared, f"undisturbed{world_size}", world_size)
+            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            self.undisturbed[world_size] = (work, digests, p)
+        work, digests, _ = self.undisturbed[world_size]
+        return work, digests
+
+    @staticmethod
+    def elastic_run(tmp, name, world_size, kill=None, extra=(), replacements=0, env_extra=None):
         """replacements: how many the launcher may start (None: its default, --world_size)."""
         work = os.path.join(tmp, name)
         digests = os.path.join(tmp, name + "-digests")
@@ -84,8 +106,7 @@ class ElasticRun(unittest.TestCase):
     def check_lost_replica(self, tmp, world_size, lost, extra=()):
         """Runs undisturbed and with process `lost` killed at step 5, checks the killed run against
         the undisturbed one, and returns both workdirs."""
-        plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", world_size)
-        self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+        plain, plain_digests = self.undisturbed_run(world_size)
         work, digests, k = self.elastic_run(tmp, "killed", world_size, kill=f"{lost}:5", extra=extra)
         self.assertEqual(k.returncode, 0, k.stderr[-4000:])
         self.assertNotIn("restart", k.stderr)
@@ -137,8 +158,7 @@ class ElasticRun(unittest.TestCase):
         # joins at step 7, receives the weights, AdamW state and data position, and trains replica
         # 1's rows from there. The run ends with 2 replicas again.
         with tempfile.TemporaryDirectory() as tmp:
-            plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", 2)
-            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            plain, plain_digests = self.undisturbed_run(2)
             finals = os.path.join(tmp, "final-weights")
             os.makedirs(finals)
             work, digests, k = self.elastic_run(
@@ -176,8 +196,7 @@ class ElasticRun(unittest.TestCase):
         # Process 1 (replica 1's first stage) killed at step 5: process 3, its other stage, leaves
         # with the reason, and replica 0's two stages train every row to step 12.
         with tempfile.TemporaryDirectory() as tmp:
-            plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", 2)
-            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            plain, plain_digests = self.undisturbed_run(2)
             stages = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
             work, digests, k = self.elastic_run(tmp, "staged", 4, kill="1:5", extra=stages)
             self.assertEqual(k.returncode, 0, k.stderr[-4000:])
@@ -200,8 +219,7 @@ class ElasticRun(unittest.TestCase):
         # (rank = ((p*D + d)*C + c)*T + t). Process 3 killed at step 5: process 2 leaves, and
         # replica 0's two ranks train every row to step 12.
         with tempfile.TemporaryDirectory() as tmp:
-            plain, plain_digests, p = self.elastic_run(tmp, "undisturbed", 2)
-            self.assertEqual(p.returncode, 0, p.stderr[-3000:])
+            plain, plain_digests = self.undisturbed_run(2)
             doubled = {s: (2 * c, 2 * d % (1 << 64)) for s, (c, d) in step_digests(plain_digests).items()}
             for name, flag in (("tensor", "--tensor_parallel_size"), ("context", "--context_parallel_size")):
                 with self.subTest(name):
@@ -267,8 +285,8 @@ class ElasticRun(unittest.TestCase):
     def test_without_a_loss_the_elastic_run_is_the_plain_run_bit_for_bit(self):
         torch = __import__("torch")
         with tempfile.TemporaryDirectory() as tmp:
-            work, _, e = self.elastic_run(tmp, "elastic", 2)
-            self.assertEqual(e.returncode, 0, e.stderr[-3000:])
+            work, _ = self.undisturbed_run(2)
+            e = self.undisturbed[2][2]
             self.assertIn("elastic=true min_replicas=1", e.stderr)
             plain = os.path.join(tmp, "plain")
             p = run([DP, "--world_size", "2", "--master_port", str(free_port()), "--workdir", plain] + TINY)
