@@ -171,7 +171,9 @@ TEST(GradSync, Bf16ReductionHalvesTheBytesAndRoundsToBf16) {
       // Gradient bytes halve; the agreement flags (int32, one per parameter) stay.
       const int64_t flags = 4 * static_cast<int64_t>(params.size()) + (kind == "bucketed" ? 4 : 0);
       if (!bf16) fp32_bytes = sync->communicated_bytes();
-      if (bf16) EXPECT_EQ(2 * (sync->communicated_bytes() - flags), fp32_bytes - flags);
+      if (bf16) {
+        EXPECT_EQ(2 * (sync->communicated_bytes() - flags), fp32_bytes - flags);
+      }
     }
   }
 }

@@ -98,7 +98,9 @@ void elastic_train_scenario(const dp::WorkerEnv& env) {
     EXPECT_EQ(change.lost, expected[i].lost);
     EXPECT_EQ(change.joined, expected[i].joined);
   }
-  if (join_id != nullptr) EXPECT_EQ(trainer.joined_at_step(), join_at);
+  if (join_id != nullptr) {
+    EXPECT_EQ(trainer.joined_at_step(), join_at);
+  }
 }
 
 std::map<std::string, at::Tensor> load_weights(const std::string& path) {
