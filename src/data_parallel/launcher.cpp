@@ -89,6 +89,9 @@ std::string signal_name(int sig) {
   }
 }
 
+// A worker's wait status as a shell reports it: its exit status, or 128 + the signal that killed it.
+int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
+
 std::string describe_exit(int rank, int status) {
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
@@ -607,11 +610,10 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
           std::fprintf(stderr, "launcher: %s (lost already)\n", describe_exit(rank, status).c_str());
           std::fflush(stderr);
         } else {
-          declare_lost(rank, describe_exit(rank, status), WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status));
+          declare_lost(rank, describe_exit(rank, status), exit_code_of(status));
         }
       } else if (failed && !stopping) {
-        const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-        begin_stop(describe_exit(rank, status), code);
+        begin_stop(describe_exit(rank, status), exit_code_of(status));
       }
     }
     if (options.elastic && !stopping) {

@@ -139,9 +139,10 @@ double ElasticTrainStep::step(const std::vector<data::Batch>& batches) {
   return loss;
 }
 
-std::optional<ElasticTrainStep::JoinedAt> ElasticTrainStep::joined_at() const {
+std::optional<TrainingOptions::JoinedAt> ElasticTrainStep::joined_at() const {
   if (!trainer_.is_replacement()) return std::nullopt;
-  return JoinedAt{trainer_.joined_at_step(), trainer_.joined_at_position()};
+  const ElasticTrainer::DataPosition& data = trainer_.joined_at_position();
+  return TrainingOptions::JoinedAt{data.epoch, data.batch, trainer_.joined_at_step()};
 }
 
 c10::Device ElasticTrainStep::input_device() const { return trainer_.current().input_device(); }

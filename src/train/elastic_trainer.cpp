@@ -30,18 +30,19 @@ bool is_communication_failure(const std::exception& error) {
   return false;
 }
 
+uint64_t fnv1a(const void* data, size_t size, uint64_t hash) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < size; ++i) hash = (hash ^ bytes[i]) * 1099511628211ull;
+  return hash;
+}
+
 ExampleDigest example_digest(const std::vector<data::Batch>& batches) {
   ExampleDigest out;
   for (const data::Batch& batch : batches) {
     for (const data::TranslationExample& example : batch.examples) {
-      uint64_t hash = 1469598103934665603ull;  // FNV-1a, 64 bits
-      auto add = [&hash](const std::string& text) {
-        for (const unsigned char c : text) hash = (hash ^ c) * 1099511628211ull;
-      };
-      add(example.de);
-      hash = (hash ^ 0u) * 1099511628211ull;
-      add(example.en);
-      out.digest += hash;
+      const char separator = '\0';
+      out.digest += fnv1a(example.en.data(), example.en.size(),
+                          fnv1a(&separator, 1, fnv1a(example.de.data(), example.de.size())));
       ++out.count;
     }
   }

@@ -322,29 +322,24 @@ void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::Di
       keeps_file ? f.workdir + "/tokenizer.model"
                  : (fs::temp_directory_path() / ("harness-tokenizer-" + std::to_string(::getpid()) + ".model")).string();
   if (!keeps_file) in.temporary_tokenizer.path = in.tokenizer_path;
-  if (joining) {
-    in.corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
-    in.config = resolve_config(f.model);
-    in.tokenizer.emplace(prepare_tokenizer(f.model, in.config, in.corpus.train, in.tokenizer_path));
-    in.sequence_length = padded_sequence_length(flags, in.config);
-    if (f.fit_vocab) fit_vocabulary(in.config, f.model, *in.tokenizer);
-    return;
-  }
   std::string refusal;
   try {
-    check_writable_folder(f.workdir, "--workdir");
+    if (!joining) check_writable_folder(f.workdir, "--workdir");
     in.corpus = load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
-    apply_training_split_test_hook(rank, in.corpus.train);
+    if (!joining) apply_training_split_test_hook(rank, in.corpus.train);
     in.config = resolve_config(f.model);
     in.tokenizer.emplace(prepare_tokenizer(f.model, in.config, in.corpus.train, in.tokenizer_path));
     in.sequence_length = padded_sequence_length(flags, in.config);
   } catch (const std::exception& e) {
+    if (joining) throw;
     refusal = e.what();
   }
-  agree_to_go_on(refusal, &world);
-  check_ranks_share_tokenizer(tokenizer_fingerprint(in.corpus.train, in.tokenizer_path), &world);
+  if (!joining) {
+    agree_to_go_on(refusal, &world);
+    check_ranks_share_tokenizer(tokenizer_fingerprint(in.corpus.train, in.tokenizer_path), &world);
+  }
   if (f.fit_vocab) fit_vocabulary(in.config, f.model, *in.tokenizer);
-  if (rank == 0) in.config.save_json_file(f.workdir + "/config.json");  // as the original, at start
+  if (keeps_file) in.config.save_json_file(f.workdir + "/config.json");  // as the original, at start
 }
 
 // P > 1: this rank's stage options. --balance auto: every rank times GPT-2's pieces and rank 0's
@@ -496,11 +491,10 @@ TrainingOptions rank_training_options(const DataParallelConfig& flags, const par
 void record_weight_digest_if_asked(model::GPT2LMHeadModel& model, int launch_rank) {
   const char* folder = std::getenv("HARNESS_TEST_WEIGHT_DIGESTS");
   if (folder == nullptr || *folder == '\0') return;
-  uint64_t hash = 1469598103934665603ull;
+  uint64_t hash = kFnv1aOffsetBasis;
   for (const auto& item : model->named_parameters()) {
     const at::Tensor w = item.value().detach().to(torch::kCPU).contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(w.data_ptr());
-    for (size_t i = 0; i < w.nbytes(); ++i) hash = (hash ^ bytes[i]) * 1099511628211ull;
+    hash = fnv1a(w.data_ptr(), w.nbytes(), hash);
   }
   std::ofstream(std::string(folder) + "/process" + std::to_string(launch_rank) + ".txt") << hash << '\n';
 }
@@ -604,7 +598,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     if (const auto joined = elastic->joined_at()) {
       // Its own dropout stream, unlike any other replica's or replacement's: the lost one's
       // cannot be recovered.
-      torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank + joined->step * dp_size));
+      torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank + joined->global_step * dp_size));
     }
   } else {
     parts = compose_step(model, layout, groups, composition);
@@ -645,9 +639,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
       };
       data.epoch_started = [&mirror](int64_t epoch, int64_t first_batch) { mirror->start_epoch(epoch, first_batch); };
       data.membership_changes = [&elastic] { return elastic->take_membership_changes(); };
-      if (const auto joined = elastic->joined_at()) {
-        training.joined_at = TrainingOptions::JoinedAt{joined->data.epoch, joined->data.batch, joined->step};
-      }
+      training.joined_at = elastic->joined_at();
     }
     run_training(step, data, training, &current_world);
     record_weight_digest_if_asked(model, elastic ? elastic->trainer().launch_rank() : rank);

@@ -13,6 +13,7 @@
 
 #include "harness/data/collate.h"
 #include "harness/data_parallel/sharded_loader.h"
+#include "harness/train/driver.h"
 #include "harness/train/elastic_trainer.h"
 #include "harness/train/train_step.h"
 
@@ -95,12 +96,9 @@ class ElasticTrainStep : public TrainStep {
   void set_global_step(int64_t global_step) override;
 
   const data_parallel::DistContext& world() const { return trainer_.world(); }
-  // A replacement's place in the run: the step it joins at and where the data stood then.
-  struct JoinedAt {
-    int64_t step = 0;
-    ElasticTrainer::DataPosition data;
-  };
-  std::optional<JoinedAt> joined_at() const;
+  // A replacement's place in the run, where its driver starts: the step it joins at and where
+  // the data stood then.
+  std::optional<TrainingOptions::JoinedAt> joined_at() const;
   const ElasticTrainer& trainer() const { return trainer_; }
   // The membership changes since the last call.
   std::vector<MembershipRecord> take_membership_changes();

@@ -64,6 +64,11 @@ struct ExampleDigest {
 };
 ExampleDigest example_digest(const std::vector<data::Batch>& batches);
 
+// The 64-bit FNV-1a hash of `size` bytes at `data`, continuing from `hash` (the offset basis, to
+// start). What the tests' digests of examples and of weights are made of.
+inline constexpr uint64_t kFnv1aOffsetBasis = 1469598103934665603ull;
+uint64_t fnv1a(const void* data, size_t size, uint64_t hash = kFnv1aOffsetBasis);
+
 class ElasticTrainer {
  public:
   // Original replica r's batches of optimizer step k (its gradient-accumulation batches), the
