@@ -7,17 +7,20 @@
 #include "harness/data_parallel/elastic_rendezvous.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <set>
 #include <stdexcept>
@@ -26,6 +29,35 @@ extern char** environ;
 
 namespace harness::data_parallel {
 namespace {
+
+// The launch's scratch folder, every worker's TMPDIR, made under the launcher's own temporary
+// folder and removed with whatever is in it once the workers are gone: what a worker killed by a
+// signal leaves there (its copy of the tokenizer, say) does not outlive the launch.
+class ScratchFolder {
+ public:
+  ScratchFolder() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "harness-launch-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      throw std::runtime_error("launcher: cannot make a scratch folder like " + pattern + ": " + std::strerror(errno));
+    }
+    path_ = pattern;
+  }
+  ScratchFolder(const ScratchFolder&) = delete;
+  ScratchFolder& operator=(const ScratchFolder&) = delete;
+  ~ScratchFolder() {
+    // Depth first, links not followed.
+    (void)::nftw(
+        path_.c_str(), [](const char* path, const struct stat*, int, struct FTW*) {
+          (void)::remove(path);
+          return 0;
+        },
+        16, FTW_DEPTH | FTW_PHYS);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 int parse_int_variable(const std::string& name, const std::string& value, int min_value) {
   size_t used = 0;
@@ -393,8 +425,8 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
                                    };
 
   // Everything the children need is built before fork: after it only async-signal-safe calls.
-  std::set<std::string> replaced = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                    "MASTER_PORT"};
+  const ScratchFolder scratch;  // outlives the workers: declared before them
+  std::set<std::string> replaced = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TMPDIR"};
   for (const auto& kv : options.extra_env) replaced.insert(kv.first);
   std::vector<std::string> base_env;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
@@ -402,6 +434,9 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
     if (replaced.count(entry.substr(0, entry.find('='))) == 0) base_env.push_back(entry);
   }
   for (const auto& [key, value] : options.extra_env) base_env.push_back(key + "=" + value);
+  if (std::none_of(options.extra_env.begin(), options.extra_env.end(), [](const auto& kv) { return kv.first == "TMPDIR"; })) {
+    base_env.push_back("TMPDIR=" + scratch.path());
+  }
   std::vector<char*> argv;
   for (const auto& arg : argv_of_self) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);

@@ -6,11 +6,13 @@
 
 #include <dirent.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -154,6 +156,14 @@ TEST(Launcher, a5_SigkillOfOneWorkerEndsTheLaunchWithinThirtySeconds) {
   EXPECT_EQ(run.result.failure, "rank 1 was killed by signal 9 (SIGKILL)") << run.joined();
   EXPECT_LT(seconds, 30.0);
   for (pid_t pid : run.result.pids) EXPECT_TRUE(process_gone(pid)) << "pid " << pid << " survived";
+  // The workers' TMPDIR was the launch's own folder, gone with what the killed worker left there.
+  const std::string all = run.joined();
+  const std::string said = "scratch folder ";
+  const size_t at = all.find(said);
+  ASSERT_NE(at, std::string::npos) << all;
+  const std::string folder = all.substr(at + said.size(), all.find('\n', at) - at - said.size());
+  EXPECT_EQ(folder.rfind((std::filesystem::temp_directory_path() / "harness-launch-").string(), 0), 0u) << folder;
+  EXPECT_NE(::access(folder.c_str(), F_OK), 0) << folder << " is still there";
 }
 
 TEST(Launcher, AWorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {

@@ -469,7 +469,14 @@ TEST(DpWorker, Run) {
       std::_Exit(3);
     }
     sleep_then_exit(60);
-  } else if (scenario == "sigkill") {  // rank 1 is killed mid-run
+  } else if (scenario == "sigkill") {  // rank 1 is killed mid-run, leaving a file in its TMPDIR
+    const char* scratch = std::getenv("TMPDIR");
+    ASSERT_NE(scratch, nullptr) << "the launcher gives its workers a TMPDIR";
+    std::FILE* left = std::fopen((std::string(scratch) + "/left by rank " + std::to_string(rank)).c_str(), "w");
+    ASSERT_NE(left, nullptr) << scratch;
+    std::fclose(left);
+    std::printf("scratch folder %s\n", scratch);
+    std::fflush(stdout);
     if (rank == 1) {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
       std::raise(SIGKILL);
