@@ -177,11 +177,6 @@ int main(int argc, char** argv) {
                                     ": expected a count of replacement processes (0 or more)");
       }
       launch.max_replacements = replacements.empty() ? config.world_size : std::atoi(replacements.c_str());
-      // Replacements join replicas of one process so far: with a replica of several (context,
-      // tensor or pipeline ranks) the run goes on with the replicas left.
-      if (config.pipeline_parallel_size * config.tensor_parallel_size * config.context_parallel_size > 1) {
-        launch.max_replacements = 0;
-      }
     }
     return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts, launch);
   } catch (const std::exception& e) {

@@ -90,22 +90,26 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
   return next;
 }
 
-int ask_to_join(c10d::Store& store, int launch_id) {
+int ask_to_join(c10d::Store& store, const JoinRequest& request) {
   const int64_t n = store.add("elastic/joins", 1);
-  const std::string id = std::to_string(launch_id);
-  store.set("elastic/join/" + std::to_string(n), std::vector<uint8_t>(id.begin(), id.end()));
+  const std::string text = std::to_string(request.launch_id) + " " + std::to_string(request.rank);
+  store.set("elastic/join/" + std::to_string(n), std::vector<uint8_t>(text.begin(), text.end()));
   return static_cast<int>(n);
 }
 
-std::vector<int> joins_after(c10d::Store& store, int admitted) {
-  const int64_t asked = store.add("elastic/joins", 0);
-  std::vector<int> out;
-  for (int64_t n = admitted + 1; n <= asked; ++n) {
+int join_count(c10d::Store& store) { return static_cast<int>(store.add("elastic/joins", 0)); }
+
+std::vector<JoinRequest> joins_after(c10d::Store& store, int skipped) {
+  const int64_t asked = join_count(store);
+  std::vector<JoinRequest> out;
+  for (int64_t n = skipped + 1; n <= asked; ++n) {
     const std::string key = "elastic/join/" + std::to_string(n);
-    // Counted before its id was written: the asker is between the two calls; the next boundary.
+    // Counted before its request was written: the asker is between the two calls; the next boundary.
     if (!store.check({key})) break;
-    const std::vector<uint8_t> id = store.get(key);
-    out.push_back(std::stoi(std::string(id.begin(), id.end())));
+    const std::vector<uint8_t> bytes = store.get(key);
+    const std::string text(bytes.begin(), bytes.end());
+    const size_t space = text.find(' ');
+    out.push_back({std::stoi(text.substr(0, space)), std::stoi(text.substr(space + 1))});
   }
   return out;
 }
@@ -123,14 +127,16 @@ Generation admit(c10d::Store& store, const Generation& now, const std::vector<in
                                 std::to_string(replicas.size()) + " replicas for " + std::to_string(members.size()) +
                                 " members");
   }
-  Generation next{now.number + 1, members, replicas};
+  Generation next{now.number + 1, members, replicas, {}};
+  for (const int member : members) {
+    if (now.rank_of(member) < 0) next.joined.push_back(member);
+  }
   store.set(generation_key(next.number, "replicas"), encode(replicas));
+  store.set(generation_key(next.number, "joined"), encode(next.joined));
   store.set(generation_key(next.number, "members"), encode(members));
   const std::string number = std::to_string(next.number);
-  for (const int member : members) {
-    if (now.rank_of(member) < 0) {
-      store.set(admitted_key(member), std::vector<uint8_t>(number.begin(), number.end()));
-    }
+  for (const int member : next.joined) {
+    store.set(admitted_key(member), std::vector<uint8_t>(number.begin(), number.end()));
   }
   return next;
 }
@@ -156,12 +162,13 @@ Generation await_admission(c10d::Store& store, int launch_id, std::chrono::milli
   out.number = std::stoi(std::string(number.begin(), number.end()));
   out.members = decode(store.get(generation_key(out.number, "members")));
   out.replicas = decode(store.get(generation_key(out.number, "replicas")));
+  out.joined = decode(store.get(generation_key(out.number, "joined")));
   return out;
 }
 
 DistContext connect_generation(const DistContext& world, const Generation& generation,
                                const std::vector<int>& members, int launch_rank, const DistOptions& options) {
-  const int rank = Generation{generation.number, members, {}}.rank_of(launch_rank);
+  const int rank = Generation{generation.number, members, {}, {}}.rank_of(launch_rank);
   if (rank < 0) {
     throw std::invalid_argument("connect_generation: process " + std::to_string(launch_rank) + " is not among " +
                                 ranks_text(members));

@@ -2,6 +2,7 @@
 #include "harness/parallel/elastic.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -93,6 +94,24 @@ MembershipChange rejoin_replicas(const Membership& now, const std::vector<int>& 
   change.joined.assign(joined.begin(), joined.end());
   change.rank_in_next = ranks_in(now, change.next);
   return change;
+}
+
+std::vector<int> complete_replicas(const Membership& now, const std::vector<int>& asked) {
+  const Layout original = Layout::create(now.original_replicas * ranks_per_replica(now.sizes), now.sizes);
+  std::map<int, std::set<int>> asked_of;  // dropped replica -> its ranks asked for
+  for (const int rank : asked) {
+    if (rank < 0 || rank >= original.world_size()) {
+      throw std::invalid_argument("elastic: a replacement asked for rank " + std::to_string(rank) +
+                                  ", outside the run's world of " + std::to_string(original.world_size()));
+    }
+    const int replica = original.coordinates_of(rank).data;
+    if (now.member_index(replica) < 0) asked_of[replica].insert(rank);
+  }
+  std::vector<int> out;
+  for (const auto& [replica, ranks] : asked_of) {
+    if (static_cast<int>(ranks.size()) == ranks_per_replica(now.sizes)) out.push_back(replica);
+  }
+  return out;
 }
 
 std::vector<std::vector<RowSlice>> rows_per_member(const Membership& m, const std::vector<int64_t>& rows) {

@@ -2,6 +2,7 @@
 #include "harness/tensor_parallel/group.h"
 
 #include <stdexcept>
+#include <string>
 
 #include "harness/tensor_parallel/comm_ops.h"
 #include "harness/tensor_parallel/parallel_rng.h"
@@ -15,14 +16,14 @@ class ProcessGroupTensorParallel : public model::TensorParallelGroup {
 
   int rank() const override { return tp_.rank; }
   int size() const override { return tp_.world_size; }
-  at::Tensor copy_to_region(const at::Tensor& x) override { return copy_to_tp_region(x, tp_); }
-  at::Tensor reduce_from_region(const at::Tensor& x) override { return reduce_from_tp_region(x, tp_); }
-  std::vector<at::Tensor> all_gather(const at::Tensor& x) override { return tensor_parallel::all_gather(x, tp_); }
+  at::Tensor copy_to_region(const at::Tensor& x) override { return copy_to_tp_region(x, connected()); }
+  at::Tensor reduce_from_region(const at::Tensor& x) override { return reduce_from_tp_region(x, connected()); }
+  std::vector<at::Tensor> all_gather(const at::Tensor& x) override { return tensor_parallel::all_gather(x, connected()); }
   at::Tensor gather_sequence(const at::Tensor& x, int64_t dim) override {
-    return tensor_parallel::gather_sequence(x, dim, tp_);
+    return tensor_parallel::gather_sequence(x, dim, connected());
   }
   at::Tensor reduce_scatter_sequence(const at::Tensor& x, int64_t dim) override {
-    return tensor_parallel::reduce_scatter_sequence(x, dim, tp_);
+    return tensor_parallel::reduce_scatter_sequence(x, dim, connected());
   }
   at::Tensor all_reduce(const at::Tensor& x, ReduceOp op) override {
     std::vector<at::Tensor> buffers{x.detach().contiguous().clone()};
@@ -31,7 +32,7 @@ class ProcessGroupTensorParallel : public model::TensorParallelGroup {
       options.reduceOp = op == ReduceOp::kSum   ? c10d::ReduceOp::SUM
                          : op == ReduceOp::kMax ? c10d::ReduceOp::MAX
                                                 : c10d::ReduceOp::MIN;
-      tp_.group->allreduce(buffers, options)->wait();
+      connected().group->allreduce(buffers, options)->wait();
     }
     return buffers[0];
   }
@@ -50,6 +51,11 @@ class ProcessGroupTensorParallel : public model::TensorParallelGroup {
   }
 
  private:
+  const data_parallel::DistContext& connected() const {
+    if (!tp_.group) throw std::logic_error("tensor-parallel GPT-2: the group is not connected yet");
+    return tp_;
+  }
+
   data_parallel::DistContext tp_;
   ParallelRegionRng rng_;
 };
@@ -64,6 +70,16 @@ void reconnect_tensor_parallel_group(model::TensorParallelGroup& group, data_par
 
 std::shared_ptr<model::TensorParallelGroup> make_tensor_parallel_group(data_parallel::DistContext tp) {
   if (!tp.group) throw std::invalid_argument("tensor-parallel GPT-2: no tensor-parallel process group");
+  return std::make_shared<ProcessGroupTensorParallel>(std::move(tp));
+}
+
+std::shared_ptr<model::TensorParallelGroup> make_unconnected_tensor_parallel_group(int rank, int size) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw std::invalid_argument("tensor-parallel GPT-2: rank " + std::to_string(rank) + " of " + std::to_string(size));
+  }
+  data_parallel::DistContext tp;
+  tp.rank = rank;
+  tp.world_size = size;
   return std::make_shared<ProcessGroupTensorParallel>(std::move(tp));
 }
 

@@ -103,7 +103,9 @@ void wait_for_the_replacement_if_asked(const ElasticTrainer& trainer, int64_t st
   c10d::Store& store = *trainer.first_world().store;
   store.set(kAtTheJoinStep, std::vector<uint8_t>{1});
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
-  while (dp::joins_after(store, 0).empty()) {
+  // Every rank of the lost replica's replacements (they join together).
+  const parallel::LayoutSizes& sizes = trainer.membership().sizes;
+  while (dp::join_count(store) < sizes.context * sizes.tensor * sizes.pipeline) {
     if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("test hook: no replacement asked to join");
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

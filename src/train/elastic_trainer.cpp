@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <iomanip>
+#include <map>
 #include <algorithm>
 #include <utility>
 #include <iostream>
@@ -76,10 +77,6 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
                                 " pipeline stages in the layout, and the step's stage options " +
                                 (composition_.stages ? "given" : "missing"));
   }
-  if (sizes.tensor * sizes.context * sizes.pipeline > 1 && (settings_.accept_joiners || settings_.join_id >= 0)) {
-    throw std::invalid_argument("elastic training: replacements join replicas of one process so far, not of " +
-                                std::to_string(sizes.tensor * sizes.context * sizes.pipeline) + " processes");
-  }
   membership_ = parallel::initial_membership(first_world_.world_size, sizes);
   if (settings_.min_replicas < 1 || settings_.min_replicas > membership_.original_replicas) {
     throw std::invalid_argument("--min_replicas " + std::to_string(settings_.min_replicas) + ": expected 1 to " +
@@ -149,91 +146,167 @@ std::vector<int> ElasticTrainer::staying_members_in_order(const parallel::Member
 
 int64_t ElasticTrainer::share_state(int64_t step, bool load) {
   torch::NoGradGuard no_grad;
-  const c10::Device device = world_.device.torch_device();
-  const bool sender = world_.rank == 0;
+  const dp::DistContext& replicas = groups_.data;  // the ranks at this rank's place in every replica
+  const c10::Device device = replicas.device.torch_device();
+  // The sender: the group's first rank that holds the state.
+  at::Tensor first = torch::tensor({static_cast<int64_t>(load ? replicas.world_size : replicas.rank)}, torch::kLong)
+                         .to(device);
+  {
+    std::vector<at::Tensor> tensors{first};
+    c10d::AllreduceOptions min;
+    min.reduceOp = c10d::ReduceOp::MIN;
+    replicas.group->allreduce(tensors, min)->wait();
+  }
+  const int root = static_cast<int>(first.cpu().item<int64_t>());
+  if (root >= replicas.world_size) throw std::logic_error("elastic: no member at this place holds the state");
+  const bool sender = replicas.rank == root;
   auto broadcast = [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
-    world_.group->broadcast(tensors)->wait();
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    replicas.group->broadcast(tensors, options)->wait();
   };
-  const auto parameters = model_->named_parameters();
-  OptimizerState state = sender ? step_->optimizer_state() : OptimizerState{};
-  // The step, the learning rate, the data position, and each parameter's AdamW step count (0: not
-  // stepped yet). (Counts as doubles: exact below 2^53.)
+  // What this rank holds: its stages' parameters (the others are empty here), its tensor slices.
+  std::vector<std::pair<std::string, at::Tensor>> held;
+  for (const auto& item : model_->named_parameters()) {
+    if (item.value().numel() > 0) held.emplace_back(item.key(), item.value());
+  }
+  OptimizerState state = sender ? step_->optimizer().local_state() : OptimizerState{};
+  // The step, the learning rate, the data position, the admission count, and each parameter's
+  // AdamW step count (0: not stepped yet). (Counts as doubles: exact below 2^53.)
   const DataPosition at = sender && position_ ? position_() : DataPosition{};
   std::vector<double> header{static_cast<double>(step), step_->learning_rate(), static_cast<double>(at.epoch),
-                             static_cast<double>(at.batch)};
-  for (const auto& item : parameters) {
-    const auto it = state.find(item.key());
+                             static_cast<double>(at.batch), static_cast<double>(admitted_)};
+  const size_t fields = header.size();
+  for (const auto& [name, p] : held) {
+    const auto it = state.find(name);
     header.push_back(it == state.end() ? 0.0 : static_cast<double>(it->second.step));
   }
   at::Tensor head = torch::tensor(header, torch::kFloat64).to(device);
   broadcast(head);
   head = head.cpu();
   const double* h = head.data_ptr<double>();
-  model::NamedTensors weights;
-  size_t i = 4;
-  for (const auto& item : parameters) {
-    at::Tensor w = item.value().detach().clone();
+  OptimizerState received;
+  for (size_t i = 0; i < held.size(); ++i) {
+    const auto& [name, p] = held[i];
+    at::Tensor w = p.detach().clone();
     broadcast(w);
-    weights.emplace_back(item.key(), w.cpu());
-    const int64_t steps = static_cast<int64_t>(h[i++]);
+    if (load) p.detach().copy_(w);
+    const int64_t steps = static_cast<int64_t>(h[fields + i]);
     if (steps == 0) continue;
-    AdamWParamState& mine = state[item.key()];
-    at::Tensor avg = sender ? mine.exp_avg.to(device) : torch::zeros_like(item.value(), torch::kFloat32).to(device);
-    at::Tensor avg_sq = sender ? mine.exp_avg_sq.to(device) : torch::zeros_like(item.value(), torch::kFloat32).to(device);
+    at::Tensor avg, avg_sq;
+    if (sender) {
+      const AdamWParamState& mine = state.at(name);
+      if (mine.exp_avg.sizes() != p.sizes()) {
+        throw std::logic_error("elastic: the AdamW state of " + name + " is not shaped as its parameter here");
+      }
+      avg = mine.exp_avg.to(device, torch::kFloat32).contiguous();
+      avg_sq = mine.exp_avg_sq.to(device, torch::kFloat32).contiguous();
+    } else {
+      avg = torch::zeros(p.sizes(), p.options().dtype(torch::kFloat32));
+      avg_sq = torch::zeros(p.sizes(), p.options().dtype(torch::kFloat32));
+    }
     broadcast(avg);
     broadcast(avg_sq);
-    mine.step = steps;
-    mine.exp_avg = avg.cpu();
-    mine.exp_avg_sq = avg_sq.cpu();
+    received[name] = {steps, avg, avg_sq};
   }
   if (load) {
-    step_->load_state(weights, state);
+    step_->optimizer().load_local_state(received);
     step_->set_learning_rate(h[1]);
     joined_at_position_ = {static_cast<int64_t>(h[2]), static_cast<int64_t>(h[3])};
+    admitted_ = static_cast<int>(h[4]);
   }
   return static_cast<int64_t>(h[0]);
 }
 
 void ElasticTrainer::join() {
   c10d::Store& store = *first_world_.store;
-  // The askers before it were admitted before it (or wait for a later loss): as its rank 0 would.
-  admitted_ = dp::ask_to_join(store, launch_rank_);
+  (void)dp::ask_to_join(store, {launch_rank_, first_world_.rank});
   generation_ = dp::await_admission(store, launch_rank_, settings_.admission_timeout);
   membership_.generation = generation_.number;
   membership_.replicas = generation_.replicas;
   std::sort(membership_.replicas.begin(), membership_.replicas.end());
+  membership_.replicas.erase(std::unique(membership_.replicas.begin(), membership_.replicas.end()),
+                             membership_.replicas.end());
   world_ = dp::connect_generation(first_world_, generation_, generation_.members, launch_rank_, options_);
+  // Dropout streams of its own, the same on every stage of its replica (admitted together), and
+  // unlike any original replica's (seed + d) or any other replacement's.
+  if (composition_.stages) {
+    composition_.stages->seed += static_cast<uint64_t>(generation_.number) * membership_.original_replicas;
+  }
   compose();
   joined_at_step_ = share_state(0, /*load=*/true);
   just_joined_ = true;
-  events_.push_back({generation_.number, joined_at_step_ + 1, membership_.replica_count(), {}, {launch_rank_}});
+  events_.push_back({generation_.number, joined_at_step_ + 1, membership_.replica_count(), {}, generation_.joined});
+}
+
+std::vector<dp::JoinRequest> ElasticTrainer::choose_joiners() const {
+  c10d::Store& store = *first_world_.store;
+  if (dp::join_count(store) <= admitted_) return {};  // nobody new (one store call a step)
+  std::map<int, dp::JoinRequest> latest;  // by the rank asked for
+  for (const dp::JoinRequest& request : dp::joins_after(store, 0)) {
+    // Admitted already, or lost while waiting: another replacement may ask for its rank.
+    if (store.check({dp::admitted_key(request.launch_id)}) || store.check({dp::lost_process_key(request.launch_id)})) {
+      continue;
+    }
+    latest[request.rank] = request;
+  }
+  std::vector<int> asked;
+  for (const auto& item : latest) asked.push_back(item.first);
+  const std::vector<int> replicas = parallel::complete_replicas(membership_, asked);
+  const parallel::Layout original = parallel::initial_membership(first_world_.world_size, settings_.sizes).layout();
+  std::vector<dp::JoinRequest> chosen;
+  for (const auto& [rank, request] : latest) {
+    const int replica = original.coordinates_of(rank).data;
+    if (std::find(replicas.begin(), replicas.end(), replica) != replicas.end()) chosen.push_back(request);
+  }
+  return chosen;
 }
 
 void ElasticTrainer::admit_joiners(int64_t k) {
   c10d::Store& store = *first_world_.store;
-  const int64_t asked = world_.rank == 0 ? static_cast<int64_t>(dp::joins_after(store, admitted_).size()) : 0;
-  at::Tensor count = torch::tensor({asked}, torch::kLong).to(world_.device.torch_device());
-  std::vector<at::Tensor> tensors{count};
-  world_.group->broadcast(tensors)->wait();
-  const int64_t n = count.cpu().item<int64_t>();
-  if (n == 0) return;
-  // The dropped replicas, in order, take the askers in the order they asked; askers beyond them
-  // wait for a later loss.
-  std::vector<int> dropped;
-  for (int r = 0; r < membership_.original_replicas; ++r) {
-    if (membership_.member_index(r) < 0) dropped.push_back(r);
+  // Rank 0's choice to every member: [count, launch ids..., ranks...] (at most a world of them).
+  const int most = first_world_.world_size;
+  std::vector<int64_t> decision(1 + 2 * static_cast<size_t>(most), 0);
+  if (world_.rank == 0) {
+    const std::vector<dp::JoinRequest> chosen = choose_joiners();
+    decision[0] = static_cast<int64_t>(chosen.size());
+    for (size_t j = 0; j < chosen.size(); ++j) {
+      decision[1 + j] = chosen[j].launch_id;
+      decision[1 + most + j] = chosen[j].rank;
+    }
   }
-  std::vector<int> asking = dp::joins_after(store, admitted_);
-  asking.resize(static_cast<size_t>(std::min<int64_t>(n, static_cast<int64_t>(dropped.size()))));
-  if (asking.empty()) return;
-  dropped.resize(asking.size());
+  at::Tensor told = torch::tensor(decision, torch::kLong).to(world_.device.torch_device());
+  std::vector<at::Tensor> tensors{told};
+  world_.group->broadcast(tensors)->wait();
+  told = told.cpu();
+  const int64_t* d = told.data_ptr<int64_t>();
+  if (d[0] == 0) return;
+  std::vector<int> asking, ranks;
+  for (int64_t j = 0; j < d[0]; ++j) {
+    asking.push_back(static_cast<int>(d[1 + j]));
+    ranks.push_back(static_cast<int>(d[1 + most + j]));
+  }
+  const parallel::Layout original = parallel::initial_membership(first_world_.world_size, settings_.sizes).layout();
+  std::vector<int> rejoining;
+  for (const int rank : ranks) rejoining.push_back(original.coordinates_of(rank).data);
+  std::sort(rejoining.begin(), rejoining.end());
+  rejoining.erase(std::unique(rejoining.begin(), rejoining.end()), rejoining.end());
   const auto start = std::chrono::steady_clock::now();
-  const parallel::MembershipChange change = parallel::rejoin_replicas(membership_, dropped);
+  const parallel::MembershipChange change = parallel::rejoin_replicas(membership_, rejoining);
+  const parallel::Layout next_layout = change.next.layout();
+  // Each replacement at its rank's place: its stage, tensor and context rank, in its replica.
   std::vector<int> order = staying_members_in_order(change);
-  for (size_t j = 0; j < asking.size(); ++j) order.at(change.next.member_index(dropped[j])) = asking[j];
-  const std::vector<int>& replicas = change.next.replicas;
-  dp::Generation next{generation_.number + 1, order, replicas};
+  for (size_t j = 0; j < asking.size(); ++j) {
+    parallel::Coordinates place = original.coordinates_of(ranks[j]);
+    place.data = change.next.member_index(place.data);
+    order.at(next_layout.rank_of(place)) = asking[j];
+  }
+  std::vector<int> replicas;  // each member's original replica, in rank order
+  for (int rank = 0; rank < next_layout.world_size(); ++rank) {
+    replicas.push_back(change.next.replicas.at(next_layout.coordinates_of(rank).data));
+  }
+  dp::Generation next{generation_.number + 1, order, replicas, {}};
   const bool decider = world_.rank == 0;
   const HeldState held = hold_and_release();
   try {
@@ -246,10 +319,14 @@ void ElasticTrainer::admit_joiners(int64_t k) {
     throw AdmissionError("elastic: admitting process " + ranks_list(asking) + " at step " + std::to_string(k + 1) +
                          " failed, and the run cannot go on: " + e.what());
   }
-  events_.push_back({next.number, k + 1, membership_.replica_count(), {}, asking});
+  std::vector<int> joined;  // in rank order, as the record lists them
+  for (const int member : order) {
+    if (std::find(asking.begin(), asking.end(), member) != asking.end()) joined.push_back(member);
+  }
+  events_.push_back({next.number, k + 1, membership_.replica_count(), {}, joined});
   if (world_.rank != 0) return;
   std::cerr << "elastic: generation " << next.number << " at step " << k + 1 << ": process"
-            << (asking.size() > 1 ? "es " : " ") << ranks_list(asking) << " joined; " << membership_.replica_count()
+            << (joined.size() > 1 ? "es " : " ") << ranks_list(joined) << " joined; " << membership_.replica_count()
             << " of " << membership_.original_replicas << " replicas go on (" << std::fixed << std::setprecision(3)
             << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
             << " s to admit and send the state)" << std::defaultfloat << std::endl;

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <sstream>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/debug_sync.h"
@@ -342,17 +343,28 @@ void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::Di
   if (keeps_file) in.config.save_json_file(f.workdir + "/config.json");  // as the original, at start
 }
 
+// Under --elastic, where rank 0 leaves the balance `--balance auto` agreed on (a replacement reads it).
+constexpr const char* kAgreedBalanceKey = "elastic/agreed balance";
+
 // P > 1: this rank's stage options. --balance auto: every rank times GPT-2's pieces and rank 0's
 // balance is everyone's. Each data-parallel replica draws its own dropout masks, the same on
 // every stage of it.
 PipelineStepOptions agreed_stage_options(const DataParallelConfig& flags, const parallel::Layout& layout,
                                          const RankInputs& in, model::GPT2LMHeadModel& model, const Device& device,
-                                         int rank, const dp::DistContext& world) {
+                                         int rank, const dp::DistContext& world, bool joining) {
   const RunConfig& f = flags.run;
   PipelineStepOptions stage = stage_options(flags, layout, model->config(), in.rows);
   stage.devices = {device};
   stage.seed = f.seed + static_cast<uint64_t>(layout.coordinates_of(rank).data);
   if (!flags.pipe.balance.automatic) return stage;
+  if (joining) {
+    // The balance the run agreed on at its start, which rank 0 left in the store.
+    const std::vector<uint8_t> text = world.store->get(kAgreedBalanceKey);
+    std::istringstream halves(std::string(text.begin(), text.end()));
+    stage.balance_halves.clear();
+    for (int h = 0; halves >> h;) stage.balance_halves.push_back(h);
+    return stage;
+  }
   const int P = layout.pipeline_parallel_size();
   const int64_t rows = std::max<int64_t>(1, in.rows / stage.micro_batches);
   std::vector<int> halves =
@@ -363,6 +375,11 @@ PipelineStepOptions agreed_stage_options(const DataParallelConfig& flags, const 
   world.group->broadcast(tensors)->wait();
   agreed = agreed.to(torch::kCPU);
   stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
+  if (flags.elastic && rank == 0) {  // for replacements, which time nothing
+    std::string text;
+    for (const int h : stage.balance_halves) text += std::to_string(h) + " ";
+    world.store->set(kAgreedBalanceKey, std::vector<uint8_t>(text.begin(), text.end()));
+  }
   return stage;
 }
 
@@ -528,8 +545,11 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   // replacement: from the weights the others send it as it joins).
   const parallel::ProcessGroups groups = joining ? parallel::ProcessGroups{}
                                                  : parallel::make_process_groups(world, options, layout);
+  const int T = layout.tensor_parallel_size();
   std::shared_ptr<model::TensorParallelGroup> split =
-      layout.tensor_parallel_size() == 1 ? nullptr : tp::make_tensor_parallel_group(groups.tensor);
+      T == 1    ? nullptr
+      : joining ? tp::make_unconnected_tensor_parallel_group(layout.coordinates_of(rank).tensor, T)
+                : tp::make_tensor_parallel_group(groups.tensor);
   model::GPT2LMHeadModel model = build_model(f.model, in.config, f.seed, split);
   model->to(device.torch_device());
   if (!joining) broadcast_parameters(groups.gradient, *model);
@@ -543,7 +563,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   composition.data_parallel = data_parallel_settings(flags);
   composition.debug_sync = flags.debug_sync;
   if (layout.pipeline_parallel_size() > 1) {
-    composition.stages = agreed_stage_options(flags, layout, in, model, device, rank, world);
+    composition.stages = agreed_stage_options(flags, layout, in, model, device, rank, world, joining);
     composition.stages->tracer = tracer.get();  // each stage action a slice on the rank's trace
   }
   TrainStepSettings settings;
@@ -587,8 +607,8 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     ElasticSettings elastic_settings;
     elastic_settings.min_replicas = flags.min_replicas;
     elastic_settings.sizes = run_layout_sizes(flags);
-    // The launcher's replacements (their count: its option), for replicas of one process.
-    elastic_settings.accept_joiners = layout.world_size() == dp_size;
+    // The launcher's replacements (their count: its option) take dropped replicas back whole.
+    elastic_settings.accept_joiners = true;
     elastic_settings.join_id = join_id;
     // A survivor blocked in a collective with another survivor learns of the loss when the
     // collective times out, and the launcher declares a stopped process lost a little later.
@@ -596,9 +616,9 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     elastic = std::make_unique<ElasticTrainStep>(model, composition, options, world, *mirror, elastic_settings,
                                                  settings);
     if (const auto joined = elastic->joined_at()) {
-      // Its own dropout stream, unlike any other replica's or replacement's: the lost one's
-      // cannot be recovered.
-      torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank + joined->global_step * dp_size));
+      // Its own dropout stream, unlike any other replica's or replacement's (the lost one's
+      // cannot be recovered), the same on the tensor ranks of its replica (they join together).
+      torch::manual_seed(f.seed + static_cast<uint64_t>((dp_rank + joined->global_step * dp_size) * C + cp_rank));
     }
   } else {
     parts = compose_step(model, layout, groups, composition);

@@ -15,28 +15,32 @@ TEST(ElasticJoin, RankZeroReadsTheAskersInOrderAndAdmitsThem) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   store->setTimeout(std::chrono::seconds(2));
   EXPECT_TRUE(joins_after(*store, 0).empty());
-  EXPECT_EQ(ask_to_join(*store, 3), 1);
-  EXPECT_EQ(ask_to_join(*store, 4), 2);
-  EXPECT_EQ(joins_after(*store, 0), (std::vector<int>{3, 4}));
-  EXPECT_EQ(joins_after(*store, 1), (std::vector<int>{4}));
+  EXPECT_EQ(join_count(*store), 0);
+  EXPECT_EQ(ask_to_join(*store, {3, 1}), 1);
+  EXPECT_EQ(ask_to_join(*store, {4, 5}), 2);
+  EXPECT_EQ(join_count(*store), 2);
+  EXPECT_EQ(joins_after(*store, 0), (std::vector<JoinRequest>{{3, 1}, {4, 5}}));
+  EXPECT_EQ(joins_after(*store, 1), (std::vector<JoinRequest>{{4, 5}}));
   EXPECT_TRUE(joins_after(*store, 2).empty());
 
   // Generation 1 lost process 1 (members 0 and 2); generation 2 takes process 3 in its place.
-  const Generation now{1, {0, 2}, {0, 2}};
+  const Generation now{1, {0, 2}, {0, 2}, {}};
   const Generation next = admit(*store, now, {0, 3, 2}, {0, 1, 2});
   EXPECT_EQ(next.number, 2);
   EXPECT_EQ(next.members, (std::vector<int>{0, 3, 2}));
+  EXPECT_EQ(next.joined, (std::vector<int>{3}));
   const Generation seen = await_admission(*store, 3, std::chrono::seconds(1));
   EXPECT_EQ(seen.number, 2);
   EXPECT_EQ(seen.members, next.members);
   EXPECT_EQ(seen.rank_of(3), 1);
   EXPECT_EQ(seen.replicas, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(seen.joined, (std::vector<int>{3}));
 }
 
 TEST(ElasticJoin, AnAskerNotAdmittedInTimeIsToldSo) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   store->setTimeout(std::chrono::seconds(2));
-  ask_to_join(*store, 5);
+  ask_to_join(*store, {5, 1});
   try {
     (void)await_admission(*store, 5, std::chrono::milliseconds(200));
     FAIL() << "admitted without a decision";
@@ -45,8 +49,8 @@ TEST(ElasticJoin, AnAskerNotAdmittedInTimeIsToldSo) {
               std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}}, {0, 1, 1}, {0, 1, 2}), std::invalid_argument);
-  EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}}, {0, 1, 2}, {0, 1}), std::invalid_argument);
+  EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}, {}}, {0, 1, 1}, {0, 1, 2}), std::invalid_argument);
+  EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}, {}}, {0, 1, 2}, {0, 1}), std::invalid_argument);
 }
 
 }  // namespace

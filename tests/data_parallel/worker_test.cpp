@@ -399,7 +399,7 @@ void elastic_scenario(const WorkerEnv& env, bool stop) {
   DistOptions options = dist_options_for(env, Backend::kGloo);
   options.timeout = std::chrono::seconds(3);
   const DistContext world = init_process_group(options);
-  const Generation first{0, {0, 1, 2}, {0, 1, 2}};
+  const Generation first{0, {0, 1, 2}, {0, 1, 2}, {}};
   const std::string scenario = stop ? "elastic_stop" : "elastic_kill";
   if (env.rank == 1) {
     std::printf("scenario %s passed on rank 1\n", scenario.c_str());  // its part: to be lost

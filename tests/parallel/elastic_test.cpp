@@ -89,6 +89,33 @@ TEST(ElasticMembership, AReplacementTakesItsReplicasPlaceBack) {
   EXPECT_DOUBLE_EQ(back.next.gradient_scale(), 1.0);
 }
 
+TEST(ElasticMembership, ReplacementsTakeAReplicaBackOnlyOnceEveryRankOfItAsked) {
+  // (D, C, T, P) = (3, 1, 1, 2): replica d holds ranks d and 3 + d.
+  const Membership one_lost = drop_lost_ranks(initial_membership(6, pipeline_of(2)), {4}).next;
+  EXPECT_EQ(complete_replicas(one_lost, {}), (std::vector<int>{}));
+  EXPECT_EQ(complete_replicas(one_lost, {4}), (std::vector<int>{}));
+  EXPECT_EQ(complete_replicas(one_lost, {4, 1}), (std::vector<int>{1}));
+  EXPECT_EQ(complete_replicas(one_lost, {1, 4, 4, 1}), (std::vector<int>{1}));  // asked twice: once
+  // Ranks of member replicas wait for a later loss.
+  EXPECT_EQ(complete_replicas(one_lost, {0, 3}), (std::vector<int>{}));
+  EXPECT_EQ(complete_replicas(one_lost, {0, 3, 4, 1}), (std::vector<int>{1}));
+  // Replicas 0 and 2 dropped: each joins when whole, in order of replica.
+  const Membership two_lost = drop_lost_ranks(initial_membership(6, pipeline_of(2)), {0, 5}).next;
+  EXPECT_EQ(two_lost.replicas, (std::vector<int>{1}));
+  EXPECT_EQ(complete_replicas(two_lost, {5, 0, 2}), (std::vector<int>{2}));
+  EXPECT_EQ(complete_replicas(two_lost, {5, 0, 2, 3}), (std::vector<int>{0, 2}));
+  // (D, C, T, P) = (2, 2, 2, 1): replica 1 is ranks 4 to 7 (rank = (d*C + c)*T + t).
+  LayoutSizes four;
+  four.context = 2;
+  four.tensor = 2;
+  const Membership cut = drop_lost_ranks(initial_membership(8, four), {6}).next;
+  EXPECT_EQ(complete_replicas(cut, {7, 6, 4}), (std::vector<int>{}));
+  EXPECT_EQ(complete_replicas(cut, {7, 6, 4, 5}), (std::vector<int>{1}));
+  // One replica a process: a replacement completes its replica alone.
+  EXPECT_EQ(complete_replicas(drop_lost_ranks(initial_membership(3, {}), {1}).next, {1}), (std::vector<int>{1}));
+  EXPECT_THROW(complete_replicas(cut, {8}), std::invalid_argument);
+}
+
 TEST(ElasticMembership, RefusalsNameTheRankOrTheReplica) {
   const Membership start = initial_membership(2, {});
   EXPECT_THROW(drop_lost_ranks(start, {2}), std::invalid_argument);

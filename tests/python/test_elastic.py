@@ -3,7 +3,9 @@
 rule; the membership line and metrics.jsonl record are there; each step trained on the same
 examples as the undisturbed run's (a per-step digest of the examples every process trained); no
 step is missing or repeated. A replacement the launcher starts joins at step 7 and both replicas end
-bit-identical; one that arrives after the last step leaves with nothing to do. Also: --min_replicas 2
+bit-identical; one that arrives after the last step leaves with nothing to do. Replicas of several
+processes (a stage, tensor or context rank lost) are dropped whole and taken back whole by
+replacements, each bit-identical to the process at its place in replica 0. Also: --min_replicas 2
 ends the run naming the lost process, and the refusals before launch. gpt2-tiny, dropout 0 (a dropped replica's rows draw the survivors'
 dropout masks otherwise)."""
 import json
@@ -214,27 +216,75 @@ class ElasticRun(unittest.TestCase):
             problems = weight_problems(weights(work), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
 
-    def test_a_lost_tensor_or_context_rank_drops_its_replica(self):
-        # (2,1,2,1) and (2,2,1,1): ranks 2 and 3 are replica 1's tensor (or context) ranks
-        # (rank = ((p*D + d)*C + c)*T + t). Process 3 killed at step 5: process 2 leaves, and
-        # replica 0's two ranks train every row to step 12.
+    def check_replica_taken_back(self, tmp, name, extra, lost, leaver):
+        """(2,...) of 4 processes, replica 1 = processes `lost` and `leaver`: `lost` killed at step 5,
+        `leaver` leaves with the reason, and the launcher's two replacements take replica 1 back at
+        step 7, each at its rank's place. Checks the run against the undisturbed one."""
+        plain, plain_digests = self.undisturbed_run(2)
+        finals = os.path.join(tmp, name + "-final-weights")
+        os.makedirs(finals)
+        work, digests, k = self.elastic_run(
+            tmp, name, 4, kill=f"{lost}:5", extra=extra, replacements=None,
+            env_extra={"HARNESS_TEST_JOIN_AT_STEP": "7", "HARNESS_TEST_WEIGHT_DIGESTS": finals})
+        self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+        self.assertEqual(sum(f"elastic: generation 1 at step 5: lost process {lost}; 1 of 2 replicas go on" in line
+                             for line in k.stderr.splitlines()), 1, k.stderr[-4000:])
+        self.assertIn(f"process {leaver}'s replica 1 lost process {lost} and cannot train; it leaves generation 1",
+                      k.stderr)
+        # A replacement for each: the killed process and the one that left.
+        started = dict((int(lost_rank), int(new)) for new, lost_rank in re.findall(
+            r"launcher: starting rank (\d+) as a replacement for rank (\d+) \(--elastic\)", k.stderr))
+        self.assertEqual(sorted(started), sorted([lost, leaver]), k.stderr[-4000:])
+        self.assertEqual(sorted(started.values()), [4, 5])
+        joined = [started[r] for r in sorted(started)]  # in the order of the ranks they take
+        self.assertEqual(sum(f"elastic: generation 2 at step 7: processes {joined[0]}, {joined[1]} joined; "
+                             "2 of 2 replicas go on" in line for line in k.stderr.splitlines()), 1, k.stderr[-4000:])
+        log = records(work)
+        self.assertEqual([r for r in log if r["kind"] == "membership"], [
+            {"kind": "membership", "generation": 1, "step": 5, "replicas": 1, "lost": [lost], "joined": []},
+            {"kind": "membership", "generation": 2, "step": 7, "replicas": 2, "lost": [], "joined": joined}])
+        self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+        # Replica 1 reports again, from step 7, through its replacement.
+        reporting = sorted(int(m[1]) for m in (TRAIN.match(l) for l in k.stdout.splitlines()) if m)
+        self.assertEqual(reporting, [0, 1], k.stdout)
+        # Each process of a replica trains its rows: every step's examples twice over, and each
+        # replacement trained steps 7 to 12.
+        expected = {s: (2 * c, 2 * d % (1 << 64)) for s, (c, d) in step_digests(plain_digests).items()}
+        self.assertEqual(step_digests(digests), expected)
+        for new in joined:
+            with open(os.path.join(digests, f"process{new}.txt")) as f:
+                self.assertEqual([int(line.split()[0]) for line in f], list(range(7, STEPS + 1)))
+        # Each replacement ends bit-identical to the process at its place in replica 0 (rank r - 1
+        # there: replica 1's ranks follow replica 0's at each place), and the weights are the
+        # undisturbed run's by the AdamW rule.
+        ends = {}
+        for file in os.listdir(finals):
+            with open(os.path.join(finals, file)) as f:
+                ends[int(file[len("process"):-len(".txt")])] = f.read().strip()
+        self.assertEqual(sorted(ends), sorted([r for r in range(4) if r not in (lost, leaver)] + joined))
+        for rank, new in started.items():
+            twin = rank - 1 if "--pipeline_parallel_size" in extra else rank - 2
+            self.assertEqual(ends[new], ends[twin], f"process {new} (rank {rank}) against process {twin}")
+        problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+        self.assertEqual(problems, [], "\n".join(problems))
+
+    def test_a_lost_stage_drops_its_replica_and_two_replacements_take_it_back(self):
+        # (2,1,1,2): process 1 (replica 1's first stage) killed at step 5, process 3 (its second)
+        # leaves; at step 7 the replacements take ranks 1 and 3, each receiving its stage's weights
+        # and AdamW state from the same stage of replica 0 (processes 0 and 2).
         with tempfile.TemporaryDirectory() as tmp:
-            plain, plain_digests = self.undisturbed_run(2)
-            doubled = {s: (2 * c, 2 * d % (1 << 64)) for s, (c, d) in step_digests(plain_digests).items()}
+            self.check_replica_taken_back(tmp, "staged-back", ["--pipeline_parallel_size", "2", "--n_chunk", "2"],
+                                          lost=1, leaver=3)
+
+    def test_a_lost_tensor_or_context_rank_drops_its_replica_and_replacements_take_it_back(self):
+        # (2,1,2,1) and (2,2,1,1): ranks 2 and 3 are replica 1's tensor (or context) ranks
+        # (rank = ((p*D + d)*C + c)*T + t). Process 3 killed at step 5: process 2 leaves, replica 0's
+        # two ranks train every row, and at step 7 two replacements take ranks 2 and 3 back, each
+        # receiving its slices (or the whole model) from the rank at its place in replica 0.
+        with tempfile.TemporaryDirectory() as tmp:
             for name, flag in (("tensor", "--tensor_parallel_size"), ("context", "--context_parallel_size")):
                 with self.subTest(name):
-                    work, digests, k = self.elastic_run(tmp, name, 4, kill="3:5", extra=[flag, "2"])
-                    self.assertEqual(k.returncode, 0, k.stderr[-4000:])
-                    self.assertIn("elastic: generation 1 at step 5: lost process 3; 1 of 2 replicas go on", k.stderr)
-                    self.assertIn("process 2's replica 1 lost process 3 and cannot train; it leaves generation 1",
-                                  k.stderr)
-                    log = records(work)
-                    self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
-                    self.assertEqual([r["lost"] for r in log if r["kind"] == "membership"], [[3]])
-                    # Each rank of a replica trains its rows (its slices, or its part of the sequence).
-                    self.assertEqual(step_digests(digests), doubled)
-                    problems = weight_problems(weights(work), weights(plain), LR, STEPS)
-                    self.assertEqual(problems, [], "\n".join(problems))
+                    self.check_replica_taken_back(tmp, name, [flag, "2"], lost=3, leaver=2)
 
     def test_a_replacement_arriving_after_the_last_step_leaves_with_nothing_to_do(self):
         # Killed as step 12, the last, starts: the survivor takes it alone and finishes; the

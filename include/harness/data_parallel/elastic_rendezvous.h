@@ -34,6 +34,8 @@ struct Generation {
   // Where an admission recorded it (admit): each member's original data-parallel replica, in
   // member order, for a process that joins and knows only its own.
   std::vector<int> replicas;
+  // Where an admission recorded it: the members it admitted (launch ids), in rank order.
+  std::vector<int> joined;
   // This process's rank in the generation (its position in members), or -1.
   int rank_of(int launch_rank) const;
 };
@@ -58,14 +60,22 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
 // asked (and must tell the others: they may read the store at other times) and writes the next
 // generation with them; the asker waits for that generation. Keys:
 //   elastic/joins                          a counter: the askers so far
-//   elastic/join/<n>                       the n-th asker's launch id (from 1)
+//   elastic/join/<n>                       the n-th asker's launch id and the launch rank it
+//                                          takes (the lost process's RANK), from 1
 //   elastic/admitted/<launch id>           the generation that admitted it
 //   elastic/closed                         the launcher: no member is left to admit anyone (the
 //                                          run ended); the askers still waiting leave
+struct JoinRequest {
+  int launch_id = 0;
+  int rank = 0;  // the rank it takes: a lost process's launch rank
+  bool operator==(const JoinRequest& o) const { return launch_id == o.launch_id && rank == o.rank; }
+};
 // Returns its place among the askers (from 1).
-int ask_to_join(c10d::Store& store, int launch_id);
-// The launch ids that asked after the first `admitted` askers, in the order they asked.
-std::vector<int> joins_after(c10d::Store& store, int admitted);
+int ask_to_join(c10d::Store& store, const JoinRequest& request);
+// How many asked so far (one store call).
+int join_count(c10d::Store& store);
+// The requests after the first `skipped`, in the order they were made.
+std::vector<JoinRequest> joins_after(c10d::Store& store, int skipped);
 // Writes generation now.number + 1 with `members` (launch ranks in its rank order: now's members
 // and the admitted) and their original `replicas` (in member order), then tells each new member;
 // returns it. Throws std::invalid_argument for members that repeat or replicas of another count.

@@ -65,6 +65,14 @@ MembershipChange drop_lost_ranks(const Membership& now, const std::vector<int>& 
 // replica that is a member already or was never one.
 MembershipChange rejoin_replicas(const Membership& now, const std::vector<int>& replicas);
 
+// Which dropped replicas replacements may take back: a replica joins whole, once a replacement
+// has asked for every one of its ranks (C x T x P processes). `asked`: the original world ranks
+// that replacements waiting to join take (in any order, repeats allowed; ranks of member
+// replicas are ignored: their askers wait for a later loss). Returns the original replicas that
+// `asked` completes, ascending. (D, C, T, P) = (3, 1, 1, 2), replica 1 (ranks 1 and 4) dropped:
+// asked {4} completes none, {4, 1} completes {1}.
+std::vector<int> complete_replicas(const Membership& now, const std::vector<int>& asked);
+
 // Rows [begin, end) of original replica `replica`'s batch at a step.
 struct RowSlice {
   int replica = 0;

@@ -14,7 +14,12 @@ namespace harness::tensor_parallel {
 // call its collectives in the same order. Throws when `tp` has no process group.
 std::shared_ptr<model::TensorParallelGroup> make_tensor_parallel_group(data_parallel::DistContext tp);
 
-// Points a group make_tensor_parallel_group made at another process group of the same ranks (its
+// A process that joins an elastic run under way has no group yet: its rank `rank` of `size`,
+// connected later by reconnect_tensor_parallel_group. The model can be built and loaded with it
+// meanwhile; its collectives throw std::logic_error until then.
+std::shared_ptr<model::TensorParallelGroup> make_unconnected_tensor_parallel_group(int rank, int size);
+
+// Points a group make_tensor_parallel_group (or make_unconnected_tensor_parallel_group) made at another process group of the same ranks (its
 // rank and size; elastic training's next generation), keeping its dropout streams. Throws
 // std::invalid_argument for another kind of group, or another rank or size.
 void reconnect_tensor_parallel_group(model::TensorParallelGroup& group, data_parallel::DistContext tp);

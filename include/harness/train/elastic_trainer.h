@@ -11,7 +11,9 @@
 // ZeRO (whose shards of the lost replica exist nowhere else). A lost rank drops its whole replica;
 // that replica's other ranks leave with DeadGenerationError. With P > 1 every member passes a
 // barrier of the whole generation before the optimizer steps, so that no stage steps in a step
-// another stage must take again. Replacements join replicas of one process so far.
+// another stage must take again. Replacements join whole replicas: a dropped replica comes back
+// once a replacement asked for each of its ranks, and each receives its state from the rank at
+// its place in a surviving replica (the same stage, tensor and context rank).
 #pragma once
 
 #include <chrono>
@@ -41,13 +43,15 @@ struct ElasticSettings {
   // How long the survivors wait for each other to check in (a stopped process never does).
   std::chrono::milliseconds join_window = std::chrono::seconds(10);
   // Replacements may join (the launcher starts them, launcher.h): at the start of every step rank
-  // 0 reads whether any asked, and tells the others (a one-number broadcast a step).
+  // 0 reads whether the askers complete a dropped replica, and tells the others which join (a
+  // small broadcast a step).
   bool accept_joiners = false;
   // This process is a replacement (its launch id, past the world: launcher.h's
   // kElasticJoinIdVariable; -1: a process of the launch). It joins the run under way: asks, waits
   // for admission at the others' next step boundary, and receives the weights, AdamW state,
-  // learning rate and step from their rank 0. Its world (rank: the lost process's) needs a store
-  // only.
+  // learning rate, step and data position from the member at its place in a surviving replica.
+  // Its world (rank: the lost process's) needs a store only. Its dropout streams are its own: the
+  // stages' seed (composition.stages) moves by the admitting generation times D.
   int join_id = -1;
   std::chrono::milliseconds admission_timeout = std::chrono::minutes(10);
 };
@@ -128,9 +132,13 @@ class ElasticTrainer {
   void join();
   // At step k's start: admits the replacements that asked, if any (accept_joiners).
   void admit_joiners(int64_t k);
-  // Rank 0's weights, AdamW state, learning rate, `step` and data position to every member (a
-  // broadcast over the current world); a joiner (`load`) loads them, the members already hold
-  // them. Returns the step (and a joiner keeps the position).
+  // Rank 0's choice at a step boundary (accept_joiners): the waiting replacements that complete
+  // dropped replicas, the latest asker for each rank; none when nobody new asked.
+  std::vector<data_parallel::JoinRequest> choose_joiners() const;
+  // After an admission, over each data-parallel group (the ranks at one place in every replica):
+  // the first member that holds the state (not `load`) sends its weights, AdamW state, learning
+  // rate, `step`, data position and admission count to the joiners (`load`), which load them.
+  // Returns the step (and a joiner keeps the position).
   int64_t share_state(int64_t step, bool load);
 
   // What the next generation's step starts from besides the weights, which stay in the model's
@@ -170,7 +178,7 @@ class ElasticTrainer {
   std::unique_ptr<GPT2TrainStep> step_;
   std::vector<MembershipEvent> events_;
   ExampleDigest last_examples_;
-  int admitted_ = 0;  // askers to join seen so far (elastic_rendezvous.h's joins_after)
+  int admitted_ = 0;  // replacements admitted over the run, the same on every member
   int64_t joined_at_step_ = 0;
   bool just_joined_ = false;
 };
