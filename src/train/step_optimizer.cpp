@@ -381,13 +381,14 @@ std::vector<LayoutAdamW::Header> LayoutAdamW::headers() {
   for (const auto& item : model_->named_parameters()) {
     const int owner = owner_of(item.key());
     const std::optional<size_t> held = held_index(item.key());
-    const std::optional<int64_t> steps = owner == rank() && held ? state_->steps_of(*held) : std::nullopt;
+    // Its AdamW step count where this rank holds its state, else -1.
+    const int64_t steps = owner == rank() && held ? state_->steps_of(*held).value_or(-1) : -1;
     if (!placement_.pipeline) {
-      out.push_back({item.key(), steps.has_value(), steps.value_or(0)});
+      out.push_back({item.key(), steps >= 0, std::max<int64_t>(steps, 0)});
       continue;
     }
-    at::Tensor header = steps ? torch::tensor({1.0, static_cast<double>(*steps)}, torch::kDouble)
-                              : torch::zeros({2}, torch::kDouble);
+    at::Tensor header = steps >= 0 ? torch::tensor({1.0, static_cast<double>(steps)}, torch::kDouble)
+                                   : torch::zeros({2}, torch::kDouble);
     header = header.to(placement_.pipeline->device.torch_device());
     broadcast_from(owner, header);
     header = header.to(torch::kCPU);
