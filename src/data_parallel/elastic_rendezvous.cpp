@@ -104,12 +104,13 @@ std::vector<JoinRequest> joins_after(c10d::Store& store, int skipped) {
   std::vector<JoinRequest> out;
   for (int64_t n = skipped + 1; n <= asked; ++n) {
     const std::string key = "elastic/join/" + std::to_string(n);
-    // Counted before its request was written: the asker is between the two calls; the next boundary.
-    if (!store.check({key})) break;
+    // Counted before its request was written: the asker is between the two calls (a later boundary
+    // reads it), or died there.
+    if (!store.check({key})) continue;
     const std::vector<uint8_t> bytes = store.get(key);
     const std::string text(bytes.begin(), bytes.end());
     const size_t space = text.find(' ');
-    out.push_back({std::stoi(text.substr(0, space)), std::stoi(text.substr(space + 1))});
+    out.push_back({std::stoi(text.substr(0, space)), std::stoi(text.substr(space + 1)), static_cast<int>(n)});
   }
   return out;
 }

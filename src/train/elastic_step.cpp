@@ -103,9 +103,16 @@ void wait_for_the_replacement_if_asked(const ElasticTrainer& trainer, int64_t st
   c10d::Store& store = *trainer.first_world().store;
   store.set(kAtTheJoinStep, std::vector<uint8_t>{1});
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
-  // Every rank of the lost replica's replacements (they join together).
+  // Every rank of the lost replica's replacements (they join together), their requests written.
   const parallel::LayoutSizes& sizes = trainer.membership().sizes;
-  while (dp::join_count(store) < sizes.context * sizes.tensor * sizes.pipeline) {
+  const auto waiting = [&store] {
+    int n = 0;
+    for (const dp::JoinRequest& request : dp::joins_after(store, 0)) {
+      n += store.check({dp::admitted_key(request.launch_id)}) ? 0 : 1;
+    }
+    return n;
+  };
+  while (waiting() < sizes.context * sizes.tensor * sizes.pipeline) {
     if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("test hook: no replacement asked to join");
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

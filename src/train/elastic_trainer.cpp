@@ -93,7 +93,7 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
   // The world's own group serves generation 0; the groups composed over it are the trainer's own,
   // under keys of their own (the program may have made groups of the same names before).
   world_.store = c10::make_intrusive<c10d::PrefixStore>("elastic/generation 0", first_world_.store);
-  compose();
+  compose(0);
 }
 
 namespace {
@@ -123,14 +123,14 @@ ElasticTrainer::HeldState ElasticTrainer::hold_and_release() {
 }
 
 void ElasticTrainer::enter(const dp::Generation& next, const std::vector<int>& order,
-                           const parallel::Membership& membership, const HeldState& held) {
+                           const parallel::Membership& membership, const HeldState& held, int64_t step) {
   world_ = dp::connect_generation(first_world_, next, order, launch_rank_, options_);
   // Its members are those that train in it: a process that checked in but whose replica was
   // dropped (another stage of it lost) leaves.
   generation_ = next;
   generation_.members = order;
   membership_ = membership;
-  compose();
+  compose(step);
   step_->optimizer().load_local_state(held.optimizer);
   step_->set_learning_rate(held.learning_rate);
 }
@@ -176,7 +176,7 @@ int64_t ElasticTrainer::share_state(int64_t step, bool load) {
   // AdamW step count (0: not stepped yet). (Counts as doubles: exact below 2^53.)
   const DataPosition at = sender && position_ ? position_() : DataPosition{};
   std::vector<double> header{static_cast<double>(step), step_->learning_rate(), static_cast<double>(at.epoch),
-                             static_cast<double>(at.batch), static_cast<double>(admitted_)};
+                             static_cast<double>(at.batch)};
   const size_t fields = header.size();
   for (const auto& [name, p] : held) {
     const auto it = state.find(name);
@@ -214,7 +214,6 @@ int64_t ElasticTrainer::share_state(int64_t step, bool load) {
     step_->optimizer().load_local_state(received);
     step_->set_learning_rate(h[1]);
     joined_at_position_ = {static_cast<int64_t>(h[2]), static_cast<int64_t>(h[3])};
-    admitted_ = static_cast<int>(h[4]);
   }
   return static_cast<int64_t>(h[0]);
 }
@@ -234,21 +233,25 @@ void ElasticTrainer::join() {
   if (composition_.stages) {
     composition_.stages->seed += static_cast<uint64_t>(generation_.number) * membership_.original_replicas;
   }
-  compose();
+  compose(0);  // the driver sets the step it joins at
   joined_at_step_ = share_state(0, /*load=*/true);
   just_joined_ = true;
   events_.push_back({generation_.number, joined_at_step_ + 1, membership_.replica_count(), {}, generation_.joined});
 }
 
-std::vector<dp::JoinRequest> ElasticTrainer::choose_joiners() const {
+std::vector<dp::JoinRequest> ElasticTrainer::choose_joiners() {
   c10d::Store& store = *first_world_.store;
-  if (dp::join_count(store) <= admitted_) return {};  // nobody new (one store call a step)
+  if (dp::join_count(store) <= settled_requests_) return {};  // nobody new (one store call a step)
   std::map<int, dp::JoinRequest> latest;  // by the rank asked for
-  for (const dp::JoinRequest& request : dp::joins_after(store, 0)) {
-    // Admitted already, or lost while waiting: another replacement may ask for its rank.
+  bool settled = true;                    // every request so far, with no gap
+  for (const dp::JoinRequest& request : dp::joins_after(store, settled_requests_)) {
+    settled = settled && request.number == settled_requests_ + 1;
+    // Admitted already, or lost while waiting (another replacement may ask for its rank).
     if (store.check({dp::admitted_key(request.launch_id)}) || store.check({dp::lost_process_key(request.launch_id)})) {
+      if (settled) settled_requests_ = request.number;
       continue;
     }
+    settled = false;
     latest[request.rank] = request;
   }
   std::vector<int> asked;
@@ -311,8 +314,7 @@ void ElasticTrainer::admit_joiners(int64_t k) {
   const HeldState held = hold_and_release();
   try {
     if (decider) next = dp::admit(store, generation_, order, replicas);
-    admitted_ += static_cast<int>(asking.size());
-    enter(next, order, change.next, held);
+    enter(next, order, change.next, held, k);
     (void)share_state(k, /*load=*/false);
   } catch (const std::exception& e) {
     // The state is no longer held by a step to recover from (a loss while growing back).
@@ -334,7 +336,7 @@ void ElasticTrainer::admit_joiners(int64_t k) {
 
 ElasticTrainer::~ElasticTrainer() = default;
 
-void ElasticTrainer::compose() {
+void ElasticTrainer::compose(int64_t step) {
   const parallel::Layout layout = membership_.layout();
   groups_ = parallel::make_process_groups(world_, options_, layout);
   // The split model's collectives go over the new generation's tensor group (the same ranks of
@@ -345,6 +347,7 @@ void ElasticTrainer::compose() {
   step_ = std::make_unique<GPT2TrainStep>(model_, std::move(parts.forward_backward), std::move(parts.optimizer),
                                           sync_.get(), step_settings_);
   step_->set_training(true);
+  step_->set_global_step(step);
   if (layout.pipeline_parallel_size() > 1) {
     // A stage's gradient all-reduce may succeed while another stage's fails: none may step before
     // every member got this far.
@@ -442,7 +445,7 @@ void ElasticTrainer::recover(int64_t k) {
                              std::to_string(change.next.replica_count()) + " replica(s) left, below --min_replicas " +
                              std::to_string(settings_.min_replicas));
   }
-  enter(next, staying_members_in_order(change), change.next, held);
+  enter(next, staying_members_in_order(change), change.next, held, k);
   events_.push_back({next.number, k + 1, membership_.replica_count(), lost_processes, {}});
   if (world_.rank != 0) return;  // one line for the change, from the generation's rank 0
   std::cerr << "elastic: generation " << next.number << " at step " << k + 1 << ": lost process" <<

@@ -618,7 +618,7 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
     if (const auto joined = elastic->joined_at()) {
       // Its own dropout stream, unlike any other replica's or replacement's (the lost one's
       // cannot be recovered), the same on the tensor ranks of its replica (they join together).
-      torch::manual_seed(f.seed + static_cast<uint64_t>((dp_rank + joined->global_step * dp_size) * C + cp_rank));
+      torch::manual_seed(f.seed + static_cast<uint64_t>((dp_rank + (joined->global_step + 1) * dp_size) * C + cp_rank));
     }
   } else {
     parts = compose_step(model, layout, groups, composition);

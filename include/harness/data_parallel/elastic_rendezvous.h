@@ -67,14 +67,18 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
 //                                          run ended); the askers still waiting leave
 struct JoinRequest {
   int launch_id = 0;
-  int rank = 0;  // the rank it takes: a lost process's launch rank
-  bool operator==(const JoinRequest& o) const { return launch_id == o.launch_id && rank == o.rank; }
+  int rank = 0;    // the rank it takes: a lost process's launch rank
+  int number = 0;  // its place among the requests, from 1 (joins_after sets it)
+  bool operator==(const JoinRequest& o) const {
+    return launch_id == o.launch_id && rank == o.rank && number == o.number;
+  }
 };
 // Returns its place among the askers (from 1).
 int ask_to_join(c10d::Store& store, const JoinRequest& request);
 // How many asked so far (one store call).
 int join_count(c10d::Store& store);
-// The requests after the first `skipped`, in the order they were made.
+// The requests after the first `skipped`, in the order they were made. A request counted but not
+// written yet is left out (its asker is between the two; or died there, leaving a gap for good).
 std::vector<JoinRequest> joins_after(c10d::Store& store, int skipped);
 // Writes generation now.number + 1 with `members` (launch ranks in its rank order: now's members
 // and the admitted) and their original `replicas` (in member order), then tells each new member;

@@ -126,7 +126,9 @@ class ElasticTrainer {
   const ExampleDigest& last_examples() const { return last_examples_; }
 
  private:
-  void compose();
+  // This generation's step, about to take optimizer step `step` (its dropout streams count steps
+  // from there, as the driver's would).
+  void compose(int64_t step);
   void recover(int64_t k);
   // Replacements (join_id): asks to join, waits for admission, connects, receives the state.
   void join();
@@ -134,11 +136,11 @@ class ElasticTrainer {
   void admit_joiners(int64_t k);
   // Rank 0's choice at a step boundary (accept_joiners): the waiting replacements that complete
   // dropped replicas, the latest asker for each rank; none when nobody new asked.
-  std::vector<data_parallel::JoinRequest> choose_joiners() const;
+  std::vector<data_parallel::JoinRequest> choose_joiners();
   // After an admission, over each data-parallel group (the ranks at one place in every replica):
   // the first member that holds the state (not `load`) sends its weights, AdamW state, learning
-  // rate, `step`, data position and admission count to the joiners (`load`), which load them.
-  // Returns the step (and a joiner keeps the position).
+  // rate, `step` and data position to the joiners (`load`), which load them. Returns the step
+  // (and a joiner keeps the position).
   int64_t share_state(int64_t step, bool load);
 
   // What the next generation's step starts from besides the weights, which stay in the model's
@@ -153,9 +155,9 @@ class ElasticTrainer {
   // their shapes back, for the next step to cut again.
   HeldState hold_and_release();
   // The second connects the next generation (`order`: its members' launch ranks in its rank
-  // order), composes its step for `membership` and loads `held` into it.
+  // order), composes its step for `membership` at optimizer step `step` and loads `held` into it.
   void enter(const data_parallel::Generation& next, const std::vector<int>& order,
-             const parallel::Membership& membership, const HeldState& held);
+             const parallel::Membership& membership, const HeldState& held, int64_t step);
   // The current members that stay, placed at their ranks in change.next (-1 where a new one goes).
   std::vector<int> staying_members_in_order(const parallel::MembershipChange& change) const;
 
@@ -178,7 +180,9 @@ class ElasticTrainer {
   std::unique_ptr<GPT2TrainStep> step_;
   std::vector<MembershipEvent> events_;
   ExampleDigest last_examples_;
-  int admitted_ = 0;  // replacements admitted over the run, the same on every member
+  // Rank 0's: the requests to join before this one are settled (admitted, or their asker lost),
+  // so that a step boundary reads only the newer ones (a cache: a new rank 0 reads them all once).
+  int settled_requests_ = 0;
   int64_t joined_at_step_ = 0;
   bool just_joined_ = false;
 };
