@@ -90,9 +90,10 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
   }
   generation_.number = 0;
   for (int r = 0; r < first_world_.world_size; ++r) generation_.members.push_back(r);
-  // The world's own group serves generation 0; the groups composed over it are the trainer's own,
-  // under keys of their own (the program may have made groups of the same names before).
-  world_.store = c10::make_intrusive<c10d::PrefixStore>("elastic/generation 0", first_world_.store);
+  // Generation 0's groups are the trainer's own, not the program's (made over the same world):
+  // letting them go after a loss closes their connections, so that a survivor blocked in a
+  // collective with this one (not with the lost process) fails at once instead of at the timeout.
+  world_ = dp::connect_generation(first_world_, generation_, generation_.members, launch_rank_, options_);
   compose(0);
 }
 
@@ -111,7 +112,7 @@ ElasticTrainer::HeldState ElasticTrainer::hold_and_release() {
   step_.reset();  // its synchronizer's hooks leave the parameters first
   sync_.reset();
   groups_ = parallel::ProcessGroups{};
-  if (generation_.number > 0) world_.group.reset();  // the first generation's stays with first_world_
+  world_.group.reset();
   torch::NoGradGuard no_grad;
   size_t i = 0;
   for (const auto& item : model_->named_parameters()) {

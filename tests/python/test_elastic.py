@@ -91,8 +91,9 @@ class ElasticRun(unittest.TestCase):
         return work, digests
 
     @staticmethod
-    def elastic_run(tmp, name, world_size, kill=None, extra=(), replacements=0, env_extra=None):
-        """replacements: how many the launcher may start (None: its default, --world_size)."""
+    def elastic_run(tmp, name, world_size, kill=None, extra=(), replacements=0, env_extra=None, timeout=5):
+        """replacements: how many the launcher may start (None: its default, --world_size);
+        timeout: --dist_timeout_s."""
         work = os.path.join(tmp, name)
         digests = os.path.join(tmp, name + "-digests")
         os.makedirs(digests)
@@ -101,15 +102,16 @@ class ElasticRun(unittest.TestCase):
             env["HARNESS_ELASTIC_MAX_REPLACEMENTS"] = str(replacements)
         if kill:
             env["HARNESS_TEST_KILL_AT_STEP"] = kill
+        tiny = TINY[:TINY.index("--dist_timeout_s") + 1] + [str(timeout)] + TINY[TINY.index("--dist_timeout_s") + 2:]
         proc = run([DP, "--world_size", str(world_size), "--master_port", str(free_port()), "--workdir", work,
-                    "--elastic"] + list(extra) + TINY, env)
+                    "--elastic"] + list(extra) + tiny, env)
         return work, digests, proc
 
-    def check_lost_replica(self, tmp, world_size, lost, extra=()):
+    def check_lost_replica(self, tmp, world_size, lost, extra=(), timeout=5):
         """Runs undisturbed and with process `lost` killed at step 5, checks the killed run against
-        the undisturbed one, and returns both workdirs."""
+        the undisturbed one, and returns both workdirs and the killed run's output."""
         plain, plain_digests = self.undisturbed_run(world_size)
-        work, digests, k = self.elastic_run(tmp, "killed", world_size, kill=f"{lost}:5", extra=extra)
+        work, digests, k = self.elastic_run(tmp, "killed", world_size, kill=f"{lost}:5", extra=extra, timeout=timeout)
         self.assertEqual(k.returncode, 0, k.stderr[-4000:])
         self.assertNotIn("restart", k.stderr)
         left = world_size - 1
@@ -133,7 +135,7 @@ class ElasticRun(unittest.TestCase):
         # The weights: the undisturbed run's by the AdamW rule.
         problems = weight_problems(weights(work), weights(plain), LR, STEPS)
         self.assertEqual(problems, [], "\n".join(problems))
-        return plain, work
+        return plain, work, k
 
     def test_a_killed_replica_of_two_leaves_one_that_trains_every_row(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +146,7 @@ class ElasticRun(unittest.TestCase):
         # steps), the final model and metrics.jsonl from then on. The checkpoint of step 9, written
         # by 2 processes, resumes under 3 without --elastic and ends as the undisturbed run.
         with tempfile.TemporaryDirectory() as tmp:
-            plain, work = self.check_lost_replica(tmp, 3, lost=0, extra=["--checkpoint_every", "3"])
+            plain, work, _ = self.check_lost_replica(tmp, 3, lost=0, extra=["--checkpoint_every", "3"])
             checkpoint = os.path.join(work, "checkpoints", "step-00000009")
             self.assertTrue(os.path.exists(os.path.join(checkpoint, "manifest.json")))
             resumed = os.path.join(tmp, "resumed")
@@ -154,6 +156,18 @@ class ElasticRun(unittest.TestCase):
             self.assertIn("resume: continuing from " + checkpoint, r.stderr)
             problems = weight_problems(weights(resumed), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
+
+    def test_survivors_away_from_the_lost_process_learn_of_it_at_once_not_at_the_timeout(self):
+        # (4,1,1,1), process 1 killed at step 5, collectives allowed 60 s: process 2 or 3 can be
+        # blocked in the all-reduce with a survivor rather than with process 1. The survivors that
+        # failed let their connections go, so it fails too, and the generation forms at once.
+        with tempfile.TemporaryDirectory() as tmp:
+            _, _, k = self.check_lost_replica(tmp, 4, lost=1, timeout=60)
+            agreed = re.search(r"lost process 1; 3 of 4 replicas go on \(([0-9.]+) s to agree and reconnect\)",
+                               k.stderr)
+            self.assertIsNotNone(agreed, k.stderr[-3000:])
+            self.assertLess(float(agreed[1]), 20.0, k.stderr[-3000:])
+            self.assertNotIn("Timed out", k.stderr)
 
     def test_a_replacement_joins_at_step_7_and_the_replicas_end_bit_identical(self):
         # Process 1 killed at step 5; the launcher starts process 2 in its place (RANK 1), which
