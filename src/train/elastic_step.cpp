@@ -1,13 +1,16 @@
 // The elastic TrainStep and its mirror of the replicas' data (see elastic_step.h).
 #include "harness/train/elastic_step.h"
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "harness/data_parallel/elastic_rendezvous.h"
 
@@ -88,18 +91,28 @@ void record_examples_if_asked(int launch_rank, int64_t step, const ExampleDigest
 // the replacement asks only then (it would otherwise join at whichever boundary follows its start).
 constexpr const char* kAtTheJoinStep = "test/at the join step";
 
-int64_t join_step_asked() {
+// The steps of HARNESS_TEST_JOIN_AT_STEP (a comma-separated list: a replacement joins at each).
+std::vector<int64_t> join_steps_asked() {
   const char* hook = std::getenv("HARNESS_TEST_JOIN_AT_STEP");
-  return hook != nullptr && *hook != '\0' ? std::atoll(hook) : -1;
+  std::vector<int64_t> steps;
+  for (const char* at = hook; at != nullptr && *at != '\0';) {
+    char* end = nullptr;
+    steps.push_back(std::strtoll(at, &end, 10));
+    at = *end == ',' ? end + 1 : end + std::strlen(end);
+  }
+  return steps;
 }
 
 dp::DistContext when_the_others_admit(dp::DistContext world, const ElasticSettings& settings) {
-  if (settings.join_id >= 0 && join_step_asked() > 0) world.store->wait({kAtTheJoinStep}, std::chrono::minutes(5));
+  if (settings.join_id >= 0 && !join_steps_asked().empty()) {
+    world.store->wait({kAtTheJoinStep}, std::chrono::minutes(5));
+  }
   return world;
 }
 
 void wait_for_the_replacement_if_asked(const ElasticTrainer& trainer, int64_t step) {
-  if (trainer.is_replacement() || step != join_step_asked()) return;
+  const std::vector<int64_t> steps = join_steps_asked();
+  if (trainer.is_replacement() || std::find(steps.begin(), steps.end(), step) == steps.end()) return;
   c10d::Store& store = *trainer.first_world().store;
   store.set(kAtTheJoinStep, std::vector<uint8_t>{1});
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);

@@ -5,6 +5,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <iomanip>
 #include <map>
 #include <algorithm>
@@ -99,6 +101,15 @@ ElasticTrainer::ElasticTrainer(model::GPT2LMHeadModel model, StepComposition com
 
 namespace {
 
+// Test hook HARNESS_TEST_LOSE_REPLACEMENT=<launch id>: that replacement is killed (SIGKILL) once
+// admitted and connected, before it receives the state: a process lost during an admission.
+void lose_this_replacement_if_asked(int launch_id) {
+  const char* hook = std::getenv("HARNESS_TEST_LOSE_REPLACEMENT");
+  if (hook == nullptr || *hook == '\0' || std::atoi(hook) != launch_id) return;
+  std::cerr << "[process " << launch_id << "] test hook: killed while being admitted" << std::endl;
+  std::raise(SIGKILL);
+}
+
 std::string ranks_list(const std::vector<int>& ranks) {
   std::string text;
   for (const int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
@@ -109,6 +120,11 @@ std::string ranks_list(const std::vector<int>& ranks) {
 
 ElasticTrainer::HeldState ElasticTrainer::hold_and_release() {
   HeldState held{step_->optimizer().local_state(), step_->learning_rate()};
+  release();
+  return held;
+}
+
+void ElasticTrainer::release() {
   step_.reset();  // its synchronizer's hooks leave the parameters first
   sync_.reset();
   groups_ = parallel::ProcessGroups{};
@@ -120,7 +136,6 @@ ElasticTrainer::HeldState ElasticTrainer::hold_and_release() {
     const std::vector<int64_t>& shape = shapes_.at(i++);
     if (p.sizes() != at::IntArrayRef(shape)) p.set_data(at::empty(shape, p.options()));
   }
-  return held;
 }
 
 void ElasticTrainer::enter(const dp::Generation& next, const std::vector<int>& order,
@@ -235,6 +250,7 @@ void ElasticTrainer::join() {
     composition_.stages->seed += static_cast<uint64_t>(generation_.number) * membership_.original_replicas;
   }
   compose(0);  // the driver sets the step it joins at
+  lose_this_replacement_if_asked(launch_rank_);
   joined_at_step_ = share_state(0, /*load=*/true);
   just_joined_ = true;
   events_.push_back({generation_.number, joined_at_step_ + 1, membership_.replica_count(), {}, generation_.joined});
@@ -318,9 +334,22 @@ void ElasticTrainer::admit_joiners(int64_t k) {
     enter(next, order, change.next, held, k);
     (void)share_state(k, /*load=*/false);
   } catch (const std::exception& e) {
-    // The state is no longer held by a step to recover from (a loss while growing back).
-    throw AdmissionError("elastic: admitting process " + ranks_list(asking) + " at step " + std::to_string(k + 1) +
-                         " failed, and the run cannot go on: " + e.what());
+    if (!is_communication_failure(e)) {
+      throw AdmissionError("elastic: admitting process " + ranks_list(asking) + " at step " + std::to_string(k + 1) +
+                           " failed, and the run cannot go on: " + e.what());
+    }
+    // A process lost while admitting (a replacement, most likely). The admitted generation is
+    // the one to recover from: its replacements hold no state yet and never check in, so their
+    // replicas are dropped again with the lost process's, and the members go on from `held`.
+    std::cerr << "[process " << launch_rank_ << "] elastic: admitting process" << (asking.size() > 1 ? "es " : " ")
+              << ranks_list(asking) << " at step " << k + 1 << " failed in a collective ("
+              << std::string(e.what()).substr(0, std::string(e.what()).find('\n')) << "); agreeing who is left"
+              << std::endl;
+    generation_ = next;
+    generation_.members = order;
+    membership_ = change.next;
+    recover(k, held);
+    return;
   }
   std::vector<int> joined;  // in rank order, as the record lists them
   for (const int member : order) {
@@ -421,10 +450,14 @@ double ElasticTrainer::step(int64_t k) {
 }
 
 void ElasticTrainer::recover(int64_t k) {
-  const auto start = std::chrono::steady_clock::now();
   // The weights have not moved (the optimizer steps after the all-reduce); AdamW's state and rate
   // go over to the next generation's step as they are.
-  const HeldState held = hold_and_release();
+  recover(k, hold_and_release());
+}
+
+void ElasticTrainer::recover(int64_t k, const HeldState& held) {
+  const auto start = std::chrono::steady_clock::now();
+  release();
   const dp::Generation next =
       dp::agree_next_generation(*first_world_.store, generation_, launch_rank_, settings_.join_window);
   std::vector<int> lost_ranks, lost_processes;

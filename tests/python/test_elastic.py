@@ -207,6 +207,43 @@ class ElasticRun(unittest.TestCase):
             problems = weight_problems(weights(work), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
 
+    def test_a_replacement_lost_while_being_admitted_is_dropped_and_another_joins(self):
+        # Process 1 killed at step 5; its replacement, process 2, is killed at step 7 once admitted
+        # and connected, before it has the state (HARNESS_TEST_LOSE_REPLACEMENT). The survivor
+        # recovers as from any loss, and the next replacement, process 3, joins at step 9.
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, plain_digests = self.undisturbed_run(2)
+            finals = os.path.join(tmp, "final-weights")
+            os.makedirs(finals)
+            work, digests, k = self.elastic_run(
+                tmp, "again", 2, kill="1:5", replacements=None,
+                env_extra={"HARNESS_TEST_JOIN_AT_STEP": "7,9", "HARNESS_TEST_LOSE_REPLACEMENT": "2",
+                           "HARNESS_TEST_WEIGHT_DIGESTS": finals})
+            self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+            for line in ("launcher: starting rank 2 as a replacement for rank 1 (--elastic)",
+                         "[process 2] test hook: killed while being admitted",
+                         "[process 0] elastic: admitting process 2 at step 7 failed in a collective",
+                         "launcher: starting rank 3 as a replacement for rank 2 (--elastic)",
+                         "elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on",
+                         "elastic: generation 3 at step 7: lost process 2; 1 of 2 replicas go on",
+                         "elastic: generation 4 at step 9: process 3 joined; 2 of 2 replicas go on"):
+                self.assertEqual(sum(line in l for l in k.stderr.splitlines()), 1, line + "\n" + k.stderr[-4000:])
+            log = records(work)
+            self.assertEqual([r for r in log if r["kind"] == "membership"], [
+                {"kind": "membership", "generation": 1, "step": 5, "replicas": 1, "lost": [1], "joined": []},
+                {"kind": "membership", "generation": 3, "step": 7, "replicas": 1, "lost": [2], "joined": []},
+                {"kind": "membership", "generation": 4, "step": 9, "replicas": 2, "lost": [], "joined": [3]}])
+            self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+            self.assertEqual(step_digests(digests), step_digests(plain_digests))
+            ends = {}
+            for name in os.listdir(finals):
+                with open(os.path.join(finals, name)) as f:
+                    ends[name] = f.read().strip()
+            self.assertEqual(sorted(ends), ["process0.txt", "process3.txt"])
+            self.assertEqual(ends["process0.txt"], ends["process3.txt"])
+            problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
     def test_a_lost_stage_drops_its_replica_and_the_other_pipeline_finishes_alone(self):
         # (2,1,1,2): ranks 0 and 2 are replica 0's stages, 1 and 3 replica 1's (rank = p*D + d).
         # Process 1 (replica 1's first stage) killed at step 5: process 3, its other stage, leaves

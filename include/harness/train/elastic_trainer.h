@@ -129,6 +129,8 @@ class ElasticTrainer {
   // This generation's step, about to take optimizer step `step` (its dropout streams count steps
   // from there, as the driver's would).
   void compose(int64_t step);
+  // After a lost process at step k: agrees on the members left, drops their replicas, connects
+  // again and carries what hold_and_release holds over.
   void recover(int64_t k);
   // Replacements (join_id): asks to join, waits for admission, connects, receives the state.
   void join();
@@ -149,11 +151,15 @@ class ElasticTrainer {
     OptimizerState optimizer;
     double learning_rate = 0.0;
   };
+  // recover, from `held` (an admission that failed had let the step go already).
+  void recover(int64_t k, const HeldState& held);
   // Moving to a new generation, in two halves. The first holds the state and lets the failed or
   // outgrown generation's step and groups go (their teardown takes a while, which the join
   // window absorbs, not the next group's rendezvous); the parameters another stage holds get
   // their shapes back, for the next step to cut again.
   HeldState hold_and_release();
+  // The letting go alone (again where it was done: nothing more).
+  void release();
   // The second connects the next generation (`order`: its members' launch ranks in its rank
   // order), composes its step for `membership` at optimizer step `step` and loads `held` into it.
   void enter(const data_parallel::Generation& next, const std::vector<int>& order,
@@ -193,7 +199,8 @@ class LostProcessError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Growing back failed after the outgrown generation was let go (a loss while admitting): fatal.
+// Growing back failed after the outgrown generation was let go, other than by a lost process
+// (which the members recover from, dropping the replacements again): fatal.
 class AdmissionError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
