@@ -386,14 +386,19 @@ void ElasticTrainer::compose(int64_t step) {
 }
 
 bool ElasticTrainer::keeps_the_log() const {
-  const parallel::Layout original = parallel::initial_membership(first_world_.world_size, settings_.sizes).layout();
-  int keeper = -1, lowest = membership_.original_replicas;
-  for (const int member : generation_.members) {
-    if (member >= first_world_.world_size || !original.reports(member)) continue;
-    const int replica = original.coordinates_of(member).data;
-    if (replica < lowest) {
-      lowest = replica;
+  // The reporting members (by their place in this generation's layout): of those that started
+  // with the run the one of the lowest replica, else (every one of them lost) of the replacements.
+  const parallel::Layout layout = membership_.layout();
+  int keeper = -1;
+  bool keeper_started_with_the_run = false;
+  for (size_t rank = 0; rank < generation_.members.size(); ++rank) {
+    if (!layout.reports(static_cast<int>(rank))) continue;
+    const int member = generation_.members[rank];
+    const bool started_with_the_run = member < first_world_.world_size;
+    // Ranks go up with the replica: the first reporter of each kind is its lowest replica.
+    if (keeper < 0 || (started_with_the_run && !keeper_started_with_the_run)) {
       keeper = member;
+      keeper_started_with_the_run = started_with_the_run;
     }
   }
   return keeper == launch_rank_;

@@ -244,6 +244,39 @@ class ElasticRun(unittest.TestCase):
             problems = weight_problems(weights(work), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
 
+    def test_with_every_process_that_started_lost_a_replacement_keeps_the_log_and_checkpoints(self):
+        # Process 1 killed at step 5, its replacement (process 2) joins at step 7, and process 0 is
+        # killed at step 9: the replacement trains on alone, as generation 3's rank 0. It takes
+        # metrics.jsonl over and writes the checkpoints and the model; its step-10 checkpoint
+        # resumes under 2 processes without --elastic and ends as the undisturbed run.
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, plain_digests = self.undisturbed_run(2)
+            work, digests, k = self.elastic_run(tmp, "taken-over", 2, kill="1:5,0:9", replacements=1,
+                                                extra=["--checkpoint_every", "5"],
+                                                env_extra={"HARNESS_TEST_JOIN_AT_STEP": "7"})
+            self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+            self.assertIn("[rank 2] elastic: generation 3 at step 9: lost process 0; 1 of 2 replicas go on", k.stderr)
+            log = records(work)
+            self.assertEqual([r for r in log if r["kind"] == "membership"], [
+                {"kind": "membership", "generation": 1, "step": 5, "replicas": 1, "lost": [1], "joined": []},
+                {"kind": "membership", "generation": 2, "step": 7, "replicas": 2, "lost": [], "joined": [2]},
+                {"kind": "membership", "generation": 3, "step": 9, "replicas": 1, "lost": [0], "joined": []}])
+            self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+            reporting = sorted(int(m[1]) for m in (TRAIN.match(l) for l in k.stdout.splitlines()) if m)
+            self.assertEqual(reporting, [1], k.stdout)
+            self.assertEqual(step_digests(digests), step_digests(plain_digests))
+            problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+            checkpoint = os.path.join(work, "checkpoints", "step-00000010")
+            self.assertIn("[rank 2] checkpoint: saved " + checkpoint, k.stderr)
+            resumed = os.path.join(tmp, "resumed")
+            r = run([DP, "--world_size", "2", "--master_port", str(free_port()), "--workdir", resumed, "--resume",
+                     checkpoint] + TINY)
+            self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+            self.assertIn("resume: continuing from " + checkpoint, r.stderr)
+            problems = weight_problems(weights(resumed), weights(plain), LR, STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
     def test_a_lost_stage_drops_its_replica_and_the_other_pipeline_finishes_alone(self):
         # (2,1,1,2): ranks 0 and 2 are replica 0's stages, 1 and 3 replica 1's (rank = p*D + d).
         # Process 1 (replica 1's first stage) killed at step 5: process 3, its other stage, leaves

@@ -118,9 +118,10 @@ class ElasticTrainer {
   // Throws LostProcessError naming a process of the current generation that the launcher recorded
   // as lost (a store lookup per member; for waits outside collectives).
   void check_members_alive() const;
-  // Whether this process keeps the run's metrics.jsonl now: of the current members that started
-  // with the run and print a replica's lines (Layout::reports), the one of the lowest replica.
-  // (It changes only when that process is lost; a replacement never keeps it.)
+  // Whether this process keeps the run's metrics.jsonl now: of the current members that print a
+  // replica's lines (Layout::reports), the one of the lowest replica among those that started
+  // with the run, or among the replacements once none of those is left. (It changes only when
+  // that process is lost.)
   bool keeps_the_log() const;
   // The rows the last step() trained on this process.
   const ExampleDigest& last_examples() const { return last_examples_; }
