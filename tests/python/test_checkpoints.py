@@ -69,6 +69,10 @@ class Watched:
     """A program running in the background whose stderr lines are collected as they come."""
 
     def __init__(self, args, env=None):
+        # The program's temporary folder is its own, removed in finish(): a launcher killed with
+        # everything it started (kill_all, a machine lost) cannot remove its scratch folder.
+        self.tmp = tempfile.mkdtemp(prefix="watched-")
+        env = dict(os.environ if env is None else env, TMPDIR=self.tmp)
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True)
         self.err, self.out = [], []
@@ -116,6 +120,7 @@ class Watched:
             r.join(timeout=10)
         self.proc.stdout.close()
         self.proc.stderr.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return self.proc.returncode
 
 
