@@ -32,6 +32,10 @@ Layout Membership::layout() const {
   return Layout::create(replica_count() * ranks_per_replica(sizes), sizes);
 }
 
+Layout Membership::original_layout() const {
+  return Layout::create(original_replicas * ranks_per_replica(sizes), sizes);
+}
+
 int Membership::member_index(int replica) const {
   const auto it = std::find(replicas.begin(), replicas.end(), replica);
   return it == replicas.end() ? -1 : static_cast<int>(it - replicas.begin());
@@ -97,7 +101,7 @@ MembershipChange rejoin_replicas(const Membership& now, const std::vector<int>& 
 }
 
 std::vector<int> complete_replicas(const Membership& now, const std::vector<int>& asked) {
-  const Layout original = Layout::create(now.original_replicas * ranks_per_replica(now.sizes), now.sizes);
+  const Layout original = now.original_layout();
   std::map<int, std::set<int>> asked_of;  // dropped replica -> its ranks asked for
   for (const int rank : asked) {
     if (rank < 0 || rank >= original.world_size()) {

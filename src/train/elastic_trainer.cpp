@@ -2,7 +2,6 @@
 #include "harness/train/elastic_trainer.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
 #include <csignal>
@@ -188,8 +187,8 @@ int64_t ElasticTrainer::share_state(int64_t step, bool load) {
     if (item.value().numel() > 0) held.emplace_back(item.key(), item.value());
   }
   OptimizerState state = sender ? step_->optimizer().local_state() : OptimizerState{};
-  // The step, the learning rate, the data position, the admission count, and each parameter's
-  // AdamW step count (0: not stepped yet). (Counts as doubles: exact below 2^53.)
+  // The step, the learning rate, the data position, and each parameter's AdamW step count (0: not
+  // stepped yet). (Counts as doubles: exact below 2^53.)
   const DataPosition at = sender && position_ ? position_() : DataPosition{};
   std::vector<double> header{static_cast<double>(step), step_->learning_rate(), static_cast<double>(at.epoch),
                              static_cast<double>(at.batch)};
@@ -274,7 +273,7 @@ std::vector<dp::JoinRequest> ElasticTrainer::choose_joiners() {
   std::vector<int> asked;
   for (const auto& item : latest) asked.push_back(item.first);
   const std::vector<int> replicas = parallel::complete_replicas(membership_, asked);
-  const parallel::Layout original = parallel::initial_membership(first_world_.world_size, settings_.sizes).layout();
+  const parallel::Layout original = membership_.original_layout();
   std::vector<dp::JoinRequest> chosen;
   for (const auto& [rank, request] : latest) {
     const int replica = original.coordinates_of(rank).data;
@@ -307,7 +306,7 @@ void ElasticTrainer::admit_joiners(int64_t k) {
     asking.push_back(static_cast<int>(d[1 + j]));
     ranks.push_back(static_cast<int>(d[1 + most + j]));
   }
-  const parallel::Layout original = parallel::initial_membership(first_world_.world_size, settings_.sizes).layout();
+  const parallel::Layout original = membership_.original_layout();
   std::vector<int> rejoining;
   for (const int rank : ranks) rejoining.push_back(original.coordinates_of(rank).data);
   std::sort(rejoining.begin(), rejoining.end());

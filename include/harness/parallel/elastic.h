@@ -36,6 +36,8 @@ struct Membership {
   int replica_count() const { return static_cast<int>(replicas.size()); }
   // This generation's layout: D = replica_count().
   Layout layout() const;
+  // The run's layout at launch: D = original_replicas (the ranks replacements ask for).
+  Layout original_layout() const;
   // The position in `replicas` of original replica `replica`, or -1 if it is not a member.
   int member_index(int replica) const;
   // The gradient scale that keeps a step's gradient the undisturbed run's: D_now / D_original.

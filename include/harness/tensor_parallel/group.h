@@ -19,8 +19,9 @@ std::shared_ptr<model::TensorParallelGroup> make_tensor_parallel_group(data_para
 // meanwhile; its collectives throw std::logic_error until then.
 std::shared_ptr<model::TensorParallelGroup> make_unconnected_tensor_parallel_group(int rank, int size);
 
-// Points a group make_tensor_parallel_group (or make_unconnected_tensor_parallel_group) made at another process group of the same ranks (its
-// rank and size; elastic training's next generation), keeping its dropout streams. Throws
+// Points a group make_tensor_parallel_group (or make_unconnected_tensor_parallel_group) made at
+// another process group of the same ranks (its rank and size; elastic training's next
+// generation), keeping its dropout streams. Throws
 // std::invalid_argument for another kind of group, or another rank or size.
 void reconnect_tensor_parallel_group(model::TensorParallelGroup& group, data_parallel::DistContext tp);
 
