@@ -3,11 +3,11 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <filesystem>
 
 #include "harness/data/synthetic_corpus.h"
+#include "../support/multi_process.h"
 
 namespace harness::data {
 namespace {
@@ -15,8 +15,8 @@ namespace {
 const Tokenizer& tokenizer() {
   static const Tokenizer t = [] {
     const TranslationCorpus corpus = generate_corpus(3, SplitSizes{300, 1, 1});
-    const auto path = std::filesystem::temp_directory_path() /
-                      ("harness_collate_" + std::to_string(::getpid())) / "tokenizer.model";
+    const auto path =
+        std::filesystem::path(test_workers::folder_removed_at_exit("harness-collate-test")) / "tokenizer.model";
     return Tokenizer::train(corpus.train, 2000, path.string());
   }();
   return t;

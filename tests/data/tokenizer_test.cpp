@@ -2,13 +2,13 @@
 #include "harness/data/tokenizer.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 
 #include "harness/data/synthetic_corpus.h"
+#include "../support/multi_process.h"
 
 namespace harness::data {
 namespace {
@@ -16,7 +16,7 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path temp_path(const std::string& name) {
-  return fs::temp_directory_path() / ("harness_tokenizer_" + std::to_string(::getpid())) / name;
+  return fs::path(test_workers::folder_removed_at_exit("harness-tokenizer-test")) / name;
 }
 
 const TranslationCorpus& corpus() {

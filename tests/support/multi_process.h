@@ -143,4 +143,17 @@ inline std::string make_temp_dir(const std::string& prefix = "harness-test") {
   return ::mkdtemp(pattern.data()) ? pattern : std::string();
 }
 
+// A fresh folder under /tmp, removed when the process exits: for what a test file keeps in a
+// static for all its tests (a trained tokenizer), which no test's teardown may remove.
+inline const std::string& folder_removed_at_exit(const std::string& prefix) {
+  struct Folder {
+    std::string path;
+    ~Folder() {
+      if (!path.empty()) remove_tree(path);
+    }
+  };
+  static const Folder folder{make_temp_dir(prefix)};
+  return folder.path;
+}
+
 }  // namespace harness::test_workers
