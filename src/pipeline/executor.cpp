@@ -174,18 +174,16 @@ ScheduleExecutor::~ScheduleExecutor() = default;
 
 const P2PPlan& cached_p2p_plan(const TrainingSchedule& schedule) {
   static std::mutex mutex;
-  static std::map<std::tuple<std::string, int, int, int>, std::unique_ptr<P2PPlan>> plans;
+  static std::map<std::tuple<std::string, int, int, int>, std::vector<std::unique_ptr<P2PPlan>>> plans;
   std::lock_guard<std::mutex> lock(mutex);
-  auto& plan = plans[{schedule.name, schedule.micro_batches, schedule.devices, schedule.virtual_stages}];
-  if (!plan) {
-    auto made = std::make_unique<P2PPlan>(make_p2p_plan(schedule));  // validates the schedule
-    validate_p2p_plan(*made);  // every send meets its receive, with no cycle of waits
-    plan = std::move(made);
+  auto& made = plans[{schedule.name, schedule.micro_batches, schedule.devices, schedule.virtual_stages}];
+  for (const auto& plan : made) {
+    if (plan->schedule.per_device == schedule.per_device) return *plan;
   }
-  if (plan->schedule.per_device != schedule.per_device) {
-    throw std::invalid_argument("cached_p2p_plan: two different schedules are both called '" + schedule.name + "'");
-  }
-  return *plan;
+  auto plan = std::make_unique<P2PPlan>(make_p2p_plan(schedule));  // validates the schedule
+  validate_p2p_plan(*plan);  // every send meets its receive, with no cycle of waits
+  made.push_back(std::move(plan));
+  return *made.back();
 }
 
 struct HeldForwards {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <numeric>
 #include <stdexcept>
@@ -70,6 +71,66 @@ Gpt2PieceCosts estimate_gpt2_costs(const model::GPT2Config& config, int64_t rows
   costs.head = N * (3 * 2 * C * V + e * (layer_norm + 6 * V)) + wte_gradient;
   costs.embedding = N * e * (2 * C + dropout) + wte_gradient;  // the lookups and their dropout
   return costs;
+}
+
+namespace {
+
+// One piece's F, B and W (estimate_gpt2_stage_ticks' split of estimate_gpt2_costs' terms).
+struct PieceActions {
+  double forward = 0.0, input_gradient = 0.0, weight_gradient = 0.0;
+  PieceActions& operator+=(const PieceActions& o) {
+    forward += o.forward;
+    input_gradient += o.input_gradient;
+    weight_gradient += o.weight_gradient;
+    return *this;
+  }
+};
+
+}  // namespace
+
+std::vector<ActionTicks> estimate_gpt2_stage_ticks(const model::GPT2Config& config, const std::vector<int>& halves,
+                                                   int64_t rows, int64_t tokens) {
+  (void)estimate_gpt2_costs(config, rows, tokens);  // its argument checks
+  for (size_t s = 0; s < halves.size(); ++s) {
+    if (halves[s] < 1) {
+      throw std::invalid_argument("estimate_gpt2_stage_ticks: stage " + std::to_string(s) + " has " +
+                                  std::to_string(halves[s]) + " half blocks; every stage needs one at least");
+    }
+  }
+  const double C = static_cast<double>(config.n_embd), I = static_cast<double>(config.inner_dim());
+  const double V = static_cast<double>(config.vocab_size);
+  const double L = static_cast<double>(std::min<int64_t>(tokens, config.n_positions));
+  const double N = static_cast<double>(rows) * L;
+  const double e = kGpt2ElementCost;
+  const double layer_norm = 6 * C, dropout = 4 * C, residual = 3 * C;
+  const double wte_gradient = e * 3 * V * C;
+  // The terms of estimate_gpt2_costs, each given to the action that does it.
+  const double attention_elements = e * (layer_norm + 12 * C + dropout + residual);
+  const PieceActions attention{N * (8 * C * C + 2 * C * (L + 1) + attention_elements / 3),
+                               N * (8 * C * C + 4 * C * (L + 1) + 2 * attention_elements / 3), N * 8 * C * C};
+  const double mlp_elements = e * (layer_norm + 5 * I + dropout + residual);
+  const PieceActions mlp{N * (4 * C * I + mlp_elements / 3), N * (4 * C * I + 2 * mlp_elements / 3), N * 4 * C * I};
+  const PieceActions head{N * (2 * C * V + e * (layer_norm / 3 + 3 * V)),
+                          N * (2 * C * V + e * (2 * layer_norm / 3 + 3 * V)), N * 2 * C * V + wte_gradient};
+  const double embedding_elements = N * e * (2 * C + dropout);
+  const PieceActions embedding{embedding_elements / 3, 2 * embedding_elements / 3 + wte_gradient, 0.0};
+
+  std::vector<PieceActions> stages;
+  int unit = 0;
+  for (int h : halves) {
+    PieceActions stage;
+    for (int k = 0; k < h; ++k, ++unit) stage += unit % 2 == 0 ? attention : mlp;
+    stages.push_back(stage);
+  }
+  if (stages.empty()) return {};
+  stages.front() += embedding;
+  stages.back() += head;
+  double largest = 0.0;
+  for (const PieceActions& s : stages) largest = std::max({largest, s.forward, s.input_gradient, s.weight_gradient});
+  auto ticks = [&](double cost) { return std::max(1, static_cast<int>(std::lround(1000.0 * cost / largest))); };
+  std::vector<ActionTicks> out;
+  for (const PieceActions& s : stages) out.push_back({ticks(s.forward), ticks(s.input_gradient), ticks(s.weight_gradient)});
+  return out;
 }
 
 namespace {

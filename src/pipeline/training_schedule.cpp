@@ -24,6 +24,33 @@ void check_counts(const char* function, int micro_batches, int devices, int virt
   }
 }
 
+// Throws std::invalid_argument, naming `function`, unless there is one entry per stage and every
+// action takes a tick at least.
+void check_stage_ticks(const char* function, const std::vector<ActionTicks>& stage_ticks, int stages) {
+  if (stage_ticks.size() != static_cast<size_t>(stages)) {
+    throw std::invalid_argument(std::string(function) + ": " + std::to_string(stage_ticks.size()) +
+                                " stages' ticks given for " + std::to_string(stages) + " stages");
+  }
+  for (size_t s = 0; s < stage_ticks.size(); ++s) {
+    const ActionTicks& t = stage_ticks[s];
+    if (t.forward < 1 || t.input_gradient < 1 || t.weight_gradient < 1) {
+      throw std::invalid_argument(std::string(function) + ": stage " + std::to_string(s) +
+                                  " takes F " + std::to_string(t.forward) + ", B " + std::to_string(t.input_gradient) +
+                                  ", W " + std::to_string(t.weight_gradient) + " ticks; each needs at least one");
+    }
+  }
+}
+
+// How long `action` holds its device: a whole backward (`split` false) is B and W together.
+int stage_ticks_of(const ActionTicks& ticks, const Action& action, bool split) {
+  switch (action.kind) {
+    case Action::Kind::kForward: return ticks.forward;
+    case Action::Kind::kBackward: return split ? ticks.input_gradient : ticks.input_gradient + ticks.weight_gradient;
+    case Action::Kind::kWeight: return ticks.weight_gradient;
+  }
+  return 1;
+}
+
 TrainingSchedule empty_schedule(std::string name, int micro_batches, int devices,
                                 int virtual_stages) {
   TrainingSchedule schedule;
@@ -367,21 +394,52 @@ TrainingSchedule zb1p_schedule(int micro_batches, int devices) {
   return schedule;  // in_flight_bound min(D, M), 1F1B's
 }
 
-TrainingSchedule zbv_schedule(int micro_batches, int devices) {
-  check_counts("zbv_schedule", micro_batches, devices, 1);
+namespace {
+
+// The time `schedule` takes when each action holds its device for ticks_of(action) and starts
+// once the actions it depends on have finished (the lists are valid: every one runs).
+int64_t makespan(const TrainingSchedule& schedule, const std::function<int(const Action&)>& ticks_of) {
+  const int D = schedule.devices, S = schedule.stages();
+  ActionMap finished_at(schedule.micro_batches, S, -1);
+  std::vector<size_t> next(static_cast<size_t>(D), 0);
+  std::vector<int64_t> free_at(static_cast<size_t>(D), 0);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int d = 0; d < D; ++d) {
+      const auto& actions = schedule.per_device[static_cast<size_t>(d)];
+      size_t& k = next[static_cast<size_t>(d)];
+      while (k < actions.size()) {
+        int64_t start = free_at[static_cast<size_t>(d)];
+        bool ready = true;
+        for (const Action& need : dependencies(actions[k], S)) {
+          if (finished_at[need] == -1) ready = false;
+          start = std::max<int64_t>(start, finished_at[need]);
+        }
+        if (!ready) break;
+        finished_at[actions[k]] = static_cast<int>(free_at[static_cast<size_t>(d)] = start + ticks_of(actions[k]));
+        ++k;
+        moved = true;
+      }
+    }
+  }
+  return *std::max_element(free_at.begin(), free_at.end());
+}
+
+// zbv_schedule's list scheduler on the clock of `ticks_of`.
+TrainingSchedule zbv_list_schedule(int micro_batches, int devices, const std::function<int(const Action&)>& ticks_of) {
   TrainingSchedule schedule = empty_schedule("zbv", micro_batches, devices, 2);
   schedule.placement = StagePlacement::kV;
   schedule.split_backward = true;
   schedule.in_flight_bound = std::min(2 * devices, 2 * micro_batches);
   const int S = schedule.stages(), M = micro_batches;
   ActionMap finished_at(M, S, -1);
-  auto ready = [&](const Action& a, int tick) { return !unfinished_dependency(a, S, finished_at, tick); };
-  std::vector<int> next_forward(S, 0), next_backward(S, 0), held(devices, 0);
+  std::vector<int> next_forward(S, 0), next_backward(S, 0), held(devices, 0), free_at(devices, 0);
   std::vector<std::vector<Action>> waiting_w(devices);  // B done, W not yet, oldest first
   int remaining = 3 * M * S;
-  for (int tick = 0; remaining > 0; ++tick) {
-    std::vector<Action> started;
+  for (int now = 0; remaining > 0;) {
+    auto ready = [&](const Action& a) { return !unfinished_dependency(a, S, finished_at, now); };
     for (int d = 0; d < devices; ++d) {
+      if (free_at[d] > now) continue;
       // Gradients toward stage 0 first (the chunk the previous device waits for), then
       // activations toward the loss (the later chunk first): both unblock other devices sooner.
       const int later = 2 * devices - 1 - d, earlier = d;
@@ -389,12 +447,14 @@ TrainingSchedule zbv_schedule(int micro_batches, int devices) {
       for (int s : {earlier, later}) {
         const int i = next_backward[s];
         if (pick || i >= M) continue;
-        if (ready(Action::backward(i, s), tick)) pick = Action::backward(i, s);
+        if (ready(Action::backward(i, s))) pick = Action::backward(i, s);
       }
       for (int s : {later, earlier}) {
         const int i = next_forward[s];
         if (pick || i >= M || held[d] >= schedule.in_flight_bound) continue;
-        if (ready(Action::forward(i, s), tick)) pick = Action::forward(i, s);
+        // Micro-batches past the earlier chunk still need a place on the later one.
+        if (s == earlier && next_forward[earlier] + 1 - next_forward[later] >= schedule.in_flight_bound) continue;
+        if (ready(Action::forward(i, s))) pick = Action::forward(i, s);
       }
       if (!pick && !waiting_w[d].empty()) {
         pick = waiting_w[d].front();
@@ -410,17 +470,37 @@ TrainingSchedule zbv_schedule(int micro_batches, int devices) {
         case Action::Kind::kWeight: --held[d]; break;
       }
       schedule.per_device[static_cast<size_t>(d)].push_back(*pick);
-      started.push_back(*pick);
+      // At least a tick later: nothing depends on an action that starts at the same time.
+      finished_at[*pick] = free_at[d] = now + ticks_of(*pick);
       --remaining;
     }
-    // Recorded once every device has chosen: nothing depends on an action of its own tick.
-    for (const Action& a : started) finished_at[a] = tick + 1;
-    if (started.empty() && tick > 6 * M * S) {
+    // On to the next time an action finishes (a device waiting for nothing else would not wait).
+    int next = -1;
+    for (int t : free_at) {
+      if (t > now && (next == -1 || t < next)) next = t;
+    }
+    if (next == -1 && remaining > 0) {
       throw std::logic_error("zbv_schedule: the list scheduler made no progress (M=" + std::to_string(M) +
                              ", D=" + std::to_string(devices) + ")");
     }
+    now = next;
   }
   return schedule;
+}
+
+}  // namespace
+
+TrainingSchedule zbv_schedule(int micro_batches, int devices, const std::vector<ActionTicks>& stage_ticks) {
+  check_counts("zbv_schedule", micro_batches, devices, 1);
+  auto unit = [](const Action&) { return 1; };
+  if (stage_ticks.empty()) return zbv_list_schedule(micro_batches, devices, unit);
+  check_stage_ticks("zbv_schedule", stage_ticks, 2 * devices);
+  auto ticks_of = [&](const Action& a) { return stage_ticks_of(stage_ticks[static_cast<size_t>(a.stage)], a, true); };
+  // A greedy order is not always better on the clock it was made for: keep the paper's order
+  // where the stages' ticks run it faster.
+  TrainingSchedule by_ticks = zbv_list_schedule(micro_batches, devices, ticks_of);
+  TrainingSchedule by_units = zbv_list_schedule(micro_batches, devices, unit);
+  return makespan(by_ticks, ticks_of) < makespan(by_units, ticks_of) ? by_ticks : by_units;
 }
 
 void validate_schedule(const TrainingSchedule& schedule) {
@@ -478,13 +558,14 @@ Timeline simulate(const TrainingSchedule& schedule, const ActionTicks& ticks) {
                                 std::to_string(ticks.weight_gradient));
   }
   const bool split = schedule.split_backward;
+  return timeline_of(schedule, [&](const Action& action) { return stage_ticks_of(ticks, action, split); });
+}
+
+Timeline simulate(const TrainingSchedule& schedule, const std::vector<ActionTicks>& stage_ticks) {
+  check_stage_ticks("simulate", stage_ticks, schedule.stages());
+  const bool split = schedule.split_backward;
   return timeline_of(schedule, [&](const Action& action) {
-    switch (action.kind) {
-      case Action::Kind::kForward: return ticks.forward;
-      case Action::Kind::kBackward: return split ? ticks.input_gradient : ticks.input_gradient + ticks.weight_gradient;
-      case Action::Kind::kWeight: return ticks.weight_gradient;
-    }
-    return 1;
+    return stage_ticks_of(stage_ticks[static_cast<size_t>(action.stage)], action, split);
   });
 }
 

@@ -111,8 +111,13 @@ std::vector<int> stage_halves(const MemoryPlanInput& in, int S) {
   return halves;
 }
 
-pipeline::TrainingSchedule schedule_of(const MemoryPlanInput& in) {
-  return make_training_schedule(in.schedule, in.micro_batches, in.pipeline_devices, in.virtual_stages);
+pipeline::TrainingSchedule schedule_of(const MemoryPlanInput& in, const std::vector<int>& halves, int64_t micro_rows) {
+  // The order the step runs: zbv's depends on its stages' estimated costs (as the step's own).
+  const std::vector<pipeline::ActionTicks> stage_ticks =
+      in.schedule == pipeline::ScheduleKind::kZbv
+          ? pipeline::estimate_gpt2_stage_ticks(in.config, halves, micro_rows, in.tokens)
+          : std::vector<pipeline::ActionTicks>{};
+  return make_training_schedule(in.schedule, in.micro_batches, in.pipeline_devices, in.virtual_stages, stage_ticks);
 }
 
 // The most activation bytes device d holds along its schedule (the header's walk).
@@ -310,7 +315,7 @@ std::vector<RankMemory> pipeline_memory(const MemoryPlanInput& in) {
     full[static_cast<size_t>(s)] = micro_rows * in.tokens * per_token;
     input[static_cast<size_t>(s)] = micro_rows * in.tokens * (s == 0 ? 8 : cost.stage_input);  // ids, or hidden states
   }
-  const pipeline::TrainingSchedule schedule = schedule_of(in);
+  const pipeline::TrainingSchedule schedule = schedule_of(in, halves, micro_rows);
   const std::vector<std::vector<bool>> checkpointed = pipeline::checkpoint_plan(schedule, in.checkpointing);
   const std::vector<double> work =
       pipeline::gpt2_stage_costs(pipeline::estimate_gpt2_costs(c, micro_rows, in.tokens), halves);

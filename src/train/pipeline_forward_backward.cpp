@@ -17,7 +17,8 @@
 namespace harness::train {
 
 pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, int micro_batches,
-                                                  int devices, int virtual_stages) {
+                                                  int devices, int virtual_stages,
+                                                  const std::vector<pipeline::ActionTicks>& stage_ticks) {
   pipeline::check_schedule_kind(kind, virtual_stages);
   switch (kind) {
     case pipeline::ScheduleKind::kInterleaved:
@@ -26,7 +27,7 @@ pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, i
     case pipeline::ScheduleKind::kGpipe: return pipeline::gpipe_schedule(micro_batches, devices);
     case pipeline::ScheduleKind::kOneFOneB: return pipeline::one_f_one_b_schedule(micro_batches, devices);
     case pipeline::ScheduleKind::kZb1p: return pipeline::zb1p_schedule(micro_batches, devices);
-    case pipeline::ScheduleKind::kZbv: return pipeline::zbv_schedule(micro_batches, devices);
+    case pipeline::ScheduleKind::kZbv: return pipeline::zbv_schedule(micro_batches, devices, stage_ticks);
   }
   throw std::invalid_argument("make_training_schedule: unknown schedule kind");
 }
@@ -169,10 +170,16 @@ pipeline::ScheduleExecutor& PipelineForwardBackward::executor() {
   return *executor_;
 }
 
-pipeline::TrainingSchedule PipelineForwardBackward::schedule_for(int64_t rows) {
+pipeline::TrainingSchedule PipelineForwardBackward::schedule_for(int64_t rows, int64_t tokens) {
   const int D = schedule_devices();
   const int M = static_cast<int>(std::min<int64_t>(options_.micro_batches, rows));
-  pipeline::TrainingSchedule schedule = make_training_schedule(options_.schedule, M, D, options_.virtual_stages);
+  // ZB-V orders its actions by what each stage's F, B and W cost: the same estimate on every stage.
+  const std::vector<pipeline::ActionTicks> stage_ticks =
+      options_.schedule == pipeline::ScheduleKind::kZbv
+          ? pipeline::estimate_gpt2_stage_ticks(model_->config(), halves_, (rows + M - 1) / M, tokens)
+          : std::vector<pipeline::ActionTicks>{};
+  pipeline::TrainingSchedule schedule =
+      make_training_schedule(options_.schedule, M, D, options_.virtual_stages, stage_ticks);
   if (options_.schedule == pipeline::ScheduleKind::kInterleaved && M % D != 0 && !told_fallback_) {
     told_fallback_ = true;
     std::cerr << "pipeline: a batch of " << rows << " rows gives " << M << " micro-batches, not a multiple of the "
@@ -201,7 +208,7 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
     // own wte, which the last stage's rank holds for the head alone.
     head_weight_ = processes_ ? wte : wte.detach().to(last_device).requires_grad_(wte.requires_grad());
   }
-  last_schedule_ = schedule_for(batch.input_ids.size(0));
+  last_schedule_ = schedule_for(batch.input_ids.size(0), batch.input_ids.size(1));
   const int M = last_schedule_.micro_batches;
   const std::vector<at::Tensor> ids = batch.input_ids.to(input_device()).tensor_split(M, 0);
   const std::vector<at::Tensor> labels = batch.labels.to(last_device).tensor_split(M, 0);

@@ -14,8 +14,12 @@
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
 
+#include "test_support.h"
+
 namespace harness::pipeline {
 namespace {
+
+using testing::error_of;
 
 model::GPT2Config tiny_config(int64_t n_layer) {
   model::GPT2Config config = model::GPT2Config::preset("gpt2-tiny");
@@ -171,6 +175,47 @@ TEST(Gpt2Cost, TheEstimateIsTheHeadersFormulas) {
   const Gpt2PieceCosts at_positions = estimate_gpt2_costs(tiny_config(2), 1, 128);
   EXPECT_DOUBLE_EQ(capped.attention, at_positions.attention);
   EXPECT_THROW(estimate_gpt2_costs(tiny_config(2), 0, 16), std::invalid_argument);
+}
+
+// The same terms given to F, B and W, for gpt2-tiny's two blocks as stages {2, 2} (halves):
+//   attention  F 32 x (8 x 64^2 + 2 x 64 x 17 + 64 x 1600 / 3) = 2,210,474.67
+//              B 32 x (8 x 64^2 + 4 x 64 x 17 + 2 x 64 x 1600 / 3) = 3,372,373.33   W 32 x 8 x 64^2 = 1,048,576
+//   MLP        F 32 x (4 x 64 x 256 + 64 x 2112 / 3) = 3,538,944
+//              B 32 x (4 x 64 x 256 + 2 x 64 x 2112 / 3) = 4,980,736                W 32 x 4 x 64 x 256 = 2,097,152
+//   head       F 32 x (2 x 64 x 1024 + 64 x (384 / 3 + 3 x 1024)) = 10,747,904
+//              B 32 x (2 x 64 x 1024 + 64 x (2 x 384 / 3 + 3 x 1024)) = 11,010,048
+//              W 32 x 2 x 64 x 1024 + 64 x 3 x 1024 x 64 = 16,777,216
+//   embedding  F 32 x 64 x 384 / 3 = 262,144   B 2 x 262,144 + 12,582,912 = 13,107,200   W 0
+// Stage 0 (a block and the embedding): F 6,011,562.67, B 21,460,309.33 (the largest: 1000
+// ticks), W 3,145,728; stage 1 (a block and the head): F 16,497,322.67, B 19,363,157.33,
+// W 19,922,944. Each stage's three add up to its gpt2_stage_costs.
+TEST(Gpt2Cost, StageTicksSplitEachStagesCostIntoForwardInputAndWeightGradients) {
+  const std::vector<ActionTicks> ticks = estimate_gpt2_stage_ticks(tiny_config(2), {2, 2}, 2, 16);
+  ASSERT_EQ(ticks.size(), 2u);
+  EXPECT_EQ(ticks[0].forward, 280);
+  EXPECT_EQ(ticks[0].input_gradient, 1000);
+  EXPECT_EQ(ticks[0].weight_gradient, 147);
+  EXPECT_EQ(ticks[1].forward, 769);
+  EXPECT_EQ(ticks[1].input_gradient, 902);
+  EXPECT_EQ(ticks[1].weight_gradient, 928);
+
+  // GPT-2 124M's stages at 8 x 128: every stage's F + B + W in the ratio of its whole cost.
+  const model::GPT2Config gpt2 = model::GPT2Config::preset("gpt2");
+  const std::vector<int> halves = {7, 8, 8, 1};
+  const std::vector<ActionTicks> big = estimate_gpt2_stage_ticks(gpt2, halves, 8, 128);
+  const std::vector<double> whole = gpt2_stage_costs(estimate_gpt2_costs(gpt2, 8, 128), halves);
+  for (size_t s = 0; s < halves.size(); ++s) {
+    const double sum = big[s].forward + big[s].input_gradient + big[s].weight_gradient;
+    const double last = big[3].forward + big[3].input_gradient + big[3].weight_gradient;
+    EXPECT_NEAR(sum / last, whole[s] / whole[3], 0.005) << "stage " << s;
+  }
+  // Two stages of whole blocks differ only by the embedding, which adds nothing to W.
+  EXPECT_EQ(big[1].weight_gradient, big[2].weight_gradient);
+  EXPECT_EQ(big[1].forward, big[2].forward);
+
+  EXPECT_EQ(error_of([&] { estimate_gpt2_stage_ticks(tiny_config(2), {4, 0}, 2, 16); }),
+            "estimate_gpt2_stage_ticks: stage 1 has 0 half blocks; every stage needs one at least");
+  EXPECT_THROW(estimate_gpt2_stage_ticks(tiny_config(2), {2, 2}, 0, 16), std::invalid_argument);
 }
 
 TEST(Gpt2Cost, StageCostsAddTheHalvesTheEmbeddingAndTheHead) {

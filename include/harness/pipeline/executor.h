@@ -159,8 +159,8 @@ DeviceStepResult run_device_steps(const P2PPlan& plan, int device_index, const D
                                   const StageForward& forward, uint64_t step_seed, StageTransport& transport,
                                   const ExecutorOptions& options, const std::string& track, StageEnds& ends);
 
-// The plan the executor runs for `schedule`, made once per schedule shape and kept (the plan of a
-// schedule depends on its name, M, D and V only).
+// The plan the executor runs for `schedule`, made once per schedule and kept (a zbv order also
+// depends on its stages' costs, so one name, M, D and V may have several).
 const P2PPlan& cached_p2p_plan(const TrainingSchedule& schedule);
 
 class ScheduleExecutor {

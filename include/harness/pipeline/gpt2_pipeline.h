@@ -12,6 +12,7 @@
 #include "harness/device.h"
 #include "harness/model/gpt2.h"
 #include "harness/pipeline/pipe.h"
+#include "harness/pipeline/training_schedule.h"
 
 namespace harness::pipeline {
 
@@ -51,6 +52,19 @@ struct Gpt2PieceCosts {
 // every piece's matmuls alike and is left out.
 constexpr double kGpt2ElementCost = 64.0;
 Gpt2PieceCosts estimate_gpt2_costs(const model::GPT2Config& config, int64_t rows, int64_t tokens);
+
+// Each stage's forward (F), input gradient (B) and weight gradient (W) for a zero-bubble order
+// (zbv_schedule's clock), estimated from the shapes as estimate_gpt2_costs, for `halves` (half
+// blocks per stage, summing to 2 x n_layer; the embedding on the first stage, the head on the
+// last). A linear layer's three matmuls go one to each of F, B and W; the attention scores' two
+// forward products and four backward ones to F and B; the memory-bound work a third to F and two
+// thirds to B (LayerNorm and bias gradients come with B), but the loss's softmax half and half (its
+// fused forward and backward both read the logits); wte's gradient on the first stage to B (the
+// lookups' backward), on the last to W (the head's). So each stage's F + B + W is its
+// gpt2_stage_costs. In ticks, the largest action of any stage 1000, none below 1. Throws
+// std::invalid_argument as estimate_gpt2_costs, or when `halves` has an entry below 1.
+std::vector<ActionTicks> estimate_gpt2_stage_ticks(const model::GPT2Config& config, const std::vector<int>& halves,
+                                                   int64_t rows, int64_t tokens);
 
 // torchgpipe's balance_by_time measurements on GPT-2, on `device` (the model is moved there):
 // the forward and backward of a block's attention half and MLP half, of the embedding and of

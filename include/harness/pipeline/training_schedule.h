@@ -121,6 +121,16 @@ TrainingSchedule one_f_one_b_schedule(int micro_batches, int devices);
 // Megatron requires too.
 TrainingSchedule interleaved_schedule(int micro_batches, int devices, int virtual_stages);
 
+// How long each kind of action takes, in ticks, for simulate() and for
+// zbv_schedule's clock: a whole backward (a schedule
+// without split_backward) takes input_gradient + weight_gradient. The paper's unit comparison is
+// {1, 1, 1}: F, B and W alike, so a whole backward is twice a forward.
+struct ActionTicks {
+  int forward = 1;
+  int input_gradient = 1;   // B
+  int weight_gradient = 1;  // W
+};
+
 // ZB-H1 (Qi et al., ICLR 2024, "zb1p"): 1F1B's order of forwards and B passes, each device's W
 // passes delayed into its cool-down bubble. Device d runs W of micro-batch k - d right after B of
 // micro-batch k, and its last min(d, M) W passes after its last B. The last devices, idle at the
@@ -135,18 +145,24 @@ TrainingSchedule interleaved_schedule(int micro_batches, int devices, int virtua
 TrainingSchedule zb1p_schedule(int micro_batches, int devices);
 
 // ZB-V (Qi et al., "zbv"): two chunks per device in V placement (StagePlacement::kV, S = 2 D
-// stages of half a device's layers each), ordered by a greedy list scheduler over unit times
-// (F, B and W one tick each): at each tick a free device runs, in this order of preference, a B
-// whose gradient has arrived (its earlier chunk first, whose gradient the previous device waits
-// for); a forward whose input has arrived (its later chunk first, nearer the loss), if the device
-// then holds at most 2 D chunk activations (1F1B's memory: D whole stages); otherwise its oldest
-// waiting W. Deterministic: the same lists for the same M and D. With F, B and W one tick a
-// chunk, for D <= 8 and D <= M <= 16 its bubble is at most 0.39 of 1F1B's and at most ZB-H1's
-// (M = 4, D = 2: 0.04 against 0.2), what is left being the first micro-batch's trip down and the
-// last one's back up.
+// stages of half a device's layers each), ordered by a greedy list scheduler on a clock where each
+// action takes its stage's ticks (stage_ticks[s]; F, B and W one tick each when none are given,
+// the paper's clock): whenever a device is free it starts, in this order of preference, a B whose
+// gradient has arrived (its earlier chunk first, whose gradient the previous device waits for); a
+// forward whose input has arrived (its later chunk first, nearer the loss), if the device then
+// holds at most 2 D chunk activations (1F1B's memory: D whole stages) and, for its earlier chunk,
+// still has room for the later chunk of a micro-batch it started (else nothing could free a
+// place); otherwise its oldest waiting W. A device with nothing to start waits for the next action
+// to finish anywhere. Deterministic: the same lists for the same M, D and ticks.
+// With F, B and W one tick a chunk, for D <= 8 and D <= M <= 16 its bubble is at most 0.39 of
+// 1F1B's and at most ZB-H1's (M = 4, D = 2: 0.04 against 0.2), what is left being the first
+// micro-batch's trip down and the last one's back up. Stages of unequal cost (GPT-2's head on the
+// last, the embedding on the first) shift that order: given their ticks, the W passes go where the
+// other device would otherwise be waited for (estimate_gpt2_stage_ticks gives GPT-2's).
 // in_flight_bound = min(2 D, 2 M) chunk activations, the constraint above.
-// Same argument checks as gpipe_schedule.
-TrainingSchedule zbv_schedule(int micro_batches, int devices);
+// Same argument checks as gpipe_schedule; stage_ticks, when given, needs 2 D entries of at least
+// one tick each (std::invalid_argument otherwise).
+TrainingSchedule zbv_schedule(int micro_batches, int devices, const std::vector<ActionTicks>& stage_ticks = {});
 
 // --pipeline_schedule: GPipe's order (every forward, then every backward), 1F1B's, Megatron's
 // interleaved 1F1B over V virtual stages a device, ZB-H1 or ZB-V.
@@ -185,15 +201,6 @@ void check_schedule_flags(ScheduleKind kind, int micro_batches, int devices, int
 // in_flight_bound activations.
 void validate_schedule(const TrainingSchedule& schedule);
 
-// How long each kind of action takes, in ticks, for simulate(): a whole backward (a schedule
-// without split_backward) takes input_gradient + weight_gradient. The paper's unit comparison is
-// {1, 1, 1}: F, B and W alike, so a whole backward is twice a forward.
-struct ActionTicks {
-  int forward = 1;
-  int input_gradient = 1;   // B
-  int weight_gradient = 1;  // W
-};
-
 // A schedule run on a clock: a device starts its next action in the first tick after everything
 // it depends on has finished, and the action holds the device for its ticks. Messages between
 // devices are free.
@@ -220,6 +227,9 @@ Timeline simulate_unit_time(const TrainingSchedule& schedule);
 // and ZB-H1's (D - 1) / (3 M + D - 1). A zbv chunk is half a device's layers: give it half the
 // ticks of a one-chunk schedule's action to compare them.
 Timeline simulate(const TrainingSchedule& schedule, const ActionTicks& ticks);
+
+// The same with each stage's own ticks (stage_ticks[s] for stage s, one entry per stage).
+Timeline simulate(const TrainingSchedule& schedule, const std::vector<ActionTicks>& stage_ticks);
 
 // "F3" / "B3" / "W3" for micro-batch 3; with V > 1 the chunk on its device follows, "F3.1".
 std::string action_label(const Action& action, int devices, int virtual_stages,

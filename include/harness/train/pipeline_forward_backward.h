@@ -94,9 +94,12 @@ struct PipelineProcesses {
 
 // The training schedule of `kind` for M micro-batches on D devices with V stages each. Interleaving
 // cannot take M % D != 0 (a short last batch): that step runs GPipe's order over the same stages.
+// zbv orders its actions on a clock of `stage_ticks` (pipeline::estimate_gpt2_stage_ticks; unit
+// ticks when empty); the other schedules' orders do not depend on costs.
 // Throws std::invalid_argument naming --virtual_stages on V > 1 without interleaving.
 pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, int micro_batches,
-                                                  int devices, int virtual_stages);
+                                                  int devices, int virtual_stages,
+                                                  const std::vector<pipeline::ActionTicks>& stage_ticks = {});
 
 class PipelineForwardBackward final : public ForwardBackward {
  public:
@@ -168,7 +171,8 @@ class PipelineForwardBackward final : public ForwardBackward {
   at::Tensor forward_through_stages(const at::Tensor& ids, model::KVCache* cache);
   // `value` (a scalar, the last stage's) on every rank of the pipeline group.
   at::Tensor from_last_stage(at::Tensor value);
-  pipeline::TrainingSchedule schedule_for(int64_t rows);
+  // The schedule of a batch of `rows` x `tokens` (zbv's order depends on its micro-batches' shape).
+  pipeline::TrainingSchedule schedule_for(int64_t rows, int64_t tokens);
 
   model::GPT2LMHeadModel model_;
   PipelineStepOptions options_;
