@@ -2,14 +2,17 @@
 
 run_data_parallel --world_size 3 (3 processes x 1 thread on a shared machine: on CPUs a "device"
 is a share of the cores), gpt2-mini, --steps optimizer steps in one epoch, dropout 0, a checkpoint
-every --checkpoint-every steps. Three runs:
+every --checkpoint-every steps. Four runs:
   - undisturbed (--elastic, nothing killed);
   - elastic: process 1 killed (SIGKILL) once the checkpoint of step --kill-at is written;
+  - elastic_alone: the same with no replacement started (HARNESS_ELASTIC_MAX_REPLACEMENTS=0), so
+    that no new process starts on the survivors' cores while they recover (on a cluster the
+    replacement starts on another node's);
   - restart: the same kill under --max_restarts 1 (no --elastic): every worker restarts and resumes
     from that checkpoint, the best case for a restart.
 For each: the global training loss of every step (the mean of the losses of the processes that
 trained it, which each process writes through the HARNESS_TEST_STEP_LOSSES hook: under --elastic
-the survivors' losses are scaled so that this mean is the undisturbed run's), and for the two
+the survivors' losses are scaled so that this mean is the undisturbed run's), and for the three
 killed runs the wall time from the kill to the next completed step (the step's record appearing in
 metrics.jsonl). In the elastic run the launcher starts a replacement for process 1, which joins at
 step --join-at (the HARNESS_TEST_JOIN_AT_STEP hook holds the others there until it has asked), so
@@ -144,11 +147,12 @@ def plot(summary, path):
     curves.set_title("process 1 killed after step %d; its replacement joins at step %d"
                      % (summary["config"]["kill_at"], summary["config"]["join_at"]))
     curves.legend()
-    names = ["elastic", "restart"]
+    names = ["elastic", "elastic_alone", "restart"]
     values = [summary["recovery_s"][n] for n in names]
-    bars.bar(names, values, color=["tab:orange", "tab:green"])
+    bars.bar(["elastic", "elastic,\nno replacement", "restart"], values, color=["tab:orange", "tab:red", "tab:green"])
     for i, v in enumerate(values):
         bars.text(i, v, "%.2f s" % v, ha="center", va="bottom")
+    bars.set_ylim(0, 1.15 * max(values))
     bars.set_ylabel("kill to next completed step (s, median)")
     fig.suptitle("--elastic vs --max_restarts, %s, 3 processes x 1 thread (CPU: a device is a share of the cores)"
                  % summary["config"]["model"], fontsize=9)
@@ -173,16 +177,19 @@ def main(argv=None):
         raise SystemExit("--kill-at must be a checkpoint's step (a multiple of --checkpoint-every) below --steps")
     if not args.kill_at + 2 <= args.join_at <= args.steps:
         raise SystemExit("--join-at must lie after the step that follows --kill-at, and not past --steps")
-    runs = {"undisturbed": ["--elastic"], "elastic": ["--elastic"], "restart": ["--max_restarts", "1"]}
+    runs = {"undisturbed": ["--elastic"], "elastic": ["--elastic"], "elastic_alone": ["--elastic"],
+            "restart": ["--max_restarts", "1"]}
+    envs = {"elastic": {"HARNESS_TEST_JOIN_AT_STEP": str(args.join_at)},
+            "elastic_alone": {"HARNESS_ELASTIC_MAX_REPLACEMENTS": "0"}}
     rounds = []
     for r in range(args.rounds):
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        join = {"HARNESS_TEST_JOIN_AT_STEP": str(args.join_at)}
         rounds.append({name: run_one(args, f"{name}{r}", runs[name], kill=name != "undisturbed",
-                                     env_extra=join if name == "elastic" else None) for name in order})
+                                     env_extra=envs.get(name)) for name in order})
         print(f"[elastic] round {r}: " + ", ".join(f"{n} {v['recovery_s']}" for n, v in rounds[-1].items()),
               file=sys.stderr)
-    recovery = {n: statistics.median(r[n]["recovery_s"] for r in rounds) for n in ("elastic", "restart")}
+    recovered = ("elastic", "elastic_alone", "restart")
+    recovery = {n: statistics.median(r[n]["recovery_s"] for r in rounds) for n in recovered}
     last = rounds[-1]
     summary = {
         "config": {"model": args.model, "world_size": 3, "threads_per_process": 1, "steps": args.steps,
@@ -191,10 +198,12 @@ def main(argv=None):
                    "device": "CPU: each process a share of the cores", "join_at": args.join_at},
         "recovery_s": recovery,
         "recovery_ratio_elastic_over_restart": recovery["elastic"] / recovery["restart"],
+        # The same loss with no replacement started: no new process competes for the survivors' cores.
+        "recovery_ratio_elastic_alone_over_restart": recovery["elastic_alone"] / recovery["restart"],
         "replacement_admit_and_send_s": statistics.median(r["elastic"]["joined"]["admit_and_send_s"] for r in rounds),
         "largest_loss_difference_from_undisturbed": {
             n: max(abs(a - b) for a, b in zip(last[n]["losses"], last["undisturbed"]["losses"]))
-            for n in ("elastic", "restart")},
+            for n in recovered},
         "runs": last,
         "rounds": [{n: r[n]["recovery_s"] for n in r} for r in rounds],
     }
@@ -203,6 +212,7 @@ def main(argv=None):
         json.dump(summary, f, indent=1)
     plot(summary, os.path.join(args.out_dir, "elastic.png"))
     print(json.dumps({k: summary[k] for k in ("recovery_s", "recovery_ratio_elastic_over_restart",
+                                              "recovery_ratio_elastic_alone_over_restart",
                                               "replacement_admit_and_send_s",
                                               "largest_loss_difference_from_undisturbed")}, indent=1))
 

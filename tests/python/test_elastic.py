@@ -485,15 +485,19 @@ class ElasticBench(unittest.TestCase):
             with open(os.path.join(out, "elastic.json")) as f:
                 summary = json.load(f)
             self.assertTrue(os.path.getsize(os.path.join(out, "elastic.png")) > 0)
-            for name in ("elastic", "restart"):
+            for name in ("elastic", "elastic_alone", "restart"):
                 self.assertGreater(summary["recovery_s"][name], 0)
                 self.assertEqual(len(summary["runs"][name]["losses"]), 8)
             self.assertEqual(summary["largest_loss_difference_from_undisturbed"]["restart"], 0.0)
             self.assertLess(summary["largest_loss_difference_from_undisturbed"]["elastic"], 1e-4)
+            self.assertLess(summary["largest_loss_difference_from_undisturbed"]["elastic_alone"], 1e-4)
             self.assertEqual(summary["runs"]["elastic"]["joined"]["step"], 6)
+            self.assertIsNone(summary["runs"]["elastic_alone"]["joined"])  # no replacement was started
             self.assertGreater(summary["replacement_admit_and_send_s"], 0)
             self.assertAlmostEqual(summary["recovery_ratio_elastic_over_restart"],
                                    summary["recovery_s"]["elastic"] / summary["recovery_s"]["restart"])
+            self.assertAlmostEqual(summary["recovery_ratio_elastic_alone_over_restart"],
+                                   summary["recovery_s"]["elastic_alone"] / summary["recovery_s"]["restart"])
             # A kill step that is not a checkpoint's is refused.
             bad = subprocess.run([sys.executable, os.path.join(SOURCE, "scripts", "elastic_bench.py"), "--kill-at", "5",
                                   "--checkpoint-every", "2"], capture_output=True, text=True, timeout=60)
