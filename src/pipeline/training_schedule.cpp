@@ -452,7 +452,8 @@ TrainingSchedule zbv_list_schedule(int micro_batches, int devices, const std::fu
       for (int s : {later, earlier}) {
         const int i = next_forward[s];
         if (pick || i >= M || held[d] >= schedule.in_flight_bound) continue;
-        // Micro-batches past the earlier chunk still need a place on the later one.
+        // Keep room on the later chunk for the micro-batches started on the earlier one: were the
+        // earlier chunk to fill the bound, no later forward could start and nothing would free a place.
         if (s == earlier && next_forward[earlier] + 1 - next_forward[later] >= schedule.in_flight_bound) continue;
         if (ready(Action::forward(i, s))) pick = Action::forward(i, s);
       }
@@ -474,7 +475,7 @@ TrainingSchedule zbv_list_schedule(int micro_batches, int devices, const std::fu
       finished_at[*pick] = free_at[d] = now + ticks_of(*pick);
       --remaining;
     }
-    // On to the next time an action finishes (a device waiting for nothing else would not wait).
+    // On to the next time an action finishes: until then nothing new becomes ready.
     int next = -1;
     for (int t : free_at) {
       if (t > now && (next == -1 || t < next)) next = t;
