@@ -278,8 +278,10 @@ class UnderTorchrun(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             own, own_proc = train(tmp, "own", "gpt2-tiny", 4, layout, benchmark_only=False)
             work = os.path.join(tmp, "torchrun")
+            # torchrun's agent keeps a torchelastic_* folder in TMPDIR: the test's own, removed with it.
             proc = run([TORCHRUN, "--nnodes", "1", "--nproc_per_node", "4", "--master_port", str(free_port()),
-                        "--no-python", DP, "--workdir", work, "--model", "gpt2-tiny"] + COMMON + layout, timeout=600)
+                        "--no-python", DP, "--workdir", work, "--model", "gpt2-tiny"] + COMMON + layout, timeout=600,
+                       env=dict(os.environ, TMPDIR=tmp))
             self.assertIn("world_size=4", proc.stderr)
             self.assertIn("pipeline_parallel_size=2 data_parallel_size=2", proc.stderr)
 
