@@ -173,61 +173,69 @@ void check_actions(const TrainingSchedule& schedule) {
   }
 }
 
+// When each action of a schedule runs on a clock: [start, end) ticks on its device.
+struct ClockRun {
+  std::vector<std::vector<std::pair<int, int>>> spans;  // [device][position in its list]
+  int end = 0;                                          // the last action's end
+};
+
 // Runs every device's list on a clock, each action holding its device for ticks_of(action) >= 1
-// ticks. Returns the slots; on a deadlock (no device busy, none can start its next action, and some
-// have actions left) throws, naming each stuck device and what it waits for. Assumes check_actions
-// passed, so every dependency is listed exactly once somewhere.
-std::vector<std::vector<std::optional<Action>>> run_clock(const TrainingSchedule& schedule,
-                                                          const std::function<int(const Action&)>& ticks_of) {
+// ticks and starting at the first tick when its device is free and its dependencies have finished.
+// On a deadlock (no device busy, none can start its next action, and some have actions left)
+// throws, naming each stuck device and what it waits for. Assumes check_actions passed, so every
+// dependency is listed exactly once somewhere.
+ClockRun run_on_clock(const TrainingSchedule& schedule, const std::function<int(const Action&)>& ticks_of) {
   const int stages = schedule.stages();
   const size_t devices = schedule.per_device.size();
   ActionMap finished_at(schedule.micro_batches, stages, -1);  // the first tick after it ran
   std::vector<size_t> next(devices, 0);
   std::vector<int> busy_until(devices, 0);
-  std::vector<std::optional<Action>> running(devices);
-  std::vector<std::vector<std::optional<Action>>> slots(devices);
+  ClockRun run;
+  run.spans.resize(devices);
   size_t remaining = 0;
   for (const auto& actions : schedule.per_device) remaining += actions.size();
 
-  int tick = 0;
-  for (; remaining > 0; ++tick) {
-    bool progressed = false, busy = false;
+  // From one tick at which an action may start (one has just finished) to the next.
+  for (int tick = 0; remaining > 0;) {
     std::string stuck;
     for (size_t d = 0; d < devices; ++d) {
-      if (busy_until[d] > tick) {
-        slots[d].push_back(running[d]);
-        busy = true;
-        continue;
+      if (busy_until[d] > tick || next[d] == schedule.per_device[d].size()) continue;
+      const Action& action = schedule.per_device[d][next[d]];
+      const std::optional<Action> missing = unfinished_dependency(action, stages, finished_at, tick);
+      if (!missing) {
+        // An action lasts a tick at least, so nothing that depends on it starts in this tick.
+        finished_at[action] = busy_until[d] = tick + ticks_of(action);
+        run.spans[d].emplace_back(tick, busy_until[d]);
+        ++next[d];
+        --remaining;
+      } else {
+        stuck += std::string(stuck.empty() ? "" : "; ") + "device " + std::to_string(d) + " waits at action " +
+                 std::to_string(next[d]) + " (" + describe(action, schedule.split_backward) + ") for the " +
+                 describe(*missing, schedule.split_backward);
       }
-      running[d].reset();
-      if (next[d] < schedule.per_device[d].size()) {
-        const Action& action = schedule.per_device[d][next[d]];
-        const std::optional<Action> missing = unfinished_dependency(action, stages, finished_at, tick);
-        if (!missing) {
-          // An action lasts a tick at least, so nothing that depends on it starts in this tick.
-          finished_at[action] = busy_until[d] = tick + ticks_of(action);
-          running[d] = action;
-          ++next[d];
-          --remaining;
-          progressed = true;
-        } else {
-          stuck += std::string(stuck.empty() ? "" : "; ") + "device " + std::to_string(d) +
-                   " waits at action " + std::to_string(next[d]) + " (" +
-                   describe(action, schedule.split_backward) + ") for the " +
-                   describe(*missing, schedule.split_backward);
-        }
-      }
-      slots[d].push_back(running[d]);
     }
-    if (!progressed && !busy) {
-      throw std::invalid_argument(context(schedule) + ": deadlock at tick " + std::to_string(tick) +
-                                  ": " + stuck);
+    int later = -1;
+    for (int until : busy_until) {
+      if (until > tick && (later == -1 || until < later)) later = until;
     }
+    if (later == -1 && remaining > 0) {
+      throw std::invalid_argument(context(schedule) + ": deadlock at tick " + std::to_string(tick) + ": " + stuck);
+    }
+    tick = later;
   }
-  // The last actions run to their end.
-  for (size_t d = 0; d < devices; ++d) {
-    for (int t = tick; t < *std::max_element(busy_until.begin(), busy_until.end()); ++t) {
-      slots[d].push_back(t < busy_until[d] ? running[d] : std::nullopt);
+  run.end = busy_until.empty() ? 0 : *std::max_element(busy_until.begin(), busy_until.end());
+  return run;
+}
+
+// The same as slots, one per tick until the last action ends (nullopt = idle).
+std::vector<std::vector<std::optional<Action>>> run_clock(const TrainingSchedule& schedule,
+                                                          const std::function<int(const Action&)>& ticks_of) {
+  const ClockRun run = run_on_clock(schedule, ticks_of);
+  std::vector<std::vector<std::optional<Action>>> slots(run.spans.size(),
+                                                        std::vector<std::optional<Action>>(run.end));
+  for (size_t d = 0; d < run.spans.size(); ++d) {
+    for (size_t k = 0; k < run.spans[d].size(); ++k) {
+      for (int t = run.spans[d][k].first; t < run.spans[d][k].second; ++t) slots[d][t] = schedule.per_device[d][k];
     }
   }
   return slots;
@@ -396,35 +404,6 @@ TrainingSchedule zb1p_schedule(int micro_batches, int devices) {
 
 namespace {
 
-// The time `schedule` takes when each action holds its device for ticks_of(action) and starts
-// once the actions it depends on have finished (the lists are valid: every one runs).
-int64_t makespan(const TrainingSchedule& schedule, const std::function<int(const Action&)>& ticks_of) {
-  const int D = schedule.devices, S = schedule.stages();
-  ActionMap finished_at(schedule.micro_batches, S, -1);
-  std::vector<size_t> next(static_cast<size_t>(D), 0);
-  std::vector<int64_t> free_at(static_cast<size_t>(D), 0);
-  for (bool moved = true; moved;) {
-    moved = false;
-    for (int d = 0; d < D; ++d) {
-      const auto& actions = schedule.per_device[static_cast<size_t>(d)];
-      size_t& k = next[static_cast<size_t>(d)];
-      while (k < actions.size()) {
-        int64_t start = free_at[static_cast<size_t>(d)];
-        bool ready = true;
-        for (const Action& need : dependencies(actions[k], S)) {
-          if (finished_at[need] == -1) ready = false;
-          start = std::max<int64_t>(start, finished_at[need]);
-        }
-        if (!ready) break;
-        finished_at[actions[k]] = static_cast<int>(free_at[static_cast<size_t>(d)] = start + ticks_of(actions[k]));
-        ++k;
-        moved = true;
-      }
-    }
-  }
-  return *std::max_element(free_at.begin(), free_at.end());
-}
-
 // zbv_schedule's list scheduler on the clock of `ticks_of`.
 TrainingSchedule zbv_list_schedule(int micro_batches, int devices, const std::function<int(const Action&)>& ticks_of) {
   TrainingSchedule schedule = empty_schedule("zbv", micro_batches, devices, 2);
@@ -501,7 +480,7 @@ TrainingSchedule zbv_schedule(int micro_batches, int devices, const std::vector<
   // where the stages' ticks run it faster.
   TrainingSchedule by_ticks = zbv_list_schedule(micro_batches, devices, ticks_of);
   TrainingSchedule by_units = zbv_list_schedule(micro_batches, devices, unit);
-  return makespan(by_ticks, ticks_of) < makespan(by_units, ticks_of) ? by_ticks : by_units;
+  return run_on_clock(by_ticks, ticks_of).end < run_on_clock(by_units, ticks_of).end ? by_ticks : by_units;
 }
 
 void validate_schedule(const TrainingSchedule& schedule) {
