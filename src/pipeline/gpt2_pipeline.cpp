@@ -48,88 +48,94 @@ std::shared_ptr<Pipe> enable_pipeline(model::GPT2LMHeadModel& model, const std::
 
 void disable_pipeline(model::GPT2LMHeadModel& model) { model->set_blocks_executor({}); }
 
-Gpt2PieceCosts estimate_gpt2_costs(const model::GPT2Config& config, int64_t rows, int64_t tokens) {
+namespace {
+
+// The estimate's terms (the header's formulas) for micro-batches of `rows` x `tokens`: products in
+// FLOPs of one forward per token, elements of memory-bound work per token not yet weighted by
+// kGpt2ElementCost. Throws std::invalid_argument naming `function` on an empty micro-batch.
+struct Gpt2Terms {
+  double tokens = 0.0;  // N, in a micro-batch
+  double attention_products = 0.0, scores = 0.0, mlp_products = 0.0, head_products = 0.0;
+  double attention_elements = 0.0, mlp_elements = 0.0, embedding_elements = 0.0;
+  double layer_norm = 0.0, softmax = 0.0;  // the head's
+  double wte_gradient = 0.0;               // weighted, once per micro-batch
+};
+
+Gpt2Terms gpt2_terms(const char* function, const model::GPT2Config& config, int64_t rows, int64_t tokens) {
   if (rows < 1 || tokens < 1) {
-    throw std::invalid_argument("estimate_gpt2_costs: micro-batches of " + std::to_string(rows) + " x " +
+    throw std::invalid_argument(std::string(function) + ": micro-batches of " + std::to_string(rows) + " x " +
                                 std::to_string(tokens) + " tokens; need at least one of each");
   }
   const double C = static_cast<double>(config.n_embd), I = static_cast<double>(config.inner_dim());
   const double V = static_cast<double>(config.vocab_size);
   const double L = static_cast<double>(std::min<int64_t>(tokens, config.n_positions));
-  const double N = static_cast<double>(rows) * L;  // tokens in a micro-batch
-  const double e = kGpt2ElementCost;
   // Elements of memory-bound work per token, forward and backward: a LayerNorm 6C (read, write;
   // its backward twice that), a dropout 4C, a residual add 3C; attention's q/k/v split and merge
   // 12C; GELU 5I; the loss's softmax 6V.
   const double layer_norm = 6 * C, dropout = 4 * C, residual = 3 * C;
-  Gpt2PieceCosts costs;
-  costs.attention = N * (3 * (8 * C * C + 2 * C * (L + 1)) + e * (layer_norm + 12 * C + dropout + residual));
-  costs.mlp = N * (3 * 4 * C * I + e * (layer_norm + 5 * I + dropout + residual));
+  Gpt2Terms t;
+  t.tokens = static_cast<double>(rows) * L;
+  t.attention_products = 8 * C * C;  // c_attn, c_proj
+  t.scores = 2 * C * (L + 1);        // causal scores and their weighted sum
+  t.mlp_products = 4 * C * I;
+  t.head_products = 2 * C * V;
+  t.attention_elements = layer_norm + 12 * C + dropout + residual;
+  t.mlp_elements = layer_norm + 5 * I + dropout + residual;
+  t.embedding_elements = 2 * C + dropout;  // the lookups and their dropout
+  t.layer_norm = layer_norm;
+  t.softmax = 6 * V;
   // wte's V x C gradient, on the first stage a dense one zeroed and filled by the lookups' backward,
   // on the last the head's product: each added into the stage's .grad once per micro-batch.
-  const double wte_gradient = e * 3 * V * C;
-  costs.head = N * (3 * 2 * C * V + e * (layer_norm + 6 * V)) + wte_gradient;
-  costs.embedding = N * e * (2 * C + dropout) + wte_gradient;  // the lookups and their dropout
-  return costs;
+  t.wte_gradient = kGpt2ElementCost * 3 * V * C;
+  return t;
 }
-
-namespace {
-
-// One piece's F, B and W (estimate_gpt2_stage_ticks' split of estimate_gpt2_costs' terms).
-struct PieceActions {
-  double forward = 0.0, input_gradient = 0.0, weight_gradient = 0.0;
-  PieceActions& operator+=(const PieceActions& o) {
-    forward += o.forward;
-    input_gradient += o.input_gradient;
-    weight_gradient += o.weight_gradient;
-    return *this;
-  }
-};
 
 }  // namespace
 
+Gpt2PieceCosts estimate_gpt2_costs(const model::GPT2Config& config, int64_t rows, int64_t tokens) {
+  const Gpt2Terms t = gpt2_terms("estimate_gpt2_costs", config, rows, tokens);
+  const double N = t.tokens, e = kGpt2ElementCost;
+  // The backward counted as twice the forward's matmuls.
+  Gpt2PieceCosts costs;
+  costs.attention = N * (3 * (t.attention_products + t.scores) + e * t.attention_elements);
+  costs.mlp = N * (3 * t.mlp_products + e * t.mlp_elements);
+  costs.head = N * (3 * t.head_products + e * (t.layer_norm + t.softmax)) + t.wte_gradient;
+  costs.embedding = N * e * t.embedding_elements + t.wte_gradient;
+  return costs;
+}
+
 std::vector<ActionTicks> estimate_gpt2_stage_ticks(const model::GPT2Config& config, const std::vector<int>& halves,
                                                    int64_t rows, int64_t tokens) {
-  (void)estimate_gpt2_costs(config, rows, tokens);  // its argument checks
+  const Gpt2Terms t = gpt2_terms("estimate_gpt2_stage_ticks", config, rows, tokens);
   for (size_t s = 0; s < halves.size(); ++s) {
     if (halves[s] < 1) {
       throw std::invalid_argument("estimate_gpt2_stage_ticks: stage " + std::to_string(s) + " has " +
                                   std::to_string(halves[s]) + " half blocks; every stage needs one at least");
     }
   }
-  const double C = static_cast<double>(config.n_embd), I = static_cast<double>(config.inner_dim());
-  const double V = static_cast<double>(config.vocab_size);
-  const double L = static_cast<double>(std::min<int64_t>(tokens, config.n_positions));
-  const double N = static_cast<double>(rows) * L;
-  const double e = kGpt2ElementCost;
-  const double layer_norm = 6 * C, dropout = 4 * C, residual = 3 * C;
-  const double wte_gradient = e * 3 * V * C;
-  // The terms of estimate_gpt2_costs, each given to the action that does it.
-  const double attention_elements = e * (layer_norm + 12 * C + dropout + residual);
-  const PieceActions attention{N * (8 * C * C + 2 * C * (L + 1) + attention_elements / 3),
-                               N * (8 * C * C + 4 * C * (L + 1) + 2 * attention_elements / 3), N * 8 * C * C};
-  const double mlp_elements = e * (layer_norm + 5 * I + dropout + residual);
-  const PieceActions mlp{N * (4 * C * I + mlp_elements / 3), N * (4 * C * I + 2 * mlp_elements / 3), N * 4 * C * I};
-  const PieceActions head{N * (2 * C * V + e * (layer_norm / 3 + 3 * V)),
-                          N * (2 * C * V + e * (2 * layer_norm / 3 + 3 * V)), N * 2 * C * V + wte_gradient};
-  const double embedding_elements = N * e * (2 * C + dropout);
-  const PieceActions embedding{embedding_elements / 3, 2 * embedding_elements / 3 + wte_gradient, 0.0};
-
-  std::vector<PieceActions> stages;
-  int unit = 0;
-  for (int h : halves) {
-    PieceActions stage;
-    for (int k = 0; k < h; ++k, ++unit) stage += unit % 2 == 0 ? attention : mlp;
-    stages.push_back(stage);
-  }
-  if (stages.empty()) return {};
-  stages.front() += embedding;
-  stages.back() += head;
+  if (halves.empty()) return {};
+  // The same terms, each given to the action that does it; every piece's three add up to its
+  // estimate_gpt2_costs.
+  const double N = t.tokens, e = kGpt2ElementCost;
+  const double attention_elements = e * t.attention_elements, mlp_elements = e * t.mlp_elements;
+  const double embedding_elements = N * e * t.embedding_elements;
+  const Gpt2PieceCosts forward{embedding_elements / 3, N * (t.attention_products + t.scores + attention_elements / 3),
+                               N * (t.mlp_products + mlp_elements / 3),
+                               N * (t.head_products + e * (t.layer_norm / 3 + t.softmax / 2))};
+  const Gpt2PieceCosts input_gradient{
+      2 * embedding_elements / 3 + t.wte_gradient, N * (t.attention_products + 2 * t.scores + 2 * attention_elements / 3),
+      N * (t.mlp_products + 2 * mlp_elements / 3), N * (t.head_products + e * (2 * t.layer_norm / 3 + t.softmax / 2))};
+  const Gpt2PieceCosts weight_gradient{0.0, N * t.attention_products, N * t.mlp_products,
+                                       N * t.head_products + t.wte_gradient};
+  const std::vector<double> f = gpt2_stage_costs(forward, halves), b = gpt2_stage_costs(input_gradient, halves),
+                            w = gpt2_stage_costs(weight_gradient, halves);
   double largest = 0.0;
-  for (const PieceActions& s : stages) largest = std::max({largest, s.forward, s.input_gradient, s.weight_gradient});
+  for (const std::vector<double>* costs : {&f, &b, &w}) {
+    largest = std::max(largest, *std::max_element(costs->begin(), costs->end()));
+  }
   auto ticks = [&](double cost) { return std::max(1, static_cast<int>(std::lround(1000.0 * cost / largest))); };
   std::vector<ActionTicks> out;
-  for (const PieceActions& s : stages) out.push_back({ticks(s.forward), ticks(s.input_gradient), ticks(s.weight_gradient)});
+  for (size_t s = 0; s < halves.size(); ++s) out.push_back({ticks(f[s]), ticks(b[s]), ticks(w[s])});
   return out;
 }
 
