@@ -15,7 +15,7 @@ inline void add_pipeline_options(cxxopts::Options& options, const std::string& w
       ("pipeline_schedule", "gpipe | 1f1b | interleaved | zb1p | zbv, " + when, cxxopts::value<std::string>()->default_value("1f1b"), "NAME")
       ("virtual_stages", "stages per device under --pipeline_schedule interleaved (zbv: 2)", cxxopts::value<int>()->default_value("1"), "V")
       ("activation_checkpointing", "always | except_last | never: recompute forwards in backward", cxxopts::value<std::string>()->default_value("never"), "MODE")
-      ("balance", "blocks per stage: auto (timed) or N,N,... (default: ceil(n_layer / stages) each)", cxxopts::value<std::string>()->default_value(""), "LIST");
+      ("balance", "blocks per stage: auto (timed), or N,N,... with N.5 a half block (default: by GPT-2's costs)", cxxopts::value<std::string>()->default_value(""), "LIST");
 }
 
 inline train::PipelineScheduleConfig read_pipeline_flags(const cxxopts::ParseResult& result) {
