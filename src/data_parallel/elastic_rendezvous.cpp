@@ -90,6 +90,71 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
   return next;
 }
 
+namespace {
+
+std::string step_key(const Generation& now, int64_t step, const std::string& what) {
+  return generation_key(now.number, "step" + std::to_string(step) + "/" + what);
+}
+
+const std::string kCommit = "commit";
+const std::string kRetake = "retake";
+
+StepDecision decision_of(const std::vector<uint8_t>& bytes) {
+  return std::string(bytes.begin(), bytes.end()) == kCommit ? StepDecision::kCommit : StepDecision::kRetake;
+}
+
+// Proposes `proposal` as the step's decision: the one that stands (this one, unless one was set).
+StepDecision decide(c10d::Store& store, const std::string& key, const std::string& proposal) {
+  return decision_of(store.compareSet(key, {}, std::vector<uint8_t>(proposal.begin(), proposal.end())));
+}
+
+std::string step_text(const Generation& now, int64_t step) {
+  return "step " + std::to_string(step + 1) + " of generation " + std::to_string(now.number);
+}
+
+}  // namespace
+
+StepDecision vote_to_commit(c10d::Store& store, const Generation& now, int64_t step, int launch_rank,
+                            std::chrono::milliseconds timeout) {
+  const std::string decision = step_key(now, step, "decision");
+  if (store.add(step_key(now, step, "votes"), 1) == static_cast<int64_t>(now.members.size())) {
+    const StepDecision out = decide(store, decision, kCommit);
+    if (out == StepDecision::kCommit && step > 0) {
+      // Every member voted on this step, so every member has read the step before's decision.
+      store.deleteKey(step_key(now, step - 1, "votes"));
+      store.deleteKey(step_key(now, step - 1, "decision"));
+    }
+    return out;
+  }
+  // Polled, not waited on: a member recorded lost must be noticed too. The members vote within a
+  // moment of each other (their last collective ends together), so the first pauses are short.
+  const Clock::time_point start = Clock::now();
+  Clock::time_point next_lost_check = start;
+  for (auto pause = std::chrono::microseconds(50);; pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
+    if (store.check({decision})) return decision_of(store.get(decision));
+    const Clock::time_point now_time = Clock::now();
+    if (now_time >= next_lost_check) {
+      for (const int member : now.members) {
+        if (member != launch_rank && store.check({lost_process_key(member)})) return decide(store, decision, kRetake);
+      }
+      next_lost_check = now_time + std::chrono::milliseconds(20);
+    }
+    if (now_time - start > timeout) {
+      throw std::runtime_error("elastic: process " + std::to_string(launch_rank) + " voted to commit " +
+                               step_text(now, step) + ", and within " + std::to_string(timeout.count()) +
+                               " ms no decision came and no member was recorded lost");
+    }
+    std::this_thread::sleep_for(pause);
+  }
+}
+
+void call_off_step(c10d::Store& store, const Generation& now, int64_t step, int launch_rank) {
+  if (decide(store, step_key(now, step, "decision"), kRetake) == StepDecision::kCommit) {
+    throw std::logic_error("elastic: process " + std::to_string(launch_rank) + " called off " + step_text(now, step) +
+                           ", which had committed without its vote");
+  }
+}
+
 int ask_to_join(c10d::Store& store, const JoinRequest& request) {
   const int64_t n = store.add("elastic/joins", 1);
   const std::string text = std::to_string(request.launch_id) + " " + std::to_string(request.rank);

@@ -56,27 +56,6 @@ void ReplicaBatchMirror::advance(int64_t count) {
 
 namespace {
 
-// Test hook HARNESS_TEST_KILL_AT_STEP="<launch rank>:<step>[:stop][,...]": that process kills
-// itself (SIGKILL, as kill -9 would) as it starts that step (counted from 1), or with ":stop"
-// stops itself (SIGSTOP, as a hung machine would look).
-void kill_here_if_asked(int launch_rank, int64_t step) {
-  const char* hook = std::getenv("HARNESS_TEST_KILL_AT_STEP");
-  if (hook == nullptr) return;
-  std::stringstream items(hook);
-  for (std::string item; std::getline(items, item, ',');) {
-    std::stringstream fields(item);
-    std::string rank, at, how;
-    std::getline(fields, rank, ':');
-    std::getline(fields, at, ':');
-    std::getline(fields, how, ':');
-    if (rank.empty() || at.empty() || std::atoi(rank.c_str()) != launch_rank || std::atoll(at.c_str()) != step) continue;
-    const bool stop = how == "stop";
-    std::cerr << "[process " << launch_rank << "] test hook: " << (stop ? "stopped" : "killed") << " at step " << step
-              << std::endl;
-    std::raise(stop ? SIGSTOP : SIGKILL);
-  }
-}
-
 // Test hook HARNESS_TEST_EXAMPLE_DIGESTS=<folder>: each process appends "<step> <count> <digest>"
 // for every step it trains to <folder>/process<launch rank>.txt.
 void record_examples_if_asked(int launch_rank, int64_t step, const ExampleDigest& examples) {
@@ -150,7 +129,7 @@ ElasticTrainStep::ElasticTrainStep(model::GPT2LMHeadModel model, StepComposition
           settings, std::move(step_settings), [this] { return mirror_.position(); }) {}
 
 double ElasticTrainStep::step(const std::vector<data::Batch>& batches) {
-  kill_here_if_asked(trainer_.launch_rank(), global_step_ + 1);
+  kill_here_if_asked(trainer_.launch_rank(), global_step_ + 1, /*at_the_vote=*/false);
   wait_for_the_replacement_if_asked(trainer_, global_step_ + 1);
   own_ = &batches;
   const double loss = trainer_.step(global_step_);

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <iomanip>
 #include <map>
+#include <sstream>
 #include <algorithm>
 #include <utility>
 #include <iostream>
@@ -21,6 +22,27 @@ namespace harness::train {
 
 namespace dp = harness::data_parallel;
 namespace tp = harness::tensor_parallel;
+
+void kill_here_if_asked(int launch_rank, int64_t step, bool at_the_vote) {
+  const char* hook = std::getenv("HARNESS_TEST_KILL_AT_STEP");
+  if (hook == nullptr) return;
+  std::stringstream items(hook);
+  for (std::string item; std::getline(items, item, ',');) {
+    std::stringstream fields(item);
+    std::string rank, at, how;
+    std::getline(fields, rank, ':');
+    std::getline(fields, at, ':');
+    std::getline(fields, how, ':');
+    if (rank.empty() || at.empty() || std::atoi(rank.c_str()) != launch_rank || std::atoll(at.c_str()) != step ||
+        (how == "vote") != at_the_vote) {
+      continue;
+    }
+    const bool stop = how == "stop";
+    std::cerr << "[process " << launch_rank << "] test hook: " << (stop ? "stopped" : "killed")
+              << (at_the_vote ? " before its vote on step " : " at step ") << step << std::endl;
+    std::raise(stop ? SIGSTOP : SIGKILL);
+  }
+}
 
 bool is_communication_failure(const std::exception& error) {
   if (dynamic_cast<const c10::DistError*>(&error) != nullptr) return true;
@@ -377,12 +399,24 @@ void ElasticTrainer::compose(int64_t step) {
                                           sync_.get(), step_settings_);
   step_->set_training(true);
   step_->set_global_step(step);
-  if (layout.pipeline_parallel_size() > 1) {
-    // A stage's gradient all-reduce may succeed while another stage's fails: none may step before
-    // every member got this far.
-    step_->after_backward = [this] { dp::barrier(world_); };
-  }
+  // A collective can end for some members and fail for others (a process lost in its middle; one
+  // stage's all-reduce done, another's failed): no member updates its weights before all voted.
+  step_->set_before_update([this] { commit_or_retake(); });
 }
+
+void ElasticTrainer::commit_or_retake() {
+  kill_here_if_asked(launch_rank_, voting_step_ + 1, /*at_the_vote=*/true);
+  const auto timeout = settings_.join_window + std::chrono::seconds(30);
+  if (dp::vote_to_commit(*first_world_.store, generation_, voting_step_, launch_rank_, timeout) ==
+      dp::StepDecision::kCommit) {
+    return;
+  }
+  throw StepRetaken("elastic: step " + std::to_string(voting_step_ + 1) + " of generation " +
+                    std::to_string(generation_.number) + " is taken again (a member's step failed, or a member was "
+                    "lost before every member voted to commit it)");
+}
+
+void ElasticTrainer::call_off(int64_t k) { dp::call_off_step(*first_world_.store, generation_, k, launch_rank_); }
 
 bool ElasticTrainer::keeps_the_log() const {
   // The reporting members (by their place in this generation's layout): of those that started
@@ -425,6 +459,7 @@ double ElasticTrainer::step(int64_t k) {
       std::cerr << "[process " << launch_rank_ << "] elastic: step " << k + 1 << "'s start failed in a collective ("
                 << std::string(e.what()).substr(0, std::string(e.what()).find('\n')) << "); agreeing who is left"
                 << std::endl;
+      call_off(k);
       recover(k);
       continue;
     }
@@ -440,22 +475,26 @@ double ElasticTrainer::step(int64_t k) {
     const ElasticStepBatches mine = elastic_step_batches(membership_, plan.at(membership_.member_index(replica_)),
                                                          replica_batches);
     try {
+      voting_step_ = k;
       const double loss = step_->step(mine.batches, mine.loss_divisors);
       last_examples_ = example_digest(mine.batches);
       return loss;
+    } catch (const StepRetaken& e) {
+      std::cerr << "[process " << launch_rank_ << "] " << e.what() << "; agreeing who is left" << std::endl;
     } catch (const std::exception& e) {
       if (!is_communication_failure(e)) throw;
       std::cerr << "[process " << launch_rank_ << "] elastic: step " << k + 1 << " failed in a collective ("
                 << std::string(e.what()).substr(0, std::string(e.what()).find('\n')) << "); agreeing who is left"
                 << std::endl;
+      call_off(k);
     }
     recover(k);
   }
 }
 
 void ElasticTrainer::recover(int64_t k) {
-  // The weights have not moved (the optimizer steps after the all-reduce); AdamW's state and rate
-  // go over to the next generation's step as they are.
+  // The weights have not moved (no member updates them before every member voted to commit the
+  // step); AdamW's state and rate go over to the next generation's step as they are.
   recover(k, hold_and_release());
 }
 

@@ -345,6 +345,17 @@ void LayoutAdamW::step() {
   const double coefficient = clip_coefficient(last_grad_norm_, settings_.max_grad_norm);
   const bool take_as_is = std::isfinite(last_grad_norm_) && coefficient >= 1.0;
   last_step_as_is_ = take_as_is;
+  if (before_update_) {
+    try {
+      before_update_();
+    } catch (...) {
+      if (stepped_early) {  // nothing changes: bit for bit the state before the step
+        state_->undo_step();
+        state_->forget_undo();
+      }
+      throw;
+    }
+  }
   if (stepped_early) {
     if (!take_as_is) {
       state_->undo_step();  // bit for bit the state before it: the synchronous step follows

@@ -83,9 +83,21 @@ double GPT2TrainStep::step(const std::vector<data::Batch>& batches, const std::v
   }
   run.finish_gradients();
   if (after_backward) after_backward();
+  if (loss_before_update_) {
+    // The loss's collective (a pipeline's last stage tells the others) before the commit vote: after
+    // it, the step has no collective left.
+    const double loss = run.step_loss(total);
+    optimizer_->step();
+    return loss;
+  }
   optimizer_->step();
   // Reading the loss also waits for the step, so a step's time is finished work on every device.
   return run.step_loss(total);
+}
+
+void GPT2TrainStep::set_before_update(std::function<void()> hook) {
+  loss_before_update_ = static_cast<bool>(hook);
+  optimizer_->set_before_update(std::move(hook));
 }
 
 void TrainStep::save_model(const std::string& dir, bool write) {

@@ -1,11 +1,15 @@
 // Joining a run under way through the store (elastic_rendezvous.h), on an in-memory store: the
-// askers in order, the generation that admits them, and an asker left waiting.
+// askers in order, the generation that admits them, and an asker left waiting. And a step's commit
+// vote, with members that vote, call the step off, or are lost before or after voting.
 #include "harness/data_parallel/elastic_rendezvous.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <chrono>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace harness::data_parallel {
@@ -57,6 +61,95 @@ TEST(ElasticJoin, AnAskerNotAdmittedInTimeIsToldSo) {
   }
   EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}, {}}, {0, 1, 1}, {0, 1, 2}), std::invalid_argument);
   EXPECT_THROW(admit(*store, Generation{0, {0, 1}, {0, 1}, {}}, {0, 1, 2}, {0, 1}), std::invalid_argument);
+}
+
+// Generation 1 of members 0, 1 and 2 votes on step 4 (the fifth); each member a thread here, as
+// each is a process in a run.
+const Generation kThree{1, {0, 1, 2}, {0, 1, 2}, {}};
+constexpr std::chrono::milliseconds kVoteTimeout = std::chrono::seconds(20);
+
+c10::intrusive_ptr<c10d::HashStore> vote_store() {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::seconds(30));
+  return store;
+}
+
+std::future<StepDecision> vote_aside(c10d::Store& store, int member) {
+  return std::async(std::launch::async, [&store, member] { return vote_to_commit(store, kThree, 4, member, kVoteTimeout); });
+}
+
+// Until `votes` members have voted on step 4.
+void until_voted(c10d::Store& store, int64_t votes) {
+  while (store.add("elastic/gen1/step4/votes", 0) < votes) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+TEST(ElasticCommit, TheLastVoteCommitsForEveryMemberAndClearsTheStepBefore) {
+  auto store = vote_store();
+  (void)store->add("elastic/gen1/step3/votes", 3);
+  store->set("elastic/gen1/step3/decision", std::vector<uint8_t>{'c'});
+  std::future<StepDecision> first = vote_aside(*store, 1), second = vote_aside(*store, 2);
+  until_voted(*store, 2);
+  EXPECT_EQ(vote_to_commit(*store, kThree, 4, 0, kVoteTimeout), StepDecision::kCommit);
+  EXPECT_EQ(first.get(), StepDecision::kCommit);
+  EXPECT_EQ(second.get(), StepDecision::kCommit);
+  EXPECT_FALSE(store->check({"elastic/gen1/step3/votes"}));
+  EXPECT_FALSE(store->check({"elastic/gen1/step3/decision"}));
+  EXPECT_TRUE(store->check({"elastic/gen1/step4/decision"}));
+}
+
+TEST(ElasticCommit, AMemberWhoseStepFailedMakesEveryVoterTakeItAgain) {
+  auto store = vote_store();
+  std::future<StepDecision> first = vote_aside(*store, 0), second = vote_aside(*store, 1);
+  until_voted(*store, 2);
+  call_off_step(*store, kThree, 4, 2);
+  EXPECT_EQ(first.get(), StepDecision::kRetake);
+  EXPECT_EQ(second.get(), StepDecision::kRetake);
+  EXPECT_NO_THROW(call_off_step(*store, kThree, 4, 0));  // a second failure: the same decision
+}
+
+TEST(ElasticCommit, AMemberLostBeforeVotingMakesTheVotersTakeTheStepAgain) {
+  auto store = vote_store();
+  std::future<StepDecision> first = vote_aside(*store, 0), second = vote_aside(*store, 1);
+  until_voted(*store, 2);
+  store->set(lost_process_key(2), std::vector<uint8_t>{'x'});
+  EXPECT_EQ(first.get(), StepDecision::kRetake);
+  EXPECT_EQ(second.get(), StepDecision::kRetake);
+}
+
+TEST(ElasticCommit, AMemberLostAfterTheLastVoteLeavesTheStepCommitted) {
+  auto store = vote_store();
+  std::future<StepDecision> first = vote_aside(*store, 0), second = vote_aside(*store, 1);
+  until_voted(*store, 2);
+  EXPECT_EQ(vote_to_commit(*store, kThree, 4, 2, kVoteTimeout), StepDecision::kCommit);
+  store->set(lost_process_key(2), std::vector<uint8_t>{'x'});
+  EXPECT_EQ(first.get(), StepDecision::kCommit);
+  EXPECT_EQ(second.get(), StepDecision::kCommit);
+  EXPECT_THROW(call_off_step(*store, kThree, 4, 0), std::logic_error);
+}
+
+TEST(ElasticCommit, AVoteAfterTheStepWasCalledOffCannotCommitIt) {
+  auto store = vote_store();
+  // Member 2 votes and is lost while waiting; member 0 finds it lost and calls the step off; member
+  // 1's vote then completes the count, and still the step is taken again.
+  std::future<StepDecision> lost = vote_aside(*store, 2);
+  until_voted(*store, 1);
+  store->set(lost_process_key(2), std::vector<uint8_t>{'x'});
+  EXPECT_EQ(vote_to_commit(*store, kThree, 4, 0, kVoteTimeout), StepDecision::kRetake);
+  EXPECT_EQ(vote_to_commit(*store, kThree, 4, 1, kVoteTimeout), StepDecision::kRetake);
+  EXPECT_EQ(lost.get(), StepDecision::kRetake);
+}
+
+TEST(ElasticCommit, AVoterLeftAloneIsToldSoAtItsTimeout) {
+  auto store = vote_store();
+  try {
+    (void)vote_to_commit(*store, kThree, 4, 1, std::chrono::milliseconds(200));
+    FAIL() << "a decision without the other votes";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("process 1 voted to commit step 5 of generation 1, and within 200 ms no "
+                                         "decision came and no member was recorded lost"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

@@ -107,11 +107,13 @@ class ElasticRun(unittest.TestCase):
                     "--elastic"] + list(extra) + tiny, env)
         return work, digests, proc
 
-    def check_lost_replica(self, tmp, world_size, lost, extra=(), timeout=5):
-        """Runs undisturbed and with process `lost` killed at step 5, checks the killed run against
-        the undisturbed one, and returns both workdirs and the killed run's output."""
+    def check_lost_replica(self, tmp, world_size, lost, extra=(), timeout=5, how=""):
+        """Runs undisturbed and with process `lost` killed at step 5 (`how`: "vote", killed after the
+        step's collectives, before its commit vote), checks the killed run against the undisturbed
+        one, and returns both workdirs and the killed run's output."""
         plain, plain_digests = self.undisturbed_run(world_size)
-        work, digests, k = self.elastic_run(tmp, "killed", world_size, kill=f"{lost}:5", extra=extra, timeout=timeout)
+        work, digests, k = self.elastic_run(tmp, "killed", world_size, kill=f"{lost}:5" + (f":{how}" if how else ""),
+                                            extra=extra, timeout=timeout)
         self.assertEqual(k.returncode, 0, k.stderr[-4000:])
         self.assertNotIn("restart", k.stderr)
         left = world_size - 1
@@ -277,28 +279,52 @@ class ElasticRun(unittest.TestCase):
             problems = weight_problems(weights(resumed), weights(plain), LR, STEPS)
             self.assertEqual(problems, [], "\n".join(problems))
 
-    def test_a_lost_stage_drops_its_replica_and_the_other_pipeline_finishes_alone(self):
-        # (2,1,1,2): ranks 0 and 2 are replica 0's stages, 1 and 3 replica 1's (rank = p*D + d).
-        # Process 1 (replica 1's first stage) killed at step 5: process 3, its other stage, leaves
-        # with the reason, and replica 0's two stages train every row to step 12.
+    def test_a_replica_lost_after_the_steps_all_reduce_has_the_others_take_the_step_again(self):
+        # (3,1,1,1): process 1 dies once step 5's all-reduce succeeded everywhere, before its commit
+        # vote. Processes 0 and 2 vote, find it lost, and neither updates its weights: both take
+        # step 5 again with its rows, as after any loss.
         with tempfile.TemporaryDirectory() as tmp:
-            plain, plain_digests = self.undisturbed_run(2)
-            stages = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
-            work, digests, k = self.elastic_run(tmp, "staged", 4, kill="1:5", extra=stages)
-            self.assertEqual(k.returncode, 0, k.stderr[-4000:])
-            self.assertEqual(sum("elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on" in line
-                                 for line in k.stderr.splitlines()), 1, k.stderr[-4000:])
-            self.assertIn("process 3's replica 1 lost process 1 and cannot train; it leaves generation 1", k.stderr)
-            log = records(work)
-            self.assertEqual([r for r in log if r["kind"] == "membership"],
-                             [{"kind": "membership", "generation": 1, "step": 5, "replicas": 1, "lost": [1],
-                               "joined": []}])
-            self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
-            # Each stage process of a replica trains its rows: every step's examples twice over.
-            expected = {s: (2 * c, 2 * d % (1 << 64)) for s, (c, d) in step_digests(plain_digests).items()}
-            self.assertEqual(step_digests(digests), expected)
-            problems = weight_problems(weights(work), weights(plain), LR, STEPS)
-            self.assertEqual(problems, [], "\n".join(problems))
+            _, _, k = self.check_lost_replica(tmp, 3, lost=1, how="vote")
+            self.assertIn("[process 1] test hook: killed before its vote on step 5", k.stderr)
+            for process in (0, 2):
+                self.assertIn(f"[process {process}] elastic: step 5 of generation 0 is taken again", k.stderr)
+
+    def test_a_lost_stage_drops_its_replica_and_the_other_pipeline_finishes_alone(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            self.check_lost_stage(tmp, "1:5")
+
+    def test_a_stage_lost_after_the_steps_collectives_has_every_survivor_take_the_step_again(self):
+        # Process 1 dies once every collective of step 5 succeeded, before its commit vote: each
+        # other stage could update its weights now (a barrier before the optimizer would let it),
+        # but none does; all take step 5 again, and replica 0 goes on alone.
+        with tempfile.TemporaryDirectory() as tmp:
+            k = self.check_lost_stage(tmp, "1:5:vote")
+            for process in (0, 2, 3):
+                self.assertIn(f"[process {process}] elastic: step 5 of generation 0 is taken again", k.stderr)
+
+    def check_lost_stage(self, tmp, kill):
+        """(2,1,1,2): ranks 0 and 2 are replica 0's stages, 1 and 3 replica 1's (rank = p*D + d).
+        Process 1 (replica 1's first stage) killed at step 5 (`kill`): process 3, its other stage,
+        leaves with the reason, and replica 0's two stages train every row to step 12. Returns the
+        run's output."""
+        plain, plain_digests = self.undisturbed_run(2)
+        stages = ["--pipeline_parallel_size", "2", "--n_chunk", "2"]
+        work, digests, k = self.elastic_run(tmp, "staged", 4, kill=kill, extra=stages)
+        self.assertEqual(k.returncode, 0, k.stderr[-4000:])
+        self.assertEqual(sum("elastic: generation 1 at step 5: lost process 1; 1 of 2 replicas go on" in line
+                             for line in k.stderr.splitlines()), 1, k.stderr[-4000:])
+        self.assertIn("process 3's replica 1 lost process 1 and cannot train; it leaves generation 1", k.stderr)
+        log = records(work)
+        self.assertEqual([r for r in log if r["kind"] == "membership"],
+                         [{"kind": "membership", "generation": 1, "step": 5, "replicas": 1, "lost": [1],
+                           "joined": []}])
+        self.assertEqual([r["step"] for r in log if r["kind"] == "train"], list(range(1, STEPS + 1)))
+        # Each stage process of a replica trains its rows: every step's examples twice over.
+        expected = {s: (2 * c, 2 * d % (1 << 64)) for s, (c, d) in step_digests(plain_digests).items()}
+        self.assertEqual(step_digests(digests), expected)
+        problems = weight_problems(weights(work), weights(plain), LR, STEPS)
+        self.assertEqual(problems, [], "\n".join(problems))
+        return k
 
     def check_replica_taken_back(self, tmp, name, extra, lost, leaver):
         """(2,...) of 4 processes, replica 1 = processes `lost` and `leaver`: `lost` killed at step 5,

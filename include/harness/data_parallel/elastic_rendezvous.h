@@ -20,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -54,6 +55,23 @@ std::string lost_process_key(int launch_rank);
 // decision arrives within join_window and 30 s more (its decider died while deciding).
 Generation agree_next_generation(c10d::Store& store, const Generation& now, int launch_rank,
                                  std::chrono::milliseconds join_window);
+
+// A step's commit (PyTorch torchft's should_commit, through this store): a step changes the
+// weights on every member of its generation or on none, even when a member is lost in the middle
+// of a collective that some members completed and others did not. A member whose collectives of
+// step `step` all succeeded votes before its optimizer changes anything. Keys:
+//   elastic/gen<g>/step<k>/votes     a counter: the members that voted
+//   elastic/gen<g>/step<k>/decision  "commit" or "retake": the first one set stands (compareSet)
+// The member whose vote completes the count decides commit. A member whose step failed decides
+// retake (call_off_step), and so does a voter that finds a member recorded lost (by the launcher)
+// while the decision is still open. Every member follows the one decision: a member lost after
+// voting leaves a step that every survivor commits, or that every survivor takes again.
+enum class StepDecision { kCommit, kRetake };
+StepDecision vote_to_commit(c10d::Store& store, const Generation& now, int64_t step, int launch_rank,
+                            std::chrono::milliseconds timeout);
+// Decides retake unless a decision stands; std::logic_error where that one is commit (a member
+// that did not vote cannot have let it commit).
+void call_off_step(c10d::Store& store, const Generation& now, int64_t step, int launch_rank);
 
 // Joining (a replacement the launcher started for a lost process, launcher.h): the process asks
 // to join under its launch id; rank 0 of the current generation, at a step boundary, reads who

@@ -167,6 +167,11 @@ class ElasticTrainer {
              const parallel::Membership& membership, const HeldState& held, int64_t step);
   // The current members that stay, placed at their ranks in change.next (-1 where a new one goes).
   std::vector<int> staying_members_in_order(const parallel::MembershipChange& change) const;
+  // The step's commit vote (data_parallel/elastic_rendezvous.h), once its collectives are done
+  // here: returns where every member updates its weights, throws StepRetaken where none does.
+  void commit_or_retake();
+  // A step failed here (before this member voted): the other members take it again too.
+  void call_off(int64_t k);
 
   model::GPT2LMHeadModel model_;
   std::vector<std::vector<int64_t>> shapes_;  // each parameter's, whole, in the model's order
@@ -192,7 +197,14 @@ class ElasticTrainer {
   int settled_requests_ = 0;
   int64_t joined_at_step_ = 0;
   bool just_joined_ = false;
+  int64_t voting_step_ = 0;  // the step that step() takes, for its commit vote
 };
+
+// Test hook HARNESS_TEST_KILL_AT_STEP="<launch rank>:<step>[:stop|:vote][,...]": that process
+// kills itself (SIGKILL, as kill -9 would) as it starts that step (counted from 1), or with ":stop"
+// stops itself there (SIGSTOP, as a hung machine would look), or with ":vote" kills itself once
+// every collective of that step succeeded, before its commit vote (at_the_vote).
+void kill_here_if_asked(int launch_rank, int64_t step, bool at_the_vote);
 
 // A process of the current generation was lost outside a training step (check_members_alive).
 class LostProcessError : public std::runtime_error {
@@ -203,6 +215,13 @@ class LostProcessError : public std::runtime_error {
 // Growing back failed after the outgrown generation was let go, other than by a lost process
 // (which the members recover from, dropping the replacements again): fatal.
 class AdmissionError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A step's commit vote decided that every member takes the step again (a member's step failed, or
+// one was lost before all voted): nothing changed, and the members agree who is left.
+class StepRetaken : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

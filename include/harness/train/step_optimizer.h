@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -60,6 +61,10 @@ class StepOptimizer {
     int64_t undone = 0;
   };
   PostValidation post_validation() const { return post_validation_; }
+  // Called in each step() once the global norm is known, every collective of the step done, and
+  // before anything changes (elastic training's commit vote, data_parallel/elastic_rendezvous.h).
+  // It may throw, and the step then changes nothing. Empty: none.
+  void set_before_update(std::function<void()> hook) { before_update_ = std::move(hook); }
   // The state under Hugging Face names, unsplit and unsharded (collective where collective_state()).
   virtual OptimizerState state() = 0;
   // Whether state(), save_state() or the model's full_state() is a collective every rank calls.
@@ -93,6 +98,7 @@ class StepOptimizer {
  protected:
   double last_grad_norm_ = 0.0;
   PostValidation post_validation_;
+  std::function<void()> before_update_;
 };
 
 // The factor clip_grad_norm_ scales gradients by: max_norm / (norm + 1e-6), capped at 1 (1 when

@@ -153,6 +153,10 @@ class GPT2TrainStep : public TrainStep {
   // batches together (an elastic generation's member: each batch's own replica's weight, scaled;
   // train/elastic_batches.h). Empty: step(batches).
   double step(const std::vector<data::Batch>& batches, const std::vector<double>& loss_divisors);
+  // Elastic training's commit vote (data_parallel/elastic_rendezvous.h): `hook` runs in each step
+  // once every collective of it is done (the loss read first, then the global norm), before the
+  // optimizer changes anything; where it throws, the step changes nothing. Empty: none.
+  void set_before_update(std::function<void()> hook);
   c10::Device input_device() const override;
   void set_training(bool training) override;
   void set_learning_rate(double learning_rate) override { optimizer_->set_learning_rate(learning_rate); }
@@ -191,6 +195,7 @@ class GPT2TrainStep : public TrainStep {
   std::unique_ptr<StepOptimizer> optimizer_;
   data_parallel::GradientSynchronizer* synchronizer_;
   TrainStepSettings settings_;
+  bool loss_before_update_ = false;  // set_before_update's hook is set
 };
 
 
