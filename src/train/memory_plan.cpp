@@ -112,12 +112,9 @@ std::vector<int> stage_halves(const MemoryPlanInput& in, int S) {
 }
 
 pipeline::TrainingSchedule schedule_of(const MemoryPlanInput& in, const std::vector<int>& halves, int64_t micro_rows) {
-  // The order the step runs: zbv's depends on its stages' estimated costs (as the step's own).
-  const std::vector<pipeline::ActionTicks> stage_ticks =
-      in.schedule == pipeline::ScheduleKind::kZbv
-          ? pipeline::estimate_gpt2_stage_ticks(in.config, halves, micro_rows, in.tokens)
-          : std::vector<pipeline::ActionTicks>{};
-  return make_training_schedule(in.schedule, in.micro_batches, in.pipeline_devices, in.virtual_stages, stage_ticks);
+  // The order the step runs (zbv's depends on its stages' estimated costs).
+  return gpt2_training_schedule(in.schedule, in.micro_batches, in.pipeline_devices, in.virtual_stages, in.config,
+                                halves, micro_rows, in.tokens);
 }
 
 // The most activation bytes device d holds along its schedule (the header's walk).

@@ -32,6 +32,16 @@ pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, i
   throw std::invalid_argument("make_training_schedule: unknown schedule kind");
 }
 
+pipeline::TrainingSchedule gpt2_training_schedule(pipeline::ScheduleKind kind, int micro_batches, int devices,
+                                                  int virtual_stages, const model::GPT2Config& config,
+                                                  const std::vector<int>& halves, int64_t micro_rows, int64_t tokens) {
+  // Only zbv's order depends on what each stage's F, B and W cost.
+  const std::vector<pipeline::ActionTicks> stage_ticks =
+      kind == pipeline::ScheduleKind::kZbv ? pipeline::estimate_gpt2_stage_ticks(config, halves, micro_rows, tokens)
+                                           : std::vector<pipeline::ActionTicks>{};
+  return make_training_schedule(kind, micro_batches, devices, virtual_stages, stage_ticks);
+}
+
 PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, int devices) {
   PipelineStepOptions options;
   options.schedule = flags.schedule;
@@ -173,13 +183,9 @@ pipeline::ScheduleExecutor& PipelineForwardBackward::executor() {
 pipeline::TrainingSchedule PipelineForwardBackward::schedule_for(int64_t rows, int64_t tokens) {
   const int D = schedule_devices();
   const int M = static_cast<int>(std::min<int64_t>(options_.micro_batches, rows));
-  // ZB-V orders its actions by what each stage's F, B and W cost: the same estimate on every stage.
-  const std::vector<pipeline::ActionTicks> stage_ticks =
-      options_.schedule == pipeline::ScheduleKind::kZbv
-          ? pipeline::estimate_gpt2_stage_ticks(model_->config(), halves_, (rows + M - 1) / M, tokens)
-          : std::vector<pipeline::ActionTicks>{};
-  pipeline::TrainingSchedule schedule =
-      make_training_schedule(options_.schedule, M, D, options_.virtual_stages, stage_ticks);
+  // The same estimate on every stage, so the same order.
+  pipeline::TrainingSchedule schedule = gpt2_training_schedule(options_.schedule, M, D, options_.virtual_stages,
+                                                               model_->config(), halves_, (rows + M - 1) / M, tokens);
   if (options_.schedule == pipeline::ScheduleKind::kInterleaved && M % D != 0 && !told_fallback_) {
     told_fallback_ = true;
     std::cerr << "pipeline: a batch of " << rows << " rows gives " << M << " micro-batches, not a multiple of the "

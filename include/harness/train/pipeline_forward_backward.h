@@ -100,6 +100,12 @@ struct PipelineProcesses {
 pipeline::TrainingSchedule make_training_schedule(pipeline::ScheduleKind kind, int micro_batches,
                                                   int devices, int virtual_stages,
                                                   const std::vector<pipeline::ActionTicks>& stage_ticks = {});
+// The schedule a pipeline of GPT-2 cut into `halves` (half blocks per stage) runs:
+// make_training_schedule, zbv's order on those stages' estimated costs at micro-batches of
+// `micro_rows` x `tokens` (pipeline::estimate_gpt2_stage_ticks).
+pipeline::TrainingSchedule gpt2_training_schedule(pipeline::ScheduleKind kind, int micro_batches, int devices,
+                                                  int virtual_stages, const model::GPT2Config& config,
+                                                  const std::vector<int>& halves, int64_t micro_rows, int64_t tokens);
 
 class PipelineForwardBackward final : public ForwardBackward {
  public:
