@@ -5,7 +5,8 @@
 // each device's actions, the unit-time Gantt chart, the bubble and the peak in-flight
 // micro-batches per device. The zero-bubble ones, whose backward is split into B and W, are drawn
 // on the paper's clock instead (F, B and W one tick each, so a whole backward takes two), next
-// to 1F1B on the same clock.
+// to 1F1B on the same clock. ZB-V with --model: the order a run of that GPT-2 takes, made on its
+// stages' estimated costs, and its step on those costs beside the paper's order's.
 #include <cxxopts.hpp>
 
 #include <cstdio>
@@ -14,6 +15,9 @@
 #include <string>
 
 #include "help.h"
+#include "harness/model/gpt2.h"
+#include "harness/pipeline/balance.h"
+#include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/pipeline/schedule.h"
 #include "harness/pipeline/training_schedule.h"
 
@@ -26,6 +30,9 @@ struct Config {
   int stages = 4;
   int micro_batches = 6;
   int virtual_stages = 1;
+  std::string model;  // zbv: the preset (NAME or NAME:VOCAB) whose estimated costs order it
+  int rows = 8;       // per micro-batch, with --model
+  int tokens = 128;   // per row, with --model
 };
 
 // Flags are read as text so that a bad number names its flag, which cxxopts' own message does not.
@@ -78,6 +85,17 @@ Config parse_config(const cxxopts::ParseResult& result) {
                                 " needs --schedule interleaved; " + config.schedule +
                                 (config.schedule == "zbv" ? " runs its own two chunks per device"
                                                           : " runs one stage per device"));
+  }
+  config.model = result["model"].as<std::string>();
+  config.rows = parse_int_flag("rows", result["rows"].as<std::string>());
+  config.tokens = parse_int_flag("tokens", result["tokens"].as<std::string>());
+  if (!config.model.empty() && config.schedule != "zbv") {
+    throw std::invalid_argument("--model orders --schedule zbv only; " + config.schedule +
+                                "'s order does not depend on what its stages cost");
+  }
+  if (config.rows < 1 || config.tokens < 1) {
+    throw std::invalid_argument("--rows " + std::to_string(config.rows) + " and --tokens " +
+                                std::to_string(config.tokens) + " must be at least 1");
   }
   if (interleaved && config.micro_batches % config.stages != 0) {
     throw std::invalid_argument(
@@ -172,6 +190,44 @@ void print_zero_bubble_schedule(const TrainingSchedule& schedule) {
             << (v ? " half stages, 1F1B's " + std::to_string(std::min(s, m)) + " whole ones" : ", 1F1B's") << ")\n";
 }
 
+// "gpt2:50257": the gpt2 preset with vocab_size 50257; "gpt2-mini": the preset as it is.
+harness::model::GPT2Config model_config(const std::string& item) {
+  const size_t colon = item.find(':');
+  harness::model::GPT2Config config = harness::model::GPT2Config::preset(item.substr(0, colon));
+  if (colon != std::string::npos) {
+    const std::string vocab = item.substr(colon + 1);
+    config.vocab_size = parse_int_flag("model's vocabulary", vocab);
+    if (config.vocab_size < 1) throw std::invalid_argument("--model " + item + ": the vocabulary must be positive");
+  }
+  return config;
+}
+
+// ZB-V as a run of `config` orders it: its default split into 2 S stages, each stage's F, B and
+// W estimated from the shapes, the order made on that clock; then both orders' steps on it.
+void print_costed_zbv(const Config& c) {
+  const harness::model::GPT2Config config = model_config(c.model);
+  const int s = c.stages, m = c.micro_batches;
+  const std::vector<int> halves = balance_gpt2_by_cost(config, 2 * s, c.rows, c.tokens);
+  const std::vector<ActionTicks> ticks = estimate_gpt2_stage_ticks(config, halves, c.rows, c.tokens);
+  const TrainingSchedule schedule = zbv_schedule(m, s, ticks);
+  std::cout << "ZB-V schedule: S=" << s << " devices x 2 chunks = " << 2 * s << " stages in a V, M=" << m
+            << " micro-batches, ordered on " << c.model << "'s estimated costs at micro-batches of " << c.rows
+            << " x " << c.tokens << " tokens, as a run orders it\n";
+  std::cout << "Stages (half blocks each, the default split): " << format_halves(halves) << "\n";
+  std::cout << "Estimated ticks per stage, F/B/W (the largest action 1000):";
+  for (const ActionTicks& t : ticks) std::cout << " " << t.forward << "/" << t.input_gradient << "/" << t.weight_gradient;
+  std::cout << "\n\n";
+  print_zero_bubble_schedule(schedule);
+  const Timeline costed = simulate(schedule, ticks);
+  const Timeline paper = simulate(zbv_schedule(m, s), ticks);
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "On the estimated ticks: this order's step %d ticks, bubble %.1f%%; the paper's order (above "
+                "without --model) %d ticks, bubble %.1f%%\n",
+                costed.ticks, 100.0 * costed.bubble, paper.ticks, 100.0 * paper.bubble);
+  std::cout << line;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -186,6 +242,10 @@ int main(int argc, char** argv) {
        cxxopts::value<std::string>()->default_value("6"))
       ("virtual_stages", "model chunks per device V (interleaved only; default 2 there, else 1)",
        cxxopts::value<std::string>())
+      ("model", "zbv: order it on this GPT-2's estimated stage costs, as a run does (NAME or NAME:VOCAB)",
+       cxxopts::value<std::string>()->default_value(""))
+      ("rows", "rows per micro-batch, with --model", cxxopts::value<std::string>()->default_value("8"))
+      ("tokens", "tokens per row, with --model", cxxopts::value<std::string>()->default_value("128"))
       ("h,help", "this help");
   Config config;
   try {
@@ -218,6 +278,8 @@ int main(int argc, char** argv) {
                 << " micro-batches; 1F1B's forwards and input-gradient backwards, device d delaying d "
                    "weight-gradient passes into its cool-down\n\n";
       print_zero_bubble_schedule(zb1p_schedule(m, s));
+    } else if (config.schedule == "zbv" && !config.model.empty()) {
+      print_costed_zbv(config);
     } else if (config.schedule == "zbv") {
       std::cout << "ZB-V schedule: S=" << s << " devices x 2 chunks = " << 2 * s << " stages in a V, M=" << m
                 << " micro-batches; device d holds stages d and " << 2 * s - 1 << "-d\n\n";
