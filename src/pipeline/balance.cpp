@@ -184,7 +184,7 @@ std::vector<int> stage_halves(const StageSplitFlags& flags, int n_layer, int dev
   check_schedule_flags(flags.schedule, flags.micro_batches, devices, flags.virtual_stages);
   const int S = devices * flags.virtual_stages;
   if (!flags.balance_halves.empty()) {
-    check_balance(flags.balance_halves, 2 * n_layer, S, stages_from + ", in half blocks");
+    check_halves(flags.balance_halves, n_layer, S, stages_from);
     return flags.balance_halves;
   }
   std::vector<int> blocks = flags.balance;
@@ -227,6 +227,37 @@ void check_balance(const std::vector<int>& balance, int blocks, int stages,
   if (sum != blocks) {
     throw std::invalid_argument(flag + " sums to " + std::to_string(sum) + " but the model has " +
                                 count(blocks, "block"));
+  }
+}
+
+void check_halves(const std::vector<int>& halves, int n_layer, int stages, const std::string& stages_from) {
+  // n half blocks as --balance writes them: 3 -> "1.5", -1 -> "-0.5".
+  const auto blocks_text = [](int64_t n) {
+    const int64_t whole = (n < 0 ? -n : n) / 2;
+    return std::string(n < 0 ? "-" : "") + std::to_string(whole) + (n % 2 != 0 ? ".5" : "");
+  };
+  std::string value;
+  for (size_t j = 0; j < halves.size(); ++j) value += (j > 0 ? "," : "") + blocks_text(halves[j]);
+  const std::string from = stages_from.empty() ? "" : " (" + stages_from + ")";
+  const std::string flag = "--balance " + (value.empty() ? std::string("''") : value);
+  if (stages < 1) {
+    throw std::invalid_argument(flag + ": the pipeline has " + std::to_string(stages) + " stages" + from +
+                                "; need at least one");
+  }
+  if (halves.size() != static_cast<size_t>(stages)) {
+    throw std::invalid_argument(flag + " gives " + count(static_cast<int64_t>(halves.size()), "stage") +
+                                " but the pipeline has " + std::to_string(stages) + from);
+  }
+  int64_t sum = 0;
+  for (size_t j = 0; j < halves.size(); ++j) {
+    if (halves[j] < 1) {
+      throw std::invalid_argument(flag + ": stage " + std::to_string(j) + " gets " + blocks_text(halves[j]) +
+                                  " blocks; every stage needs half a block at least");
+    }
+    sum += halves[j];
+  }
+  if (sum != 2 * static_cast<int64_t>(n_layer)) {
+    throw std::invalid_argument(flag + " sums to " + blocks_text(sum) + " but the model has " + count(n_layer, "block"));
   }
 }
 

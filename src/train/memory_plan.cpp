@@ -98,7 +98,7 @@ std::vector<int> stage_halves(const MemoryPlanInput& in, int S) {
   const std::string stages_from =
       std::to_string(in.pipeline_devices) + " devices x " + std::to_string(in.virtual_stages) + " virtual stages";
   if (!in.balance_halves.empty()) {
-    pipeline::check_balance(in.balance_halves, 2 * n_layer, S, stages_from + ", in half blocks");
+    pipeline::check_halves(in.balance_halves, n_layer, S, stages_from);
     return in.balance_halves;
   }
   std::vector<int> halves;

@@ -177,6 +177,20 @@ TEST(Balance, CheckRejectsWithTheValues) {
             "--balance 2147483647,2147483647 sums to 4294967294 but the model has 12 blocks");
 }
 
+TEST(Balance, CheckHalvesNamesTheValuesInBlocks) {
+  EXPECT_NO_THROW(check_halves({5, 3}, 4, 2, ""));
+  EXPECT_EQ(error_of([] { check_halves({3, 4}, 4, 2, ""); }), "--balance 1.5,2 sums to 3.5 but the model has 4 blocks");
+  EXPECT_EQ(error_of([] { check_halves({2, 6}, 4, 4, "--pipeline_parallel_size 2 x --virtual_stages 2"); }),
+            "--balance 1,3 gives 2 stages but the pipeline has 4 (--pipeline_parallel_size 2 x --virtual_stages 2)");
+  EXPECT_EQ(error_of([] { check_halves({1, 0, 7}, 4, 3, ""); }),
+            "--balance 0.5,0,3.5: stage 1 gets 0 blocks; every stage needs half a block at least");
+  EXPECT_EQ(error_of([] { check_halves({3, -1, 6}, 4, 3, ""); }),
+            "--balance 1.5,-0.5,3: stage 1 gets -0.5 blocks; every stage needs half a block at least");
+  EXPECT_EQ(error_of([] { check_halves({}, 4, 0, "devices 0"); }),
+            "--balance '': the pipeline has 0 stages (devices 0); need at least one");
+  EXPECT_EQ(error_of([] { check_halves({1}, 1, 1, ""); }), "--balance 0.5 sums to 0.5 but the model has 1 block");
+}
+
 TEST(Balance, ByCostEqualCostsNoExtrasIsAnEvenSplit) {
   // Even counts, the longer runs on the later stages (rule 3).
   const struct {
@@ -402,10 +416,11 @@ TEST(Balance, StageHalvesChecksTheScheduleFlagsThenTheBalance) {
             "--pipeline_schedule interleaved needs --n_chunk to be a multiple of the 2 devices (Megatron's rule), got 3");
   EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 4, {2, 1}, {}}, 4, 2, from); }),
             "--balance 2,1 sums to 3 but the model has 4 blocks");
+  // A balance in half blocks is named as the flag gave it (1.5,2), not doubled.
   EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 4, {}, {3, 4}}, 4, 2, from); }),
-            "--balance 3,4 sums to 7 but the model has 8 blocks");
+            "--balance 1.5,2 sums to 3.5 but the model has 4 blocks");
   EXPECT_EQ(error_of([&] { stage_halves({ScheduleKind::kOneFOneB, 1, 4, {}, {8}}, 4, 2, from); }),
-            "--balance 8 gives 1 stage but the pipeline has 2 (2 devices x 1 virtual stages, in half blocks)");
+            "--balance 4 gives 1 stage but the pipeline has 2 (2 devices x 1 virtual stages)");
   EXPECT_EQ(error_of([&] {
               stage_halves({ScheduleKind::kOneFOneB, 1, 4, {}, {}}, 2, 4, "--pipeline_parallel_size 4 x --virtual_stages 1");
             }),

@@ -54,6 +54,11 @@ std::vector<int> even_balance(int blocks, int stages);
 //   "--balance 3,3,3,3 sums to 12 but the model has 10 blocks"
 void check_balance(const std::vector<int>& balance, int blocks, int stages,
                    const std::string& stages_from);
+// The same for half blocks per stage (a --balance with N.5 items) against a model of n_layer
+// blocks, the values written as the flag took them:
+//   "--balance 1.5,2 sums to 3.5 but the model has 4 blocks"
+//   "--balance 0.5,0,1: stage 1 gets 0 blocks; every stage needs half a block at least"
+void check_halves(const std::vector<int>& halves, int n_layer, int stages, const std::string& stages_from);
 
 // torchgpipe's balance_by_time on measured costs. block_costs[k] is the time of block k (forward +
 // backward of one micro-batch); first_stage_extra is added to stage 0 (the embedding),
