@@ -33,6 +33,7 @@ struct Config {
   std::string model;  // zbv: the preset (NAME or NAME:VOCAB) whose estimated costs order it
   int rows = 8;       // per micro-batch, with --model
   int tokens = 128;   // per row, with --model
+  std::string balance;  // with --model: half blocks per stage as --balance takes them; "": the default split
 };
 
 // Flags are read as text so that a bad number names its flag, which cxxopts' own message does not.
@@ -92,6 +93,10 @@ Config parse_config(const cxxopts::ParseResult& result) {
   if (!config.model.empty() && config.schedule != "zbv") {
     throw std::invalid_argument("--model orders --schedule zbv only; " + config.schedule +
                                 "'s order does not depend on what its stages cost");
+  }
+  config.balance = result["balance"].as<std::string>();
+  if (!config.balance.empty() && config.model.empty()) {
+    throw std::invalid_argument("--balance needs --model: it splits that model's blocks");
   }
   if (config.rows < 1 || config.tokens < 1) {
     throw std::invalid_argument("--rows " + std::to_string(config.rows) + " and --tokens " +
@@ -207,13 +212,21 @@ harness::model::GPT2Config model_config(const std::string& item) {
 void print_costed_zbv(const Config& c) {
   const harness::model::GPT2Config config = model_config(c.model);
   const int s = c.stages, m = c.micro_batches;
-  const std::vector<int> halves = balance_gpt2_by_cost(config, 2 * s, c.rows, c.tokens);
+  std::vector<int> halves = balance_gpt2_by_cost(config, 2 * s, c.rows, c.tokens);
+  if (!c.balance.empty()) {
+    const BalanceSpec given = parse_balance(c.balance);
+    if (given.automatic) throw std::invalid_argument("--balance auto times the model: give its split by hand");
+    check_halves(given.halves_per_stage, static_cast<int>(config.n_layer), 2 * s,
+                 std::to_string(s) + " devices x 2 chunks");
+    halves = given.halves_per_stage;
+  }
   const std::vector<ActionTicks> ticks = estimate_gpt2_stage_ticks(config, halves, c.rows, c.tokens);
   const TrainingSchedule schedule = zbv_schedule(m, s, ticks);
   std::cout << "ZB-V schedule: S=" << s << " devices x 2 chunks = " << 2 * s << " stages in a V, M=" << m
             << " micro-batches, ordered on " << c.model << "'s estimated costs at micro-batches of " << c.rows
             << " x " << c.tokens << " tokens, as a run orders it\n";
-  std::cout << "Stages (half blocks each, the default split): " << format_halves(halves) << "\n";
+  std::cout << "Stages (blocks each, " << (c.balance.empty() ? "the default split" : "--balance") << "): "
+            << format_halves(halves) << "\n";
   std::cout << "Estimated ticks per stage, F/B/W (the largest action 1000):";
   for (const ActionTicks& t : ticks) std::cout << " " << t.forward << "/" << t.input_gradient << "/" << t.weight_gradient;
   std::cout << "\n\n";
@@ -243,6 +256,8 @@ int main(int argc, char** argv) {
       ("virtual_stages", "model chunks per device V (interleaved only; default 2 there, else 1)",
        cxxopts::value<std::string>())
       ("model", "zbv: order it on this GPT-2's estimated stage costs, as a run does (NAME or NAME:VOCAB)",
+       cxxopts::value<std::string>()->default_value(""))
+      ("balance", "with --model: its 2S stages' blocks, N,N,... with N.5 a half block (default: by costs)",
        cxxopts::value<std::string>()->default_value(""))
       ("rows", "rows per micro-batch, with --model", cxxopts::value<std::string>()->default_value("8"))
       ("tokens", "tokens per row, with --model", cxxopts::value<std::string>()->default_value("128"))

@@ -89,7 +89,7 @@ class ZeroBubbleTables(unittest.TestCase):
         # With --model, the order a run of gpt2-mini takes: made on its stages' estimated costs, it
         # is shorter on them than the paper's order.
         out = run([tool, "--schedule", "zbv", "--stages", "2", "--micro_batches", "4", "--model", "gpt2-mini"]).stdout
-        self.assertIn("Stages (half blocks each, the default split): 1,1,1.5,0.5\n", out)
+        self.assertIn("Stages (blocks each, the default split): 1,1,1.5,0.5\n", out)
         self.assertIn("Estimated ticks per stage, F/B/W (the largest action 1000): "
                       "456/597/361 449/537/361 616/750/481 951/1000/767\n", out)
         self.assertIn("device 0: F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B0.0 B1.1 W0.0 F2.1 B1.0", out)
@@ -97,6 +97,13 @@ class ZeroBubbleTables(unittest.TestCase):
                           r"--model\) (\d+) ticks", out)
         self.assertIsNotNone(steps, out)
         self.assertLess(int(steps[1]), int(steps[2]))
+        # Another split, given as --balance takes it (and refused, naming it, where it does not fit).
+        out = run([tool, "--schedule", "zbv", "--stages", "2", "--micro_batches", "4", "--model", "gpt2-mini",
+                   "--balance", "0.5,1,1.5,1"]).stdout
+        self.assertIn("Stages (blocks each, --balance): 0.5,1,1.5,1\n", out)
+        refused = run([tool, "--schedule", "zbv", "--stages", "2", "--model", "gpt2-mini", "--balance", "1,3"],
+                      check=False)
+        self.assertIn("--balance 1,3 gives 2 stages but the pipeline has 4 (2 devices x 2 chunks)", refused.stderr)
         refused = run([tool, "--schedule", "zb1p", "--model", "gpt2-mini"], check=False)
         self.assertNotEqual(refused.returncode, 0)
         self.assertIn("--model orders --schedule zbv only", refused.stderr)
