@@ -295,7 +295,9 @@ TEST(MemoryPlan, LayoutsTheModelCannotTakeAreRefusedNamingTheValues) {
     plan_memory(in);
     FAIL() << "not refused";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("sums to 6 but the model has 4"), std::string::npos) << e.what();
+    // Named as the flag gives it, in blocks (1,2), not in the halves it holds (2,4).
+    EXPECT_NE(std::string(e.what()).find("--balance 1,2 sums to 3 but the model has 2 blocks"), std::string::npos)
+        << e.what();
   }
 }
 
