@@ -212,7 +212,7 @@ harness::model::GPT2Config model_config(const std::string& item) {
 void print_costed_zbv(const Config& c) {
   const harness::model::GPT2Config config = model_config(c.model);
   const int s = c.stages, m = c.micro_batches;
-  std::vector<int> halves = balance_gpt2_by_cost(config, 2 * s, c.rows, c.tokens);
+  std::vector<int> halves = balance_gpt2_for_zbv(config, s, m, c.rows, c.tokens);
   if (!c.balance.empty()) {
     const BalanceSpec given = parse_balance(c.balance);
     if (given.automatic) throw std::invalid_argument("--balance auto times the model: give its split by hand");

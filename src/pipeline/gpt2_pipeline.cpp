@@ -9,6 +9,8 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <stdexcept>
 
 #include "harness/pipeline/balance.h"
@@ -173,6 +175,83 @@ std::vector<double> gpt2_stage_costs(const Gpt2PieceCosts& costs, const std::vec
 
 std::vector<int> balance_gpt2_by_cost(const model::GPT2Config& config, int stages, int64_t rows, int64_t tokens) {
   return balance_gpt2(estimate_gpt2_costs(config, rows, tokens), config.n_layer, stages);
+}
+
+namespace {
+
+// C(n, k), or `cap` + 1 once it passes `cap`.
+int64_t choose_capped(int64_t n, int64_t k, int64_t cap) {
+  if (k < 0 || k > n) return 0;
+  k = std::min(k, n - k);
+  int64_t out = 1;
+  for (int64_t i = 1; i <= k; ++i) {
+    out = out * (n - k + i) / i;  // exact: a product of i consecutive integers is divisible by i!
+    if (out > cap) return cap + 1;
+  }
+  return out;
+}
+
+// The split of `units` (block halves in model order, the embedding added to the first stage and the
+// head to the last) into 2 D stages whose devices are most even (device d: stages d and 2D - 1 - d),
+// by their loads sorted from the largest, then the stages' costs sorted likewise, then the split
+// itself, each lexicographically smallest. Empty where the search would pass kZbvSplitsSearched.
+std::vector<int> even_zbv_devices(const std::vector<double>& units, double embedding, double head, int devices) {
+  const int n = static_cast<int>(units.size()), stages = 2 * devices;
+  if (stages > n || choose_capped(n - 1, stages - 1, kZbvSplitsSearched) > kZbvSplitsSearched) return {};
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int u = 0; u < n; ++u) prefix[u + 1] = prefix[u] + units[u];
+  std::vector<int> cut(stages + 1);  // stage s runs units [cut[s], cut[s + 1])
+  for (int s = 0; s < stages; ++s) cut[s] = s;
+  cut[stages] = n;
+  struct Key {
+    std::vector<double> loads, costs;
+    std::vector<int> halves;
+  };
+  std::optional<Key> best;
+  for (;;) {
+    Key key;
+    for (int s = 0; s < stages; ++s) {
+      key.costs.push_back(prefix[cut[s + 1]] - prefix[cut[s]] + (s == 0 ? embedding : 0.0) +
+                          (s == stages - 1 ? head : 0.0));
+      key.halves.push_back(cut[s + 1] - cut[s]);
+    }
+    for (int d = 0; d < devices; ++d) key.loads.push_back(key.costs[d] + key.costs[stages - 1 - d]);
+    std::sort(key.loads.begin(), key.loads.end(), std::greater<double>());
+    std::sort(key.costs.begin(), key.costs.end(), std::greater<double>());
+    if (!best || std::tie(key.loads, key.costs, key.halves) < std::tie(best->loads, best->costs, best->halves)) {
+      best = std::move(key);
+    }
+    // The next cuts 1..stages-1 in lexicographic order (each below the next, the last below n).
+    int s = stages - 1;
+    while (s >= 1 && cut[s] == n - (stages - s)) --s;
+    if (s < 1) break;
+    ++cut[s];
+    for (int t = s + 1; t < stages; ++t) cut[t] = cut[t - 1] + 1;
+  }
+  return best->halves;
+}
+
+// How much of its step zbv's order on `halves` idles, on their estimated ticks.
+double zbv_bubble(const model::GPT2Config& config, const std::vector<int>& halves, int devices, int micro_batches,
+                  int64_t rows, int64_t tokens) {
+  const std::vector<ActionTicks> ticks = estimate_gpt2_stage_ticks(config, halves, rows, tokens);
+  return simulate(zbv_schedule(micro_batches, devices, ticks), ticks).bubble;
+}
+
+}  // namespace
+
+std::vector<int> balance_gpt2_for_zbv(const model::GPT2Config& config, int devices, int micro_batches, int64_t rows,
+                                      int64_t tokens) {
+  const std::vector<int> stages_even = balance_gpt2_by_cost(config, 2 * devices, rows, tokens);
+  const Gpt2PieceCosts costs = estimate_gpt2_costs(config, rows, tokens);
+  const std::vector<int> devices_even =
+      even_zbv_devices(unit_costs(costs, 2 * config.n_layer), costs.embedding, costs.head, devices);
+  if (devices_even.empty() || devices_even == stages_even) return stages_even;
+  // The same work either way: the order that idles less takes the shorter step.
+  return zbv_bubble(config, devices_even, devices, micro_batches, rows, tokens) <
+                 zbv_bubble(config, stages_even, devices, micro_batches, rows, tokens)
+             ? devices_even
+             : stages_even;
 }
 
 std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,

@@ -60,7 +60,10 @@ PipelineStepOptions balanced_pipeline_options(const PipelineScheduleConfig& flag
   const int S = devices * options.virtual_stages;
   const int64_t micro_batch_rows = std::max<int64_t>(1, (rows + options.micro_batches - 1) / options.micro_batches);
   try {
-    options.balance_halves = pipeline::balance_gpt2_by_cost(config, S, micro_batch_rows, tokens);
+    options.balance_halves =
+        options.schedule == pipeline::ScheduleKind::kZbv
+            ? pipeline::balance_gpt2_for_zbv(config, devices, options.micro_batches, micro_batch_rows, tokens)
+            : pipeline::balance_gpt2_by_cost(config, S, micro_batch_rows, tokens);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(stages_from(devices, options.virtual_stages, processes) + " = " + std::to_string(S) +
                                 " stages, but the model has " + std::to_string(2 * config.n_layer) +

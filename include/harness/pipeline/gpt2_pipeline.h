@@ -83,6 +83,18 @@ std::vector<double> gpt2_stage_costs(const Gpt2PieceCosts& costs, const std::vec
 // The pipelines' default split: balance_gpt2 on estimate_gpt2_costs.
 std::vector<int> balance_gpt2_by_cost(const model::GPT2Config& config, int stages, int64_t rows, int64_t tokens);
 
+// zbv's default split into 2 x `devices` stages (device d holds stages d and 2 devices - 1 - d): of
+// balance_gpt2_by_cost's split, which evens the stages, and the one that evens the devices (each
+// device's two stages summed; among those, the stages as even as they can be), the one whose zbv
+// order idles least on its estimated ticks (zbv_schedule and simulate on
+// estimate_gpt2_stage_ticks) for `micro_batches` of `rows` x `tokens`; the stages' split on a tie.
+// The devices' split is searched exhaustively, and only where that means at most
+// kZbvSplitsSearched splits (GPT-2 124M: up to 8 devices). In half blocks per stage. Throws
+// std::invalid_argument as balance_gpt2_by_cost.
+constexpr int64_t kZbvSplitsSearched = 2'000'000;
+std::vector<int> balance_gpt2_for_zbv(const model::GPT2Config& config, int devices, int micro_batches, int64_t rows,
+                                      int64_t tokens);
+
 // --balance auto: balance_gpt2 on time_gpt2_costs.
 std::vector<int> balance_gpt2_by_time(model::GPT2LMHeadModel& model, const Device& device, int stages,
                                       int64_t rows, int64_t tokens);
