@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "help.h"
+#include "model_preset.h"
 #include "harness/host_memory.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
@@ -25,33 +26,12 @@ namespace {
 using namespace harness;
 using nlohmann::ordered_json;
 
-// "gpt2:50257" -> the gpt2 preset with vocab_size 50257; "gpt2-mini" -> the preset as it is.
-model::GPT2Config config_of(const std::string& item) {
-  const size_t colon = item.find(':');
-  model::GPT2Config config = model::GPT2Config::preset(item.substr(0, colon));
-  if (colon != std::string::npos) {
-    const std::string vocab = item.substr(colon + 1);
-    size_t used = 0;
-    int64_t value = 0;
-    try {
-      value = std::stoll(vocab, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != vocab.size() || value < 1) {
-      throw std::invalid_argument("--models item '" + item + "': the vocabulary after ':' is not a positive integer");
-    }
-    config.vocab_size = value;
-  }
-  return config;
-}
-
 ordered_json piece_json(const pipeline::Gpt2PieceCosts& c) {
   return {{"embedding", c.embedding}, {"attention_half", c.attention}, {"mlp_half", c.mlp}, {"head_and_loss", c.head}};
 }
 
 ordered_json compare(const std::string& item, int stages, int64_t rows, int64_t tokens) {
-  const model::GPT2Config config = config_of(item);
+  const model::GPT2Config config = apps::preset_with_vocabulary(item, "--models item '" + item + "'");
   torch::manual_seed(1234);
   model::GPT2LMHeadModel gpt2(config);
   const pipeline::Gpt2PieceCosts estimated = pipeline::estimate_gpt2_costs(config, rows, tokens);

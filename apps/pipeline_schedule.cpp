@@ -15,6 +15,7 @@
 #include <string>
 
 #include "help.h"
+#include "model_preset.h"
 #include "harness/model/gpt2.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
@@ -195,22 +196,10 @@ void print_zero_bubble_schedule(const TrainingSchedule& schedule) {
             << (v ? " half stages, 1F1B's " + std::to_string(std::min(s, m)) + " whole ones" : ", 1F1B's") << ")\n";
 }
 
-// "gpt2:50257": the gpt2 preset with vocab_size 50257; "gpt2-mini": the preset as it is.
-harness::model::GPT2Config model_config(const std::string& item) {
-  const size_t colon = item.find(':');
-  harness::model::GPT2Config config = harness::model::GPT2Config::preset(item.substr(0, colon));
-  if (colon != std::string::npos) {
-    const std::string vocab = item.substr(colon + 1);
-    config.vocab_size = parse_int_flag("model's vocabulary", vocab);
-    if (config.vocab_size < 1) throw std::invalid_argument("--model " + item + ": the vocabulary must be positive");
-  }
-  return config;
-}
-
 // ZB-V as a run of `config` orders it: its default split into 2 S stages, each stage's F, B and
 // W estimated from the shapes, the order made on that clock; then both orders' steps on it.
 void print_costed_zbv(const Config& c) {
-  const harness::model::GPT2Config config = model_config(c.model);
+  const harness::model::GPT2Config config = harness::apps::preset_with_vocabulary(c.model, "--model " + c.model);
   const int s = c.stages, m = c.micro_batches;
   std::vector<int> halves = balance_gpt2_for_zbv(config, s, m, c.rows, c.tokens);
   if (!c.balance.empty()) {
