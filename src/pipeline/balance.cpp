@@ -203,62 +203,54 @@ std::vector<int> stage_halves(const StageSplitFlags& flags, int n_layer, int dev
   return halves;
 }
 
-void check_balance(const std::vector<int>& balance, int blocks, int stages,
-                   const std::string& stages_from) {
-  const std::string from = stages_from.empty() ? "" : " (" + stages_from + ")";
-  const std::string flag = "--balance " + flag_value(balance);
-  if (stages < 1) {
-    throw std::invalid_argument(flag + ": the pipeline has " + std::to_string(stages) + " stages" +
-                                from + "; need at least one");
-  }
-  if (balance.size() != static_cast<size_t>(stages)) {
-    throw std::invalid_argument(flag + " gives " +
-                                count(static_cast<int64_t>(balance.size()), "stage") +
-                                " but the pipeline has " + std::to_string(stages) + from);
-  }
-  int64_t sum = 0;
-  for (size_t j = 0; j < balance.size(); ++j) {
-    if (balance[j] < 1) {
-      throw std::invalid_argument(flag + ": stage " + std::to_string(j) + " gets " +
-                                  count(balance[j], "block") + "; every stage needs at least one");
-    }
-    sum += balance[j];
-  }
-  if (sum != blocks) {
-    throw std::invalid_argument(flag + " sums to " + std::to_string(sum) + " but the model has " +
-                                count(blocks, "block"));
-  }
-}
+namespace {
 
-void check_halves(const std::vector<int>& halves, int n_layer, int stages, const std::string& stages_from) {
-  // n half blocks as --balance writes them: 3 -> "1.5", -1 -> "-0.5".
-  const auto blocks_text = [](int64_t n) {
-    const int64_t whole = (n < 0 ? -n : n) / 2;
-    return std::string(n < 0 ? "-" : "") + std::to_string(whole) + (n % 2 != 0 ? ".5" : "");
-  };
+// check_balance's checks on `values`, stages' sizes in units that must sum to `total` (a model of
+// `blocks` blocks), `blocks_text` writing a number of units in blocks as --balance takes them;
+// `least` is what every stage needs.
+void check_split(const std::vector<int>& values, int64_t total, int blocks, int stages, const std::string& stages_from,
+                 const std::function<std::string(int64_t)>& blocks_text, const std::string& least) {
   std::string value;
-  for (size_t j = 0; j < halves.size(); ++j) value += (j > 0 ? "," : "") + blocks_text(halves[j]);
+  for (size_t j = 0; j < values.size(); ++j) value += (j > 0 ? "," : "") + blocks_text(values[j]);
   const std::string from = stages_from.empty() ? "" : " (" + stages_from + ")";
   const std::string flag = "--balance " + (value.empty() ? std::string("''") : value);
   if (stages < 1) {
     throw std::invalid_argument(flag + ": the pipeline has " + std::to_string(stages) + " stages" + from +
                                 "; need at least one");
   }
-  if (halves.size() != static_cast<size_t>(stages)) {
-    throw std::invalid_argument(flag + " gives " + count(static_cast<int64_t>(halves.size()), "stage") +
+  if (values.size() != static_cast<size_t>(stages)) {
+    throw std::invalid_argument(flag + " gives " + count(static_cast<int64_t>(values.size()), "stage") +
                                 " but the pipeline has " + std::to_string(stages) + from);
   }
   int64_t sum = 0;
-  for (size_t j = 0; j < halves.size(); ++j) {
-    if (halves[j] < 1) {
-      throw std::invalid_argument(flag + ": stage " + std::to_string(j) + " gets " + blocks_text(halves[j]) +
-                                  " blocks; every stage needs half a block at least");
+  for (size_t j = 0; j < values.size(); ++j) {
+    if (values[j] < 1) {
+      // Below one unit: never a single block, so always "blocks".
+      throw std::invalid_argument(flag + ": stage " + std::to_string(j) + " gets " + blocks_text(values[j]) +
+                                  " blocks; every stage needs " + least);
     }
-    sum += halves[j];
+    sum += values[j];
   }
-  if (sum != 2 * static_cast<int64_t>(n_layer)) {
-    throw std::invalid_argument(flag + " sums to " + blocks_text(sum) + " but the model has " + count(n_layer, "block"));
+  if (sum != total) {
+    throw std::invalid_argument(flag + " sums to " + blocks_text(sum) + " but the model has " + count(blocks, "block"));
   }
+}
+
+}  // namespace
+
+void check_balance(const std::vector<int>& balance, int blocks, int stages,
+                   const std::string& stages_from) {
+  check_split(balance, blocks, blocks, stages, stages_from, [](int64_t n) { return std::to_string(n); },
+              "at least one");
+}
+
+void check_halves(const std::vector<int>& halves, int n_layer, int stages, const std::string& stages_from) {
+  // n half blocks as --balance writes them: 3 -> "1.5", -1 -> "-0.5".
+  const auto blocks_text = [](int64_t n) {
+    return std::string(n < 0 ? "-" : "") + std::to_string((n < 0 ? -n : n) / 2) + (n % 2 != 0 ? ".5" : "");
+  };
+  check_split(halves, 2 * static_cast<int64_t>(n_layer), n_layer, stages, stages_from, blocks_text,
+              "half a block at least");
 }
 
 std::vector<int> balance_by_cost(const std::vector<double>& block_costs, int stages,
