@@ -208,8 +208,11 @@ std::vector<int> even_zbv_devices(const std::vector<double>& units, double embed
     std::vector<int> halves;
   };
   std::optional<Key> best;
+  Key key;  // each split's, its buffers reused
   for (;;) {
-    Key key;
+    key.loads.clear();
+    key.costs.clear();
+    key.halves.clear();
     for (int s = 0; s < stages; ++s) {
       key.costs.push_back(prefix[cut[s + 1]] - prefix[cut[s]] + (s == 0 ? embedding : 0.0) +
                           (s == stages - 1 ? head : 0.0));
@@ -219,7 +222,7 @@ std::vector<int> even_zbv_devices(const std::vector<double>& units, double embed
     std::sort(key.loads.begin(), key.loads.end(), std::greater<double>());
     std::sort(key.costs.begin(), key.costs.end(), std::greater<double>());
     if (!best || std::tie(key.loads, key.costs, key.halves) < std::tie(best->loads, best->costs, best->halves)) {
-      best = std::move(key);
+      best = key;
     }
     // The next cuts 1..stages-1 in lexicographic order (each below the next, the last below n).
     int s = stages - 1;
@@ -242,8 +245,8 @@ double zbv_bubble(const model::GPT2Config& config, const std::vector<int>& halve
 
 std::vector<int> balance_gpt2_for_zbv(const model::GPT2Config& config, int devices, int micro_batches, int64_t rows,
                                       int64_t tokens) {
-  const std::vector<int> stages_even = balance_gpt2_by_cost(config, 2 * devices, rows, tokens);
   const Gpt2PieceCosts costs = estimate_gpt2_costs(config, rows, tokens);
+  const std::vector<int> stages_even = balance_gpt2(costs, config.n_layer, 2 * devices);  // balance_gpt2_by_cost's
   const std::vector<int> devices_even =
       even_zbv_devices(unit_costs(costs, 2 * config.n_layer), costs.embedding, costs.head, devices);
   if (devices_even.empty() || devices_even == stages_even) return stages_even;

@@ -69,7 +69,8 @@ PipelineStepOptions pipeline_step_options(const PipelineScheduleConfig& flags, i
 // A pipeline's step options: pipeline_step_options, and where --balance gave no numbers the
 // default split, GPT-2 cut by its pieces' estimated costs (pipeline::balance_gpt2_by_cost; under
 // zbv pipeline::balance_gpt2_for_zbv) for micro-batches of a replica's `rows` / M x `tokens`; with
-// "auto" it stands until the caller's timed split replaces it. `processes`: stages as processes (run_data_parallel), for the errors.
+// "auto" it stands until the caller's timed split replaces it. `processes`: stages as processes
+// (run_data_parallel), for the errors.
 // run_pipeline's model_parallel mode keeps SPEC §4's placement and does not call this.
 PipelineStepOptions balanced_pipeline_options(const PipelineScheduleConfig& flags, int devices, bool processes,
                                               const model::GPT2Config& config, int64_t rows, int64_t tokens);
