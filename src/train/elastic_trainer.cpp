@@ -306,7 +306,10 @@ std::vector<dp::JoinRequest> ElasticTrainer::choose_joiners() {
 
 void ElasticTrainer::admit_joiners(int64_t k) {
   c10d::Store& store = *first_world_.store;
-  // Rank 0's choice to every member: [count, launch ids..., ranks...] (at most a world of them).
+  // Rank 0's choice to every member: [count, launch ids..., ranks...] (at most a world of them),
+  // summed with the others' zeros. An all-reduce, not a broadcast: no member gets past it without
+  // every member's part, so that a member lost between steps fails it on all of them at once
+  // (after a broadcast, a member that had rank 0's part would train the step before it noticed).
   const int most = first_world_.world_size;
   std::vector<int64_t> decision(1 + 2 * static_cast<size_t>(most), 0);
   if (world_.rank == 0) {
@@ -319,7 +322,7 @@ void ElasticTrainer::admit_joiners(int64_t k) {
   }
   at::Tensor told = torch::tensor(decision, torch::kLong).to(world_.device.torch_device());
   std::vector<at::Tensor> tensors{told};
-  world_.group->broadcast(tensors)->wait();
+  world_.group->allreduce(tensors)->wait();
   told = told.cpu();
   const int64_t* d = told.data_ptr<int64_t>();
   if (d[0] == 0) return;

@@ -129,6 +129,13 @@ class ElasticRun(unittest.TestCase):
         # The lost replica prints no epoch line; the others do.
         reporting = sorted(int(m[1]) for m in (TRAIN.match(l) for l in k.stdout.splitlines()) if m)
         self.assertEqual(reporting, [r for r in range(world_size) if r != lost], k.stdout)
+        if not how:
+            # Lost between steps: the step's start (an all-reduce) fails on every survivor, so
+            # that none trains step 5 before it learns of the loss.
+            for p in range(world_size):
+                if p != lost:
+                    self.assertIn(f"[process {p}] elastic: step 5's start failed in a collective", k.stderr)
+            self.assertNotIn("elastic: step 5 failed in a collective", k.stderr)
         # The examples of every step, over all processes, are the undisturbed run's.
         expected, actual = step_digests(plain_digests), step_digests(digests)
         self.assertEqual(sorted(expected), list(range(1, STEPS + 1)))
