@@ -43,6 +43,8 @@ int Generation::rank_of(int launch_rank) const {
 
 std::string lost_process_key(int launch_rank) { return "elastic/lost/" + std::to_string(launch_rank); }
 
+std::string recovered_key(int launch_rank) { return "elastic/recovered/" + std::to_string(launch_rank); }
+
 std::string admitted_key(int launch_id) { return "elastic/admitted/" + std::to_string(launch_id); }
 
 std::string admissions_closed_key() { return "elastic/closed"; }

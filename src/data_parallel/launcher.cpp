@@ -448,6 +448,10 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
   bool admissions_closed = false;  // elastic: no member left to admit a waiting replacement
   std::set<int> unneeded;          // the replacements that were waiting then
   std::set<int> declared_lost;     // elastic: the workers recorded lost in the store
+  // Elastic: lost members whose replacements start once the survivors committed a step without
+  // them (recovered_key), so that a process's start does not share the machine with their
+  // recovery; a lost replacement that was never admitted is replaced at once.
+  std::vector<int> awaiting_recovery;
 
   // Starts worker `slot` (its RANK and LOCAL_RANK `rank`; a replacement's slot is past the world,
   // and its launch id, `slot`, goes in kElasticJoinIdVariable).
@@ -610,8 +614,10 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
       } catch (const std::exception& e) {
         begin_stop(why + " (and the store could not record it: " + e.what() + ")", 1);
       }
-      if (static_cast<int>(result.replacements.size() + to_replace.size()) < options.max_replacements) {
-        to_replace.push_back(rank);
+      if (static_cast<int>(result.replacements.size() + to_replace.size() + awaiting_recovery.size()) <
+          options.max_replacements) {
+        const bool member = rank < world_size || store->check({attempt_key(options.restart_count, admitted_key(rank))});
+        (member ? awaiting_recovery : to_replace).push_back(rank);
       }
     };
     for (int rank = 0; rank < workers.size(); ++rank) {
@@ -671,6 +677,11 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
         admissions_closed = true;
         unneeded.insert(waiting.begin(), waiting.end());
         store->set(attempt_key(options.restart_count, admissions_closed_key()), std::vector<uint8_t>{1});
+      }
+      for (auto it = awaiting_recovery.begin(); it != awaiting_recovery.end();) {
+        const bool recovered = store->check({attempt_key(options.restart_count, recovered_key(*it))});
+        if (recovered) to_replace.push_back(*it);
+        it = recovered || !member_running ? awaiting_recovery.erase(it) : it + 1;
       }
       if (!member_running) {
         for (const int slot : leftovers) {

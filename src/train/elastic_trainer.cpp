@@ -419,6 +419,16 @@ void ElasticTrainer::commit_or_retake() {
                     "lost before every member voted to commit it)");
 }
 
+void ElasticTrainer::announce_recovered() {
+  if (left_behind_.empty()) return;
+  // Set by every member (the same value each time): one may be lost before it gets here.
+  const std::string generation = std::to_string(generation_.number);
+  for (const int process : left_behind_) {
+    first_world_.store->set(dp::recovered_key(process), std::vector<uint8_t>(generation.begin(), generation.end()));
+  }
+  left_behind_.clear();
+}
+
 void ElasticTrainer::call_off(int64_t k) { dp::call_off_step(*first_world_.store, generation_, k, launch_rank_); }
 
 bool ElasticTrainer::keeps_the_log() const {
@@ -481,6 +491,7 @@ double ElasticTrainer::step(int64_t k) {
       voting_step_ = k;
       const double loss = step_->step(mine.batches, mine.loss_divisors);
       last_examples_ = example_digest(mine.batches);
+      announce_recovered();
       return loss;
     } catch (const StepRetaken& e) {
       std::cerr << "[process " << launch_rank_ << "] " << e.what() << "; agreeing who is left" << std::endl;
@@ -525,7 +536,11 @@ void ElasticTrainer::recover(int64_t k, const HeldState& held) {
                              std::to_string(change.next.replica_count()) + " replica(s) left, below --min_replicas " +
                              std::to_string(settings_.min_replicas));
   }
-  enter(next, staying_members_in_order(change), change.next, held, k);
+  const std::vector<int> order = staying_members_in_order(change);
+  for (const int member : generation_.members) {
+    if (std::find(order.begin(), order.end(), member) == order.end()) left_behind_.push_back(member);
+  }
+  enter(next, order, change.next, held, k);
   events_.push_back({next.number, k + 1, membership_.replica_count(), lost_processes, {}});
   if (world_.rank != 0) return;  // one line for the change, from the generation's rank 0
   std::cerr << "elastic: generation " << next.number << " at step " << k + 1 << ": lost process" <<

@@ -357,7 +357,8 @@ TEST(Launcher, ElasticStoppedWorkerIsLeftOutThenRefusedWhenItComesBack) {
 }
 
 // With replacements, a lost worker's place is taken by a new process: the lost one's RANK and
-// LOCAL_RANK, a launch id of its own past the world, its lines labelled with that id.
+// LOCAL_RANK, a launch id of its own past the world, its lines labelled with that id; started once
+// the survivors went on without the lost one.
 TEST(Launcher, ElasticReplacesALostWorkerWithANewProcess) {
   const auto run = launch_scenario("elastic_replace", 2, {}, std::chrono::seconds(5), [](LaunchOptions& o) {
     o.serve_store = true;
@@ -371,6 +372,8 @@ TEST(Launcher, ElasticReplacesALostWorkerWithANewProcess) {
   const std::string all = run.joined();
   EXPECT_NE(all.find("out: [rank 2] replacement 2 started"), std::string::npos) << all;
   EXPECT_NE(all.find("out: rank 0 met replacement 2 for rank 1 on local rank 1"), std::string::npos) << all;
+  // It starts once the survivors went on without rank 1 (recovered_key), not at the loss.
+  EXPECT_NE(all.find("out: no replacement before rank 0 went on"), std::string::npos) << all;
 }
 
 TEST(Launcher, WithoutElasticALostWorkerStillEndsTheRun) {

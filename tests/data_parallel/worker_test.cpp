@@ -518,7 +518,8 @@ TEST(DpWorker, Run) {
     const std::vector<uint8_t> value = ctx.store->get("written by rank 0");
     ASSERT_EQ(value, std::vector<uint8_t>{7});
   } else if (scenario == "elastic_replace") {
-    // Rank 1 is lost at once; the launcher starts its replacement (RANK 1, launch id 2), which
+    // Rank 1 is lost at once; once rank 0 says it went on without it (as survivors do after their
+    // first step without it), the launcher starts its replacement (RANK 1, launch id 2), which
     // tells rank 0 through the store who it is.
     DistOptions options = dist_options_for(*env, Backend::kGloo);
     options.timeout = std::chrono::seconds(20);
@@ -535,6 +536,11 @@ TEST(DpWorker, Run) {
       store->set("replacement", std::vector<uint8_t>(text.begin(), text.end()));
       std::printf("replacement %s started\n", join_id);
     } else {
+      store->wait({lost_process_key(1)}, std::chrono::seconds(20));
+      // Long enough for a replacement started at the loss to have said who it is.
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      if (!store->check({"replacement"})) std::printf("no replacement before rank 0 went on\n");
+      store->set(recovered_key(1), std::vector<uint8_t>{'1'});
       store->wait({"replacement"}, std::chrono::seconds(20));
       const std::vector<uint8_t> text = store->get("replacement");
       std::printf("rank 0 met replacement %s\n", std::string(text.begin(), text.end()).c_str());

@@ -9,6 +9,9 @@
 //   elastic/gen<g>/decider                 a counter: the process that adds the first 1 decides
 //   elastic/gen<g>/members                 the decision: generation g's launch ranks, in rank order
 //   elastic/gen<g>/group/...               the rendezvous of generation g's process group
+//   elastic/recovered/<launch rank>        the survivors committed a step without that process:
+//                                          the launcher may start its replacement (the survivors'
+//                                          recovery has not shared the machine with its start)
 //
 // The decider waits until every member of the generation before has checked in or is known lost,
 // or until the join window ends (a process stopped by SIGSTOP neither checks in nor dies), and
@@ -48,6 +51,9 @@ class DeadGenerationError : public std::runtime_error {
 
 // The key the launcher sets when the process of `launch_rank` dies (its value: the reason).
 std::string lost_process_key(int launch_rank);
+// The key the survivors set once they committed a step without the process of `launch_rank`
+// (its value: the generation that did), which the launcher waits for to start its replacement.
+std::string recovered_key(int launch_rank);
 
 // Called by every process of generation `now` that is still alive, after a collective failed:
 // generation now.number + 1, the members of `now` that checked in, in their order in `now`. Throws

@@ -172,6 +172,9 @@ class ElasticTrainer {
   void commit_or_retake();
   // A step failed here (before this member voted): the other members take it again too.
   void call_off(int64_t k);
+  // After the first step committed without them: tells the launcher (recovered_key) that the
+  // processes the last recoveries left behind may be replaced.
+  void announce_recovered();
 
   model::GPT2LMHeadModel model_;
   std::vector<std::vector<int64_t>> shapes_;  // each parameter's, whole, in the model's order
@@ -198,6 +201,9 @@ class ElasticTrainer {
   int64_t joined_at_step_ = 0;
   bool just_joined_ = false;
   int64_t voting_step_ = 0;  // the step that step() takes, for its commit vote
+  // The processes recoveries left behind (lost, or of a dropped replica) since the last committed
+  // step: every member announces them after the next one (any member may be lost before it).
+  std::vector<int> left_behind_;
 };
 
 // Test hook HARNESS_TEST_KILL_AT_STEP="<launch rank>:<step>[:stop|:vote][,...]": that process
