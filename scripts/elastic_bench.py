@@ -5,9 +5,10 @@ is a share of the cores), gpt2-mini, --steps optimizer steps in one epoch, dropo
 every --checkpoint-every steps. Four runs:
   - undisturbed (--elastic, nothing killed);
   - elastic: process 1 killed (SIGKILL) once the checkpoint of step --kill-at is written;
-  - elastic_alone: the same with no replacement started (HARNESS_ELASTIC_MAX_REPLACEMENTS=0), so
-    that no new process starts on the survivors' cores while they recover (on a cluster the
-    replacement starts on another node's);
+  - elastic_alone: the same with no replacement started (HARNESS_ELASTIC_MAX_REPLACEMENTS=0). The
+    launcher starts a replacement only once the survivors committed a step without the lost
+    process, so that its start does not share their cores while they recover: the two runs
+    should recover alike, and this one shows it;
   - restart: the same kill under --max_restarts 1 (no --elastic): every worker restarts and resumes
     from that checkpoint, the best case for a restart.
 For each: the global training loss of every step (the mean of the losses of the processes that
@@ -198,7 +199,7 @@ def main(argv=None):
                    "device": "CPU: each process a share of the cores", "join_at": args.join_at},
         "recovery_s": recovery,
         "recovery_ratio_elastic_over_restart": recovery["elastic"] / recovery["restart"],
-        # The same loss with no replacement started: no new process competes for the survivors' cores.
+        # The same loss with no replacement started (elastic's starts after the recovery).
         "recovery_ratio_elastic_alone_over_restart": recovery["elastic_alone"] / recovery["restart"],
         "replacement_admit_and_send_s": statistics.median(r["elastic"]["joined"]["admit_and_send_s"] for r in rounds),
         "largest_loss_difference_from_undisturbed": {
