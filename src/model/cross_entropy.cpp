@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -18,6 +19,18 @@ constexpr const char* kRecordName = "harness::weighted_token_cross_entropy";
 
 // Rows per parallel task: about 32k logits each.
 int64_t row_grain(int64_t V) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(V, 1)); }
+
+// Whether the gradient may take the saved logits' place: nothing but this node holds them (its
+// saved copy and the one unpacked for this backward; a view, such as the head's output reshaped to
+// rows, with a base that only the view holds), and the graph goes with this backward, so that
+// nobody can read them after. Then the head's gradient needs no buffer of its own, [N, V]: the
+// largest of a language model's step, held by a zero-bubble stage until its W pass.
+bool only_this_node_holds(const at::Tensor& x) {
+  if (torch::autograd::get_current_graph_task_keep_graph() || x.use_count() > 2) return false;
+  const size_t owners = x.storage().use_count();
+  if (!x.is_view()) return owners == 1;
+  return owners == 2 && x._base().use_count() == 1;
+}
 
 class FusedWeightedCrossEntropy : public torch::autograd::Function<FusedWeightedCrossEntropy> {
  public:
@@ -46,7 +59,8 @@ class FusedWeightedCrossEntropy : public torch::autograd::Function<FusedWeighted
     const at::Tensor labels = saved[2].contiguous();
     const at::Tensor scale = (saved[3] * grads[0].to(at::kFloat)).contiguous();  // weight x upstream gradient
     const int64_t N = x.size(0), V = x.size(1);
-    at::Tensor d = at::empty_like(x);
+    // In place is safe row by row: each logit is read before its gradient is written over it.
+    at::Tensor d = only_this_node_holds(x) ? x : at::empty_like(x);
     const float* rows = x.data_ptr<float>();
     const float* shifts = lse.data_ptr<float>();
     const int64_t* targets = labels.data_ptr<int64_t>();

@@ -63,12 +63,18 @@ __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void rows_cross_entropy_backward(const float* x, const float* lse, const int64_t* labels, const float* scale,
                                  int64_t rows, int64_t V, float* d) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict row = x + r * V;
-    float* __restrict out = d + r * V;
     const float shift = lse[r], s = scale[r];
-    for (int64_t j = 0; j < V; ++j) out[j] = s * exp_nonpositive(row[j] - shift);
+    if (d == x) {
+      // In place: the same arithmetic on one array (each logit read, then written over).
+      float* __restrict row = d + r * V;
+      for (int64_t j = 0; j < V; ++j) row[j] = s * exp_nonpositive(row[j] - shift);
+    } else {
+      const float* __restrict row = x + r * V;
+      float* __restrict out = d + r * V;
+      for (int64_t j = 0; j < V; ++j) out[j] = s * exp_nonpositive(row[j] - shift);
+    }
     const int64_t label = labels[r];
-    if (label >= 0 && label < V) out[label] -= s;
+    if (label >= 0 && label < V) d[r * V + label] -= s;
   }
 }
 

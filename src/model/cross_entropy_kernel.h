@@ -15,7 +15,8 @@ void rows_logsumexp(const float* x, int64_t rows, int64_t V, float* lse);
 void rows_sum_exp(const float* x, int64_t rows, int64_t V, const float* shift, double* sums);
 
 // d[r, j] = scale[r] * (exp(x[r, j] - lse[r]) - (j == label[r])), for the rows [0, rows); a label
-// outside [0, V) subtracts nothing. Outputs must not overlap inputs.
+// outside [0, V) subtracts nothing. d may be x itself (in place); otherwise the outputs must not
+// overlap the inputs.
 void rows_cross_entropy_backward(const float* x, const float* lse, const int64_t* labels, const float* scale,
                                  int64_t rows, int64_t V, float* d);
 

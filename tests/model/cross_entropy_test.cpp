@@ -66,6 +66,58 @@ TEST(WeightedTokenCrossEntropy, TakesTransposedLogitsAndOtherDtypesThroughTorch)
                     reference(doubles, labels, weights.to(torch::kDouble)), 1e-12));
 }
 
+// The gradient takes the logits' place where nothing but the loss holds them (a head's output,
+// reshaped to rows or not), bit for bit the gradient written apart; logits anyone else holds, or a
+// graph kept for another backward, are left as they were.
+TEST(WeightedTokenCrossEntropy, WritesItsGradientOverLogitsOnlyItHolds) {
+  torch::manual_seed(3);
+  const int64_t B = 4, T = 16, V = 97;
+  const at::Tensor leaf = torch::randn({B, T, V}).requires_grad_();
+  const at::Tensor labels = torch::randint(V, {B * T}, torch::kLong);
+  labels[5] = -100;
+  const at::Tensor weights = torch::rand({B * T});
+  // The loss of leaf * 2 (whose backward saves nothing of it), with the logits' gradient's address.
+  struct Run {
+    at::Tensor grad;
+    const void* logits_at = nullptr;
+    const void* logits_grad_at = nullptr;
+  };
+  const auto run = [&](bool caller_keeps, bool as_view, bool retain) {
+    Run out;
+    at::Tensor loss, kept, before;
+    {
+      const at::Tensor logits = leaf * 2;
+      logits.register_hook([&out](const at::Tensor& g) { out.logits_grad_at = g.data_ptr(); });
+      const at::Tensor rows = as_view ? logits.view({B * T, V}) : logits.reshape({B * T, V}).clone();
+      out.logits_at = rows.data_ptr();  // the gradient passes back through view and clone as it is
+      if (caller_keeps) {
+        kept = rows;
+        before = rows.detach().clone();
+      }
+      loss = weighted_token_cross_entropy_sum(rows, labels, weights);
+    }
+    out.grad = torch::autograd::grad({loss}, {leaf}, {}, /*retain_graph=*/retain)[0];
+    if (retain) {
+      const at::Tensor again = torch::autograd::grad({loss}, {leaf})[0];
+      EXPECT_TRUE(torch::equal(again, out.grad)) << "a second backward of a kept graph";
+    }
+    if (caller_keeps) EXPECT_TRUE(torch::equal(kept, before)) << "the caller's logits were written over";
+    return out;
+  };
+  const Run apart = run(/*caller_keeps=*/true, /*as_view=*/true, /*retain=*/false);
+  EXPECT_NE(apart.logits_grad_at, apart.logits_at);
+  for (const bool as_view : {true, false}) {
+    SCOPED_TRACE(as_view ? "a view of the head's output" : "a tensor of its own");
+    const Run in_place = run(false, as_view, false);
+    EXPECT_EQ(in_place.logits_grad_at, in_place.logits_at);  // the loss's rows' storage
+    EXPECT_TRUE(torch::equal(in_place.grad, apart.grad));
+  }
+  const Run retained = run(false, true, /*retain=*/true);
+  EXPECT_TRUE(torch::equal(retained.grad, apart.grad));
+  const at::Tensor expected = torch::autograd::grad({reference(leaf.view({B * T, V}) * 2, labels, weights)}, {leaf})[0];
+  EXPECT_TRUE(close(apart.grad, expected, 1e-5));
+}
+
 TEST(WeightedTokenCrossEntropy, ALabelOutsideTheVocabularyIsNamed) {
   const at::Tensor logits = torch::randn({4, 10});
   const at::Tensor weights = torch::ones({4});
