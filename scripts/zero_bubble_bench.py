@@ -100,6 +100,11 @@ def summarise(rounds):
     def median_ratio(key, a, b, invert=False):
         values = [(r[b][key] / r[a][key]) if invert else (r[a][key] / r[b][key]) for r in rounds]
         return {"median": statistics.median(values), "per_round": values}
+
+    def larger_peak_ratio(schedule):
+        values = [max(r[schedule]["peak_rss_bytes_per_rank"]) / max(r["1f1b"]["peak_rss_bytes_per_rank"])
+                  for r in rounds]
+        return {"median": statistics.median(values), "per_round": values}
     return {
         "tokens_per_sec": {s: statistics.median(r[s]["tokens_per_sec"] for r in rounds) for s in SCHEDULES},
         "bubble": {s: statistics.median(r[s]["bubble"] for r in rounds) for s in SCHEDULES},
@@ -107,6 +112,10 @@ def summarise(rounds):
                                     for s in SCHEDULES},
         "zb1p_over_1f1b": median_ratio("tokens_per_sec", "zb1p", "1f1b"),
         "zbv_over_1f1b": median_ratio("tokens_per_sec", "zbv", "1f1b"),
+        # What a device must hold: each run's larger rank's peak, paired with its round's 1F1B run
+        # (a maximum over rounds would let one run's outlier decide).
+        "zb1p_peak_over_1f1b": larger_peak_ratio("zb1p"),
+        "zbv_peak_over_1f1b": larger_peak_ratio("zbv"),
         "zb1p_bubble_over_1f1b": median_ratio("bubble", "zb1p", "1f1b"),
         "zbv_bubble_over_1f1b": median_ratio("bubble", "zbv", "1f1b"),
     }
@@ -189,9 +198,7 @@ def main(argv=None):
             "zb1p over 1f1b (P = 2, M = 4, gpt2-mini) >= 1.08x tokens/s": headline["zb1p_over_1f1b"]["median"] >= 1.08,
             "zb1p's measured bubble <= 0.4x 1f1b's": headline["zb1p_bubble_over_1f1b"]["median"] <= 0.4,
             "zbv over 1f1b >= 1.12x tokens/s": headline["zbv_over_1f1b"]["median"] >= 1.12,
-            "zb1p's peak memory <= 1.05x 1f1b's": all(
-                z <= 1.05 * o for z, o in zip(headline["peak_rss_bytes_per_rank"]["zb1p"],
-                                              headline["peak_rss_bytes_per_rank"]["1f1b"])),
+            "zb1p's peak memory (the larger rank's) <= 1.05x 1f1b's": headline["zb1p_peak_over_1f1b"]["median"] <= 1.05,
         },
         "command": " ".join(["scripts/zero_bubble_bench.py"] + (argv if argv is not None else sys.argv[1:])),
     }

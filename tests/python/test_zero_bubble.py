@@ -170,5 +170,24 @@ class ZeroBubbleCheckpoints(unittest.TestCase):
                                         f"{' '.join(runs[source][2])} resumed under {' '.join(runs[target][2])}: {key}")
 
 
+class ZeroBubbleBenchSummary(unittest.TestCase):
+    def test_peak_memory_pairs_each_rounds_larger_ranks(self):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+        import zero_bubble_bench as zbb
+
+        def run_of(tokens, peaks):
+            return {"tokens_per_sec": tokens, "bubble": 0.1, "peak_rss_bytes_per_rank": peaks}
+        # Round 2's 1F1B run peaks far above the others: paired round by round, it decides nothing.
+        rounds = [{"1f1b": run_of(100, [500, 480]), "zb1p": run_of(110, [490, 520]), "zbv": run_of(111, [505, 470])},
+                  {"1f1b": run_of(100, [500, 470]), "zb1p": run_of(112, [495, 525]), "zbv": run_of(113, [500, 480])},
+                  {"1f1b": run_of(100, [700, 600]), "zb1p": run_of(108, [500, 530]), "zbv": run_of(109, [510, 490])}]
+        s = zbb.summarise(rounds)
+        self.assertEqual(s["zb1p_peak_over_1f1b"]["per_round"], [520 / 500, 525 / 500, 530 / 700])
+        self.assertAlmostEqual(s["zb1p_peak_over_1f1b"]["median"], 1.04)
+        self.assertEqual(s["zbv_peak_over_1f1b"]["per_round"], [505 / 500, 1.0, 510 / 700])
+        self.assertEqual(s["peak_rss_bytes_per_rank"]["1f1b"], [700, 600])  # each rank's largest, as before
+        self.assertAlmostEqual(s["zb1p_over_1f1b"]["median"], 1.10)
+
+
 if __name__ == "__main__":
     unittest.main()
