@@ -680,7 +680,7 @@ LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self
       }
       for (auto it = awaiting_recovery.begin(); it != awaiting_recovery.end();) {
         const bool recovered = store->check({attempt_key(options.restart_count, recovered_key(*it))});
-        if (recovered) to_replace.push_back(*it);
+        if (recovered && member_running) to_replace.push_back(*it);  // none for a run that ended
         it = recovered || !member_running ? awaiting_recovery.erase(it) : it + 1;
       }
       if (!member_running) {
