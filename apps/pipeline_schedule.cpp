@@ -11,6 +11,8 @@
 
 #include <cstdio>
 #include <iostream>
+#include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -39,17 +41,11 @@ struct Config {
 
 // Flags are read as text so that a bad number names its flag, which cxxopts' own message does not.
 int parse_int_flag(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  int value = 0;
-  try {
-    value = std::stoi(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size()) {
+  const std::optional<int64_t> value = harness::apps::whole_integer(text);
+  if (!value || *value < std::numeric_limits<int>::min() || *value > std::numeric_limits<int>::max()) {
     throw std::invalid_argument("--" + flag + " '" + text + "' is not an integer");
   }
-  return value;
+  return static_cast<int>(*value);
 }
 
 Config parse_config(const cxxopts::ParseResult& result) {
