@@ -158,6 +158,9 @@ class ScopedStopSignals {
   struct sigaction old_term_ {};
 };
 
+// Where the workers' lines go (LaunchOptions::sink).
+using LineSink = std::function<void(int slot, bool is_stderr, const std::string& line)>;
+
 struct Stream {
   int fd = -1;
   std::string pending;  // bytes after the last newline
@@ -386,13 +389,384 @@ std::string attempt_key(int restart_count, const std::string& key) {
   return "/worker/attempt_" + std::to_string(restart_count) + "/" + key;
 }
 
-}  // namespace
+// The workers' output, line by line, to `sink`, each line labelled with its rank (or launch id).
+void emit_lines(const LineSink& sink, int slot, bool is_stderr, Stream& s, bool at_eof) {
+  size_t start = 0;
+  for (size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
+    sink(slot, is_stderr, label_worker_line(slot, s.pending.substr(start, nl - start)));
+    start = nl + 1;
+  }
+  s.pending.erase(0, start);
+  if (at_eof && !s.pending.empty()) {
+    sink(slot, is_stderr, label_worker_line(slot, s.pending));
+    s.pending.clear();
+  }
+}
+
+LineSink print_lines() {
+  return [](int, bool is_stderr, const std::string& line) {
+    FILE* out = is_stderr ? stderr : stdout;
+    std::fwrite(line.data(), 1, line.size(), out);
+    std::fputc('\n', out);
+    std::fflush(out);
+  };
+}
+
+// One run of the workers (run_workers): they are started, their output forwarded, and their
+// exits watched until every one is reaped. A pass of the loop (run) reads what the pipes hold,
+// watches each worker (stopped, exited, failed), keeps an elastic run's membership in the store,
+// and starts replacements. The first failure (outside --elastic) stops the rest: SIGTERM, then
+// SIGKILL after kill_grace. Workers are slots: the world's ranks first, then replacements, whose
+// launch id is their slot.
+class Launch {
+ public:
+  Launch(const std::vector<std::string>& argv_of_self, int world_size, const std::string& master_addr,
+         int master_port, const LaunchOptions& options, c10d::Store* store)
+      : world_size_(world_size),
+        master_addr_(master_addr),
+        master_port_(master_port),
+        options_(options),
+        store_(store),
+        sink_(options.sink ? options.sink : print_lines()),
+        workers_(world_size) {
+    // Everything the children need is built before fork: after it only async-signal-safe calls.
+    std::set<std::string> replaced = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TMPDIR"};
+    for (const auto& kv : options.extra_env) replaced.insert(kv.first);
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+      const std::string entry = *e;
+      if (replaced.count(entry.substr(0, entry.find('='))) == 0) base_env_.push_back(entry);
+    }
+    for (const auto& [key, value] : options.extra_env) base_env_.push_back(key + "=" + value);
+    if (std::none_of(options.extra_env.begin(), options.extra_env.end(), [](const auto& kv) { return kv.first == "TMPDIR"; })) {
+      base_env_.push_back("TMPDIR=" + scratch_.path());
+    }
+    for (const auto& arg : argv_of_self) argv_.push_back(const_cast<char*>(arg.c_str()));
+    argv_.push_back(nullptr);
+  }
+
+  LaunchResult run() {
+    for (int rank = 0; rank < world_size_; ++rank) spawn(rank, rank);
+    bool all_exited = false;
+    Clock::time_point drain_deadline{};
+    // Output still buffered in the pipes is read for a short while after the last exit; a
+    // grandchild that keeps a pipe open must not keep the launcher waiting.
+    while (!all_exited || (any_pipe_open() && Clock::now() <= drain_deadline)) {
+      forward_output();
+      if (g_launcher_signal != 0 && !stopping_) {
+        const int sig = g_launcher_signal;
+        begin_stop("the launcher received " + signal_name(sig) + "; stopped all ranks", 128 + sig);
+        result_.interrupted = true;
+      }
+      to_replace_.clear();
+      for (int slot = 0; slot < workers_.size(); ++slot) watch(slot);
+      if (options_.elastic && !stopping_) keep_membership();
+      start_replacements();
+      if (stopping_ && Clock::now() >= kill_deadline_) workers_.signal_running(SIGKILL);
+      if (!all_exited) {
+        all_exited = std::none_of(workers_.all().begin(), workers_.all().end(), [](const Worker& w) { return w.running; });
+        if (all_exited) drain_deadline = Clock::now() + std::chrono::seconds(2);
+      }
+    }
+    return finish();
+  }
+
+ private:
+  // Starts worker `slot` (its RANK and LOCAL_RANK `rank`; a replacement's slot is past the world,
+  // and its launch id, `slot`, goes in kElasticJoinIdVariable).
+  void spawn(int slot, int rank) {
+    std::vector<std::string> env_strings = base_env_;
+    env_strings.push_back("RANK=" + std::to_string(rank));
+    env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size_));
+    env_strings.push_back("LOCAL_RANK=" + std::to_string(rank));
+    env_strings.push_back("MASTER_ADDR=" + master_addr_);
+    env_strings.push_back("MASTER_PORT=" + std::to_string(master_port_));
+    if (slot != rank) env_strings.push_back(std::string(kElasticJoinIdVariable) + "=" + std::to_string(slot));
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+
+    PipeEnds out_pipe, err_pipe;
+    for (PipeEnds* ends : {&out_pipe, &err_pipe}) {
+      int fds[2];
+      int err = injected_errno(options_, "pipe2", slot);
+      if (err == 0 && ::pipe2(fds, O_CLOEXEC) != 0) err = errno;
+      if (err != 0) {
+        throw std::runtime_error("launcher: pipe for rank " + std::to_string(slot) + " failed: " + std::strerror(err));
+      }
+      ends->read = fds[0];
+      ends->write = fds[1];
+    }
+    int fork_error = injected_errno(options_, "fork", slot);
+    const pid_t pid = fork_error != 0 ? -1 : ::fork();
+    if (pid < 0) {
+      if (fork_error == 0) fork_error = errno;
+      throw std::runtime_error("launcher: fork of rank " + std::to_string(slot) + " failed: " + std::strerror(fork_error));
+    }
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher_pid_) ::_exit(125);  // the launcher is already gone
+      ::dup2(out_pipe.write, STDOUT_FILENO);
+      ::dup2(err_pipe.write, STDERR_FILENO);
+      ::execve(options_.executable.c_str(), argv_.data(), envp.data());
+      const char msg[] = "launcher: exec of the worker program failed\n";
+      (void)!::write(STDERR_FILENO, msg, sizeof(msg) - 1);
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also here, so that kill(-pid) works before the child runs
+    Worker& w = workers_[slot];
+    w.pid = pid;
+    w.running = true;
+    std::swap(w.out.fd, out_pipe.read);
+    std::swap(w.err.fd, err_pipe.read);
+    result_.pids.push_back(pid);
+  }
+
+  bool any_pipe_open() {
+    return std::any_of(workers_.all().begin(), workers_.all().end(),
+                       [](const Worker& w) { return w.out.fd >= 0 || w.err.fd >= 0; });
+  }
+
+  // Waits up to 50 ms for output, then forwards every whole line read.
+  void forward_output() {
+    std::vector<pollfd> fds;
+    std::vector<std::pair<int, bool>> owners;  // (slot, is_stderr) of each pollfd
+    for (int slot = 0; slot < workers_.size(); ++slot) {
+      Worker& w = workers_[slot];
+      if (w.out.fd >= 0) {
+        fds.push_back({w.out.fd, POLLIN, 0});
+        owners.emplace_back(slot, false);
+      }
+      if (w.err.fd >= 0) {
+        fds.push_back({w.err.fd, POLLIN, 0});
+        owners.emplace_back(slot, true);
+      }
+    }
+    if (fds.empty()) {
+      ::usleep(20'000);
+      return;
+    }
+    ::poll(fds.data(), fds.size(), 50);
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      const auto [slot, is_stderr] = owners[k];
+      Stream& s = is_stderr ? workers_[slot].err : workers_[slot].out;
+      char buffer[65536];
+      const ssize_t n = ::read(s.fd, buffer, sizeof(buffer));
+      if (n > 0) {
+        s.pending.append(buffer, static_cast<size_t>(n));
+        emit_lines(sink_, slot, is_stderr, s, false);
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        emit_lines(sink_, slot, is_stderr, s, true);
+        close_fd(s.fd);
+      }
+    }
+  }
+
+  bool overdue(const std::optional<Clock::time_point>& since) const {
+    return since && Clock::now() - *since > options_.unresponsive_worker_timeout;
+  }
+
+  // Worker `slot`'s news since the last pass: stopped or continued, stopped for too long, exited
+  // (early, or failing).
+  void watch(int slot) {
+    Worker& w = workers_[slot];
+    workers_.note_stop_or_continue(w);
+    if (options_.elastic && !stopping_ && w.running && overdue(w.stopped_since) && declared_lost_.count(slot) == 0) {
+      // Lost, but not killed: continued, it finds that its generation went on without it and
+      // leaves with that reason (elastic_rendezvous.h). It is killed once the run is over.
+      const auto limit = std::chrono::duration_cast<std::chrono::seconds>(options_.unresponsive_worker_timeout);
+      declare_lost(slot,
+                   "rank " + std::to_string(slot) + " was stopped by " + signal_name(w.stop_signal) +
+                       " for more than " + std::to_string(limit.count()) + " s",
+                   1);
+    } else if (!options_.elastic && !stopping_ && ((w.running && overdue(w.stopped_since)) || overdue(w.left_early))) {
+      begin_stop(suspects(), 1);
+    }
+    if (!workers_.reap_if_exited(w)) return;
+    const int status = w.status;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0 &&
+        std::any_of(workers_.all().begin(), workers_.all().end(), [](const Worker& o) { return o.running; })) {
+      w.left_early = Clock::now();
+    }
+    const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
+    if (!failed || stopping_) return;
+    if (!options_.elastic) {
+      begin_stop(describe_exit(slot, status), exit_code_of(status));
+    } else if (declared_lost_.count(slot) > 0) {
+      std::fprintf(stderr, "launcher: %s (lost already)\n", describe_exit(slot, status).c_str());
+      std::fflush(stderr);
+    } else {
+      declare_lost(slot, describe_exit(slot, status), exit_code_of(status));
+    }
+  }
+
+  // A stopped rank, or one that exited 0 while the others still run, is the likely cause of
+  // whatever fails next (the others time out waiting for it in a collective): the failure names it.
+  std::string suspects() {
+    std::string text;
+    char seconds[64];
+    for (int slot = 0; slot < workers_.size(); ++slot) {
+      const Worker& w = workers_[slot];
+      if (w.running && w.stopped_since) {
+        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.stopped_since).count());
+        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(slot) + " was stopped by " +
+                signal_name(w.stop_signal) + " " + seconds + " s ago and stopped answering";
+      } else if (w.left_early) {
+        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.left_early).count());
+        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(slot) + " exited with status 0 " +
+                seconds + " s ago while the others kept running";
+      }
+    }
+    return text;
+  }
+
+  void begin_stop(const std::string& why, int code) {
+    if (stopping_) return;
+    stopping_ = true;
+    const std::string cause = suspects();
+    result_.failure = cause.empty() || why == cause ? why : why + " (" + cause + ")";
+    result_.exit_code = code;
+    workers_.signal_running(SIGTERM);
+    workers_.signal_running(SIGCONT);  // a stopped worker gets its SIGTERM too
+    kill_deadline_ = Clock::now() + options_.kill_grace;
+  }
+
+  // Elastic: worker `slot` is recorded lost in the store, so that the others go on without it,
+  // and a replacement may start for it.
+  void declare_lost(int slot, const std::string& why, int code) {
+    declared_lost_.insert(slot);
+    result_.lost.push_back(slot);
+    if (result_.exit_code == 0) result_.exit_code = code;
+    result_.failure += (result_.failure.empty() ? "" : "; ") + why;
+    std::fprintf(stderr, "launcher: %s; it is lost, the others go on (--elastic)\n", why.c_str());
+    std::fflush(stderr);
+    try {
+      store_->set(attempt_key(options_.restart_count, lost_process_key(slot)), std::vector<uint8_t>(why.begin(), why.end()));
+    } catch (const std::exception& e) {
+      begin_stop(why + " (and the store could not record it: " + e.what() + ")", 1);
+    }
+    if (static_cast<int>(result_.replacements.size() + to_replace_.size() + awaiting_recovery_.size()) <
+        options_.max_replacements) {
+      (is_member(slot) ? awaiting_recovery_ : to_replace_).push_back(slot);
+    }
+  }
+
+  // A world's rank, or a replacement the run admitted.
+  bool is_member(int slot) {
+    return slot < world_size_ || store_->check({attempt_key(options_.restart_count, admitted_key(slot))});
+  }
+
+  // Elastic: when no member is left (the run ended, or failed), replacements still waiting to join
+  // are told through the store, and leave without training; workers declared lost that still run
+  // (stopped, say) are killed. A lost member's replacement starts once the survivors committed a
+  // step without it (recovered_key), so that a process's start does not share the machine with
+  // their recovery; none starts for a run that ended.
+  void keep_membership() {
+    std::vector<int> waiting, leftovers;
+    bool member_running = false;
+    for (int slot = 0; slot < workers_.size() && !member_running; ++slot) {
+      if (!workers_[slot].running) continue;
+      if (declared_lost_.count(slot) > 0) {
+        leftovers.push_back(slot);
+      } else if (is_member(slot)) {
+        member_running = true;
+      } else {
+        waiting.push_back(slot);
+      }
+    }
+    if (!member_running && !waiting.empty() && !admissions_closed_) {
+      admissions_closed_ = true;
+      unneeded_.insert(waiting.begin(), waiting.end());
+      store_->set(attempt_key(options_.restart_count, admissions_closed_key()), std::vector<uint8_t>{1});
+    }
+    for (auto it = awaiting_recovery_.begin(); it != awaiting_recovery_.end();) {
+      const bool recovered = store_->check({attempt_key(options_.restart_count, recovered_key(*it))});
+      if (recovered && member_running) to_replace_.push_back(*it);
+      it = recovered || !member_running ? awaiting_recovery_.erase(it) : it + 1;
+    }
+    if (!member_running) {
+      for (const int slot : leftovers) {
+        ::kill(-workers_[slot].pid, SIGKILL);
+        ::kill(workers_[slot].pid, SIGKILL);
+      }
+    }
+  }
+
+  // The replacement takes the lost worker's RANK and LOCAL_RANK (its device), and a launch id of
+  // its own, past the world, to join under (elastic_rendezvous.h).
+  void start_replacements() {
+    for (const int lost : to_replace_) {
+      if (stopping_) break;
+      const int slot = workers_.add();
+      const int rank = lost < world_size_ ? lost : result_.replacements.at(static_cast<size_t>(lost - world_size_)).rank;
+      result_.replacements.push_back({slot, rank});
+      std::fprintf(stderr, "launcher: starting rank %d as a replacement for rank %d (--elastic)\n", slot, lost);
+      std::fflush(stderr);
+      spawn(slot, rank);
+    }
+  }
+
+  // Every worker is reaped here (its leftovers SIGKILLed before that); the group's destructor
+  // closes the pipes.
+  LaunchResult finish() {
+    for (const Worker& w : workers_.all()) result_.wait_status.push_back(w.status);
+    if (options_.elastic && !stopping_) {
+      // The run went on without its lost workers: it succeeded when one of them finished it.
+      // (A replacement that was never needed left with status 0 too: it finished nothing.)
+      bool finished = false;
+      for (int slot = 0; slot < workers_.size(); ++slot) {
+        const int status = workers_[slot].status;
+        finished = finished || (unneeded_.count(slot) == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+      }
+      if (finished) result_.exit_code = 0;
+      if (!finished && result_.failure.empty()) result_.failure = "no worker finished";
+    }
+    return result_;
+  }
+
+  const int world_size_;
+  const std::string master_addr_;
+  const int master_port_;
+  const LaunchOptions& options_;
+  c10d::Store* const store_;  // elastic: where lost workers are recorded
+  const LineSink sink_;
+  const pid_t launcher_pid_ = ::getpid();
+  // Destroyed in reverse: the workers are killed and reaped before the signal handlers go back
+  // and before the scratch folder is removed.
+  const ScratchFolder scratch_;
+  std::vector<std::string> base_env_;  // every worker's environment but its own five variables
+  std::vector<char*> argv_;
+  ScopedStopSignals stop_signals_;
+  LaunchResult result_;
+  WorkerGroup workers_;
+
+  bool stopping_ = false;
+  Clock::time_point kill_deadline_{};
+  // Elastic.
+  std::set<int> declared_lost_;           // the workers recorded lost in the store
+  std::vector<int> to_replace_;           // lost workers whose replacements start after this pass
+  std::vector<int> awaiting_recovery_;    // lost members whose replacements wait for recovered_key
+  bool admissions_closed_ = false;        // no member left to admit a waiting replacement
+  std::set<int> unneeded_;                // the replacements that were waiting then
+};
 
 // run_workers, the store already served (by this launcher: `store`, where it records lost
 // workers under elastic) or not (nullptr: rank 0 serves it).
 LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self, int world_size,
                                     const std::string& master_addr, int master_port, const LaunchOptions& options,
-                                    c10d::Store* store);
+                                    c10d::Store* store) {
+  if (options.elastic && store == nullptr) {
+    throw std::invalid_argument("run_workers: elastic needs serve_store (the launcher records lost workers there)");
+  }
+  if (world_size < 1) {
+    throw std::invalid_argument("--world_size " + std::to_string(world_size) + " must be at least 1");
+  }
+  if (argv_of_self.empty()) throw std::invalid_argument("run_workers: argv_of_self is empty");
+  return Launch(argv_of_self, world_size, master_addr, master_port, options, store).run();
+}
+
+}  // namespace
 
 LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world_size,
                          const std::string& master_addr, int master_port,
@@ -403,330 +777,6 @@ LaunchResult run_workers(const std::vector<std::string>& argv_of_self, int world
                                   store.get());
   }
   return run_workers_with_store(argv_of_self, world_size, master_addr, master_port, options, nullptr);
-}
-
-LaunchResult run_workers_with_store(const std::vector<std::string>& argv_of_self, int world_size,
-                                    const std::string& master_addr, int master_port, const LaunchOptions& options,
-                                    c10d::Store* store) {
-  if (options.elastic && store == nullptr) {
-    throw std::invalid_argument("run_workers: elastic needs serve_store (the launcher records lost workers there)");
-  }
-  if (world_size < 1) {
-    throw std::invalid_argument("--world_size " + std::to_string(world_size) +
-                                " must be at least 1");
-  }
-  if (argv_of_self.empty()) throw std::invalid_argument("run_workers: argv_of_self is empty");
-  const auto sink = options.sink ? options.sink
-                                 : [](int, bool is_stderr, const std::string& line) {
-                                     FILE* out = is_stderr ? stderr : stdout;
-                                     std::fwrite(line.data(), 1, line.size(), out);
-                                     std::fputc('\n', out);
-                                     std::fflush(out);
-                                   };
-
-  // Everything the children need is built before fork: after it only async-signal-safe calls.
-  const ScratchFolder scratch;  // outlives the workers: declared before them
-  std::set<std::string> replaced = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TMPDIR"};
-  for (const auto& kv : options.extra_env) replaced.insert(kv.first);
-  std::vector<std::string> base_env;
-  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-    const std::string entry = *e;
-    if (replaced.count(entry.substr(0, entry.find('='))) == 0) base_env.push_back(entry);
-  }
-  for (const auto& [key, value] : options.extra_env) base_env.push_back(key + "=" + value);
-  if (std::none_of(options.extra_env.begin(), options.extra_env.end(), [](const auto& kv) { return kv.first == "TMPDIR"; })) {
-    base_env.push_back("TMPDIR=" + scratch.path());
-  }
-  std::vector<char*> argv;
-  for (const auto& arg : argv_of_self) argv.push_back(const_cast<char*>(arg.c_str()));
-  argv.push_back(nullptr);
-
-  ScopedStopSignals stop_signals;
-  LaunchResult result;
-  WorkerGroup workers(world_size);
-  const pid_t launcher_pid = ::getpid();
-  bool admissions_closed = false;  // elastic: no member left to admit a waiting replacement
-  std::set<int> unneeded;          // the replacements that were waiting then
-  std::set<int> declared_lost;     // elastic: the workers recorded lost in the store
-  // Elastic: lost members whose replacements start once the survivors committed a step without
-  // them (recovered_key), so that a process's start does not share the machine with their
-  // recovery; a lost replacement that was never admitted is replaced at once.
-  std::vector<int> awaiting_recovery;
-
-  // Starts worker `slot` (its RANK and LOCAL_RANK `rank`; a replacement's slot is past the world,
-  // and its launch id, `slot`, goes in kElasticJoinIdVariable).
-  auto spawn = [&](int slot, int rank) {
-    std::vector<std::string> env_strings = base_env;
-    env_strings.push_back("RANK=" + std::to_string(rank));
-    env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size));
-    env_strings.push_back("LOCAL_RANK=" + std::to_string(rank));
-    env_strings.push_back("MASTER_ADDR=" + master_addr);
-    env_strings.push_back("MASTER_PORT=" + std::to_string(master_port));
-    if (slot != rank) env_strings.push_back(std::string(kElasticJoinIdVariable) + "=" + std::to_string(slot));
-    std::vector<char*> envp;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-
-    PipeEnds out_pipe, err_pipe;
-    for (PipeEnds* ends : {&out_pipe, &err_pipe}) {
-      int fds[2];
-      int err = injected_errno(options, "pipe2", slot);
-      if (err == 0 && ::pipe2(fds, O_CLOEXEC) != 0) err = errno;
-      if (err != 0) {
-        throw std::runtime_error("launcher: pipe for rank " + std::to_string(slot) + " failed: " + std::strerror(err));
-      }
-      ends->read = fds[0];
-      ends->write = fds[1];
-    }
-    int fork_error = injected_errno(options, "fork", slot);
-    const pid_t pid = fork_error != 0 ? -1 : ::fork();
-    if (pid < 0) {
-      if (fork_error == 0) fork_error = errno;
-      throw std::runtime_error("launcher: fork of rank " + std::to_string(slot) + " failed: " + std::strerror(fork_error));
-    }
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != launcher_pid) ::_exit(125);  // the launcher is already gone
-      ::dup2(out_pipe.write, STDOUT_FILENO);
-      ::dup2(err_pipe.write, STDERR_FILENO);
-      ::execve(options.executable.c_str(), argv.data(), envp.data());
-      const char msg[] = "launcher: exec of the worker program failed\n";
-      (void)!::write(STDERR_FILENO, msg, sizeof(msg) - 1);
-      ::_exit(127);
-    }
-    ::setpgid(pid, pid);  // also here, so that kill(-pid) works before the child runs
-    Worker& w = workers[slot];
-    w.pid = pid;
-    w.running = true;
-    std::swap(w.out.fd, out_pipe.read);
-    std::swap(w.err.fd, err_pipe.read);
-    result.pids.push_back(pid);
-  };
-  for (int rank = 0; rank < world_size; ++rank) spawn(rank, rank);
-
-  bool stopping = false;
-  Clock::time_point kill_deadline{};
-  Clock::time_point drain_deadline{};
-  bool all_exited = false;
-
-  auto emit_lines = [&](int rank, bool is_stderr, Stream& s, bool at_eof) {
-    size_t start = 0;
-    for (size_t nl = s.pending.find('\n'); nl != std::string::npos;
-         nl = s.pending.find('\n', start)) {
-      sink(rank, is_stderr, label_worker_line(rank, s.pending.substr(start, nl - start)));
-      start = nl + 1;
-    }
-    s.pending.erase(0, start);
-    if (at_eof && !s.pending.empty()) {
-      sink(rank, is_stderr, label_worker_line(rank, s.pending));
-      s.pending.clear();
-    }
-  };
-
-  // A stopped rank, or one that exited 0 while the others still run, is the likely cause of
-  // whatever fails next (the others time out waiting for it in a collective): the failure names it.
-  auto suspects = [&]() {
-    std::string text;
-    char seconds[64];
-    for (int rank = 0; rank < workers.size(); ++rank) {
-      const Worker& w = workers[rank];
-      if (w.running && w.stopped_since) {
-        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.stopped_since).count());
-        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(rank) + " was stopped by " +
-                signal_name(w.stop_signal) + " " + seconds + " s ago and stopped answering";
-      } else if (w.left_early) {
-        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.left_early).count());
-        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(rank) + " exited with status 0 " +
-                seconds + " s ago while the others kept running";
-      }
-    }
-    return text;
-  };
-  auto begin_stop = [&](const std::string& why, int code) {
-    if (stopping) return;
-    stopping = true;
-    const std::string cause = suspects();
-    result.failure = cause.empty() || why == cause ? why : why + " (" + cause + ")";
-    result.exit_code = code;
-    workers.signal_running(SIGTERM);
-    workers.signal_running(SIGCONT);  // a stopped worker gets its SIGTERM too
-    kill_deadline = Clock::now() + options.kill_grace;
-  };
-
-  for (;;) {
-    std::vector<pollfd> fds;
-    std::vector<std::pair<int, bool>> owners;  // (rank, is_stderr) of each pollfd
-    for (int rank = 0; rank < workers.size(); ++rank) {
-      Worker& w = workers[rank];
-      if (w.out.fd >= 0) {
-        fds.push_back({w.out.fd, POLLIN, 0});
-        owners.emplace_back(rank, false);
-      }
-      if (w.err.fd >= 0) {
-        fds.push_back({w.err.fd, POLLIN, 0});
-        owners.emplace_back(rank, true);
-      }
-    }
-    if (all_exited && (fds.empty() || Clock::now() > drain_deadline)) break;
-
-    if (!fds.empty()) {
-      ::poll(fds.data(), fds.size(), 50);
-    } else {
-      ::usleep(20'000);
-    }
-    for (size_t k = 0; k < fds.size(); ++k) {
-      if ((fds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-      auto [rank, is_stderr] = owners[k];
-      Worker& w = workers[rank];
-      Stream& s = is_stderr ? w.err : w.out;
-      char buffer[65536];
-      const ssize_t n = ::read(s.fd, buffer, sizeof(buffer));
-      if (n > 0) {
-        s.pending.append(buffer, static_cast<size_t>(n));
-        emit_lines(rank, is_stderr, s, false);
-      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
-        emit_lines(rank, is_stderr, s, true);
-        ::close(s.fd);
-        s.fd = -1;
-      }
-    }
-
-    if (g_launcher_signal != 0 && !stopping) {
-      const int sig = g_launcher_signal;
-      begin_stop("the launcher received " + signal_name(sig) + "; stopped all ranks", 128 + sig);
-      result.interrupted = true;
-    }
-
-    std::vector<int> to_replace;  // lost ranks whose replacements start after this pass
-    // Elastic: the worker is recorded lost in the store, so that the others go on without it, and
-    // a replacement may start for it.
-    const auto declare_lost = [&](int rank, const std::string& why, int code) {
-      declared_lost.insert(rank);
-      result.lost.push_back(rank);
-      if (result.exit_code == 0) result.exit_code = code;
-      result.failure += (result.failure.empty() ? "" : "; ") + why;
-      std::fprintf(stderr, "launcher: %s; it is lost, the others go on (--elastic)\n", why.c_str());
-      std::fflush(stderr);
-      try {
-        const std::string key = attempt_key(options.restart_count, lost_process_key(rank));
-        store->set(key, std::vector<uint8_t>(why.begin(), why.end()));
-      } catch (const std::exception& e) {
-        begin_stop(why + " (and the store could not record it: " + e.what() + ")", 1);
-      }
-      if (static_cast<int>(result.replacements.size() + to_replace.size() + awaiting_recovery.size()) <
-          options.max_replacements) {
-        const bool member = rank < world_size || store->check({attempt_key(options.restart_count, admitted_key(rank))});
-        (member ? awaiting_recovery : to_replace).push_back(rank);
-      }
-    };
-    for (int rank = 0; rank < workers.size(); ++rank) {
-      Worker& w = workers[rank];
-      workers.note_stop_or_continue(w);
-      const auto overdue = [&](const std::optional<Clock::time_point>& since) {
-        return since && Clock::now() - *since > options.unresponsive_worker_timeout;
-      };
-      if (options.elastic && !stopping && w.running && overdue(w.stopped_since) && declared_lost.count(rank) == 0) {
-        // Lost, but not killed: continued, it finds that its generation went on without it and
-        // leaves with that reason (elastic_rendezvous.h). It is killed once the run is over.
-        declare_lost(rank,
-                     "rank " + std::to_string(rank) + " was stopped by " + signal_name(w.stop_signal) +
-                         " for more than " +
-                         std::to_string(std::chrono::duration_cast<std::chrono::seconds>(options.unresponsive_worker_timeout).count()) +
-                         " s",
-                     1);
-      } else if (!options.elastic && !stopping && ((w.running && overdue(w.stopped_since)) || overdue(w.left_early))) {
-        begin_stop(suspects(), 1);
-      }
-      if (!workers.reap_if_exited(w)) continue;
-      const int status = w.status;
-      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-        bool others_running = false;
-        for (const auto& other : workers.all()) others_running = others_running || other.running;
-        if (others_running) w.left_early = Clock::now();
-      }
-      const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
-      if (failed && !stopping && options.elastic) {
-        if (declared_lost.count(rank) > 0) {
-          std::fprintf(stderr, "launcher: %s (lost already)\n", describe_exit(rank, status).c_str());
-          std::fflush(stderr);
-        } else {
-          declare_lost(rank, describe_exit(rank, status), exit_code_of(status));
-        }
-      } else if (failed && !stopping) {
-        begin_stop(describe_exit(rank, status), exit_code_of(status));
-      }
-    }
-    if (options.elastic && !stopping) {
-      // When no member is left (the run ended, or failed): replacements still waiting to join are
-      // told through the store, and leave without training; workers declared lost that still
-      // run (stopped, say) are killed.
-      std::vector<int> waiting, leftovers;
-      bool member_running = false;
-      for (int slot = 0; slot < workers.size() && !member_running; ++slot) {
-        if (!workers[slot].running) continue;
-        if (declared_lost.count(slot) > 0) {
-          leftovers.push_back(slot);
-        } else if (slot < world_size || store->check({attempt_key(options.restart_count, admitted_key(slot))})) {
-          member_running = true;
-        } else {
-          waiting.push_back(slot);
-        }
-      }
-      if (!member_running && !waiting.empty() && !admissions_closed) {
-        admissions_closed = true;
-        unneeded.insert(waiting.begin(), waiting.end());
-        store->set(attempt_key(options.restart_count, admissions_closed_key()), std::vector<uint8_t>{1});
-      }
-      for (auto it = awaiting_recovery.begin(); it != awaiting_recovery.end();) {
-        const bool recovered = store->check({attempt_key(options.restart_count, recovered_key(*it))});
-        if (recovered && member_running) to_replace.push_back(*it);  // none for a run that ended
-        it = recovered || !member_running ? awaiting_recovery.erase(it) : it + 1;
-      }
-      if (!member_running) {
-        for (const int slot : leftovers) {
-          ::kill(-workers[slot].pid, SIGKILL);
-          ::kill(workers[slot].pid, SIGKILL);
-        }
-      }
-    }
-    for (const int lost : to_replace) {
-      if (stopping) break;
-      // The replacement takes the lost worker's RANK and LOCAL_RANK (its device), and a launch id
-      // of its own, past the world, to join under (elastic_rendezvous.h).
-      const int slot = workers.add();
-      const int rank = lost < world_size ? lost : result.replacements.at(static_cast<size_t>(lost - world_size)).rank;
-      result.replacements.push_back({slot, rank});
-      std::fprintf(stderr, "launcher: starting rank %d as a replacement for rank %d (--elastic)\n", slot, lost);
-      std::fflush(stderr);
-      spawn(slot, rank);
-    }
-    if (stopping && Clock::now() >= kill_deadline) workers.signal_running(SIGKILL);
-
-    if (!all_exited) {
-      all_exited = true;
-      for (const auto& w : workers.all()) all_exited = all_exited && !w.running;
-      // Output still buffered in the pipes is read for a short while; a grandchild that keeps a
-      // pipe open must not keep the launcher waiting.
-      if (all_exited) drain_deadline = Clock::now() + std::chrono::seconds(2);
-    }
-  }
-
-  // Every worker is reaped here (its leftovers SIGKILLed before that); the group's destructor
-  // closes the pipes.
-  for (auto& w : workers.all()) result.wait_status.push_back(w.status);
-  if (options.elastic && !stopping) {
-    // The run went on without its lost workers: it succeeded when one of them finished it.
-    // (A replacement that was never needed left with status 0 too: it finished nothing.)
-    bool finished = false;
-    for (int slot = 0; slot < workers.size(); ++slot) {
-      const int status = workers[slot].status;
-      finished = finished || (unneeded.count(slot) == 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    }
-    if (finished) result.exit_code = 0;
-    if (!finished && result.failure.empty()) result.failure = "no worker finished";
-  }
-  return result;
 }
 
 int launch_workers(const std::vector<std::string>& argv_of_self, int world_size,
