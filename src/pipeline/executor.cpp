@@ -202,203 +202,262 @@ StageEnds::StageEnds(int micro_batches, int devices)
 
 namespace {
 
+// One device's part of a step: its steps of the plan, in order (run). Forwards hand their output
+// to the next stage, backwards their input's gradient to the previous one, through `transport`
+// (or `local`, when that stage is on this device too); a split backward's W runs the weight
+// gradients its B deferred. With `ends`, the pipeline is one part of a larger graph: the first
+// stage's inputs and the last stage's outputs are the caller's.
+class DeviceSteps {
+ public:
+  DeviceSteps(const P2PPlan& plan, int d, const Device& device, const StageForward& forward, uint64_t step_seed,
+              StageTransport& transport, const ExecutorOptions& options, const std::string& track, StageEnds* ends)
+      : plan_(plan),
+        schedule_(plan.schedule),
+        S_(schedule_.stages()),
+        d_(d),
+        device_(device),
+        torch_device_(device.torch_device()),
+        forward_(forward),
+        step_seed_(step_seed),
+        transport_(transport),
+        options_(options),
+        track_(track),
+        ends_(ends),
+        keep_graph_(ends != nullptr && ends->keep_graph),
+        metered_(activation_meter_installed()),
+        live_before_(metered_ ? activation_live_bytes(d + 1)[d] : 0),
+        checkpointed_(checkpoint_plan(schedule_, options.checkpointing)),
+        held_((ends != nullptr ? *ends->held[d] : own_).by_task) {
+    const int D = schedule_.devices, M = schedule_.micro_batches;
+    result_.losses.resize(M);
+    if (ends != nullptr) {
+      TORCH_CHECK(static_cast<int>(ends->inputs.size()) == M && static_cast<int>(ends->held.size()) == D,
+                  "run_device_steps: the pipeline's ends are for ", ends->inputs.size(), " micro-batches and ",
+                  ends->held.size(), " devices, the plan has ", M, " and ", D);
+    }
+  }
+
+  DeviceStepResult run() {
+    size_t k = 0;  // the k-th compute action of this device (for the checkpoint plan)
+    for (const P2PStep& step : plan_.per_device[d_]) {
+      std::string label;
+      try {
+        if (step.is_exchange()) {
+          label = "exchange " + p2p_exchange_label(step.exchange);
+          exchange(step.exchange);
+          continue;
+        }
+        const Action& action = step.action;
+        const int i = action.micro_batch, s = action.stage;
+        static const char* const kWords[] = {"forward", "backward", "weight-gradient pass"};
+        label = kWords[static_cast<int>(action.kind)] + std::string(" of micro-batch ") + std::to_string(i) + ", " +
+                options_.stage_word + " " + std::to_string(s);
+        const Tracer::Args task = {{"micro_batch", static_cast<int64_t>(i)},
+                                   {options_.stage_word, static_cast<int64_t>(s)}};
+        const size_t position = k++;
+        switch (action.kind) {
+          case Action::Kind::kForward: forward(i, s, task, checkpointed_[d_][position]); break;
+          case Action::Kind::kBackward: backward(i, s, task); break;
+          case Action::Kind::kWeight: weight_gradients(i, s, task); break;
+        }
+      } catch (const Stopped&) {
+        throw;
+      } catch (const c10::Error& e) {
+        transport_.fail(d_);
+        throw StageActionError(label, e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        transport_.fail(d_);
+        throw StageActionError(label, e.what());
+      } catch (...) {
+        transport_.fail(d_);
+        throw;
+      }
+    }
+    try {
+      transport_.finish(d_);
+    } catch (const c10::Error& e) {
+      throw StageActionError("the step's last sends", e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      throw StageActionError("the step's last sends", e.what());
+    }
+    return std::move(result_);
+  }
+
+ private:
+  using Held = HeldForwards::Held;
+  using Key = std::tuple<int, int, int>;  // a message's kind, micro-batch and sending stage
+
+  static Key key(const P2PMessage& m) { return {static_cast<int>(m.kind), m.micro_batch, m.from_stage}; }
+
+  void hand_over(const P2PMessage& m, int to_stage, at::Tensor t) {
+    (schedule_.device_of(to_stage) == d_ ? local_ : outbox_)[key(m)] = std::move(t);
+  }
+
+  at::Tensor receive(const P2PMessage& m) {
+    auto it = local_.find(key(m));
+    if (it == local_.end()) return to_stage_device(transport_.take(d_, m), device_);
+    at::Tensor t = std::move(it->second);
+    local_.erase(it);
+    return t;
+  }
+
+  void exchange(const std::vector<P2POp>& ops) {
+    transport_.exchange(d_, ops, [&](const P2PMessage& m) {
+      auto it = outbox_.find(key(m));
+      TORCH_CHECK(it != outbox_.end(), "the plan sends ", p2p_message_label(m), " before the action that makes it ran");
+      at::Tensor t = std::move(it->second);
+      outbox_.erase(it);
+      return t;
+    });
+  }
+
+  // Stage s's forward of micro-batch i, with its own dropout stream (and, split, its deferral).
+  at::Tensor stage_forward(int i, int s, const at::Tensor& input) {
+    ActivationScope charged(d_);  // counted only when the benchmarks installed the meter
+    std::optional<model::DeferWeightGradients> defer;
+    if (schedule_.split_backward) defer.emplace(&deferred_[{i, s}]);
+    const uint64_t seed = stage_stream_seed(step_seed_, i, s);
+    if (device_.is_cuda()) {
+      return model::with_default_generator_seeded(torch_device_, seed, [&] { return forward_(i, s, input); });
+    }
+    model::DropoutGeneratorScope stream(model::make_generator(torch_device_, seed));
+    return forward_(i, s, input);
+  }
+
+  void sample_held() {
+    if (!metered_) return;
+    result_.peak_held_bytes = std::max(result_.peak_held_bytes, activation_live_bytes(d_ + 1)[d_] - live_before_);
+  }
+
+  void forward(int i, int s, const Tracer::Args& task, bool checkpointed) {
+    at::Tensor input;
+    if (s > 0 || ends_ != nullptr) {
+      input = s > 0 ? receive({P2PMessage::Kind::kActivation, i, s - 1}) : to_stage_device(ends_->inputs[i], device_);
+    }
+    if (input.defined() && !keep_graph_) {
+      // Cut the graph here: this stage's backward is an action of its own.
+      const bool wants_grad = s > 0 || input.requires_grad();
+      input = input.detach();
+      if (metered_ && device_.is_cpu()) {  // charge the held input to this device (see StepResult)
+        ActivationScope charged(d_);
+        input = input.clone();
+      }
+      if (wants_grad && input.is_floating_point()) input.requires_grad_(true);
+    }
+    Held h;
+    h.checkpointed = checkpointed;
+    at::Tensor output;
+    {
+      TraceScope scope(options_.tracer, "forward", track_, task);
+      // Kept whole, the graph is the caller's, under the caller's grad mode.
+      std::optional<torch::AutoGradMode> graph;
+      if (!keep_graph_) graph.emplace(!h.checkpointed);
+      output = stage_forward(i, s, input);
+    }
+    TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
+    if (s == S_ - 1 && ends_ != nullptr) {
+      ends_->outputs[i] = keep_graph_ ? output : output.detach();
+    } else if (s == S_ - 1) {
+      TORCH_CHECK(output.numel() == 1, "the last stage must return a scalar loss, got shape ", output.sizes());
+      TORCH_CHECK(h.checkpointed || output.requires_grad(), "the last stage's loss does not require grad: nothing to train");
+      result_.losses[i] = output.detach();
+    } else {
+      hand_over({P2PMessage::Kind::kActivation, i, s}, s + 1, keep_graph_ ? output : output.detach());
+    }
+    if (!keep_graph_) {
+      h.input = input;
+      if (!h.checkpointed) h.output = output;
+      held_[{i, s}] = std::move(h);
+    }
+    // Split, a pair stays in flight from its forward to its W (its layers' inputs wait for it).
+    result_.peak_in_flight = std::max(result_.peak_in_flight,
+                                      static_cast<int>(schedule_.split_backward ? deferred_.size() : held_.size()));
+    sample_held();
+  }
+
+  void backward(int i, int s, const Tracer::Args& task) {
+    TORCH_CHECK(!keep_graph_, "a backward action with the graph kept whole (the autograd engine runs it)");
+    auto it = held_.find({i, s});
+    TORCH_CHECK(it != held_.end(), "its forward has not run on this device");
+    Held h = std::move(it->second);
+    held_.erase(it);
+    at::Tensor grad_output;
+    if (s < S_ - 1) {
+      grad_output = receive({P2PMessage::Kind::kGradient, i, s + 1});
+    } else if (ends_ != nullptr && ends_->grad_outputs[i].defined()) {
+      grad_output = to_stage_device(ends_->grad_outputs[i], device_);
+    }
+    {
+      Tracer::Args args = task;
+      args.emplace_back("recomputed", static_cast<int64_t>(h.checkpointed ? 1 : 0));
+      TraceScope scope(options_.tracer, "backward", track_, args);
+      if (h.checkpointed) {
+        torch::AutoGradMode graph(true);
+        h.output = stage_forward(i, s, h.input);
+        sample_held();  // the rebuilt graph is held until this backward is done
+      }
+      if (h.output.requires_grad()) {
+        if (s == S_ - 1 && ends_ == nullptr) {
+          torch::autograd::backward({h.output});
+        } else if (grad_output.defined()) {
+          torch::autograd::backward({h.output}, {grad_output});
+        }
+      }
+    }
+    at::Tensor grad_input;
+    if (s > 0) {
+      grad_input = h.input.grad();
+      if (!grad_input.defined()) grad_input = at::zeros_like(h.input);
+    } else if (ends_ != nullptr && h.input.defined() && h.input.requires_grad()) {
+      ends_->grad_inputs[i] = h.input.grad();
+    }
+    h = Held{};  // the graph and the input go before the previous stage moves on
+    if (s > 0) hand_over({P2PMessage::Kind::kGradient, i, s}, s - 1, std::move(grad_input));
+  }
+
+  // A split backward's W: the weight-gradient products (micro-batch i, stage s)'s B deferred.
+  void weight_gradients(int i, int s, const Tracer::Args& task) {
+    auto it = deferred_.find({i, s});
+    TORCH_CHECK(it != deferred_.end(), "its forward has not run on this device");
+    {
+      TraceScope scope(options_.tracer, "weight", track_, task);
+      it->second.flush();
+    }
+    deferred_.erase(it);
+  }
+
+  const P2PPlan& plan_;
+  const TrainingSchedule& schedule_;
+  const int S_;
+  const int d_;
+  const Device& device_;
+  const c10::Device torch_device_;
+  const StageForward& forward_;
+  const uint64_t step_seed_;
+  StageTransport& transport_;
+  const ExecutorOptions& options_;
+  const std::string& track_;
+  StageEnds* const ends_;
+  const bool keep_graph_;
+  const bool metered_;
+  const int64_t live_before_;
+  const std::vector<std::vector<bool>> checkpointed_;
+  HeldForwards own_;
+  std::map<std::pair<int, int>, Held>& held_;  // (micro-batch, stage) -> what its backward needs
+  // Tensors for this device's later stages (V > 1 on one device), and those waiting for the next
+  // exchange's sends.
+  std::map<Key, at::Tensor> local_, outbox_;
+  // With a split backward (zero-bubble schedules) each (micro-batch, stage) keeps the
+  // weight-gradient products its B deferred until its W runs them; its forward (and a
+  // recomputation) says where.
+  std::map<std::pair<int, int>, model::WeightGradStore> deferred_;
+  DeviceStepResult result_;
+};
+
 DeviceStepResult run_steps(const P2PPlan& plan, int d, const Device& device, const StageForward& forward,
                            uint64_t step_seed, StageTransport& transport, const ExecutorOptions& options,
                            const std::string& track, StageEnds* ends) {
-  const TrainingSchedule& schedule = plan.schedule;
-  const int D = schedule.devices, M = schedule.micro_batches, S = schedule.stages();
-  const c10::Device torch_device = device.torch_device();
-  const bool metered = activation_meter_installed();
-  const int64_t live_before = metered ? activation_live_bytes(d + 1)[d] : 0;
-  const std::vector<std::vector<bool>> checkpointed = checkpoint_plan(schedule, options.checkpointing);
-  const bool keep_graph = ends != nullptr && ends->keep_graph;
-  Tracer* tracer = options.tracer;
-  DeviceStepResult result;
-  result.losses.resize(M);
-  if (ends != nullptr) {
-    TORCH_CHECK(static_cast<int>(ends->inputs.size()) == M && static_cast<int>(ends->held.size()) == D,
-                "run_device_steps: the pipeline's ends are for ", ends->inputs.size(), " micro-batches and ",
-                ends->held.size(), " devices, the plan has ", M, " and ", D);
-  }
-
-  HeldForwards own;
-  using Held = HeldForwards::Held;
-  std::map<std::pair<int, int>, Held>& held = (ends != nullptr ? *ends->held[d] : own).by_task;
-  // Tensors for this device's later stages (V > 1 on one device), and those waiting for the next
-  // exchange's sends.
-  std::map<std::tuple<int, int, int>, at::Tensor> local, outbox;
-  auto key = [](const P2PMessage& m) { return std::make_tuple(static_cast<int>(m.kind), m.micro_batch, m.from_stage); };
-  auto hand_over = [&](const P2PMessage& m, int to_stage, at::Tensor t) {
-    (schedule.device_of(to_stage) == d ? local : outbox)[key(m)] = std::move(t);
-  };
-  auto receive = [&](const P2PMessage& m) {
-    auto it = local.find(key(m));
-    if (it == local.end()) return to_stage_device(transport.take(d, m), device);
-    at::Tensor t = std::move(it->second);
-    local.erase(it);
-    return t;
-  };
-
-  // With a split backward (zero-bubble schedules) each (micro-batch, stage) keeps the weight-gradient
-  // products its B deferred until its W runs them; its forward (and a recomputation) says where.
-  std::map<std::pair<int, int>, model::WeightGradStore> deferred;
-
-  auto stage_forward = [&](int i, int s, const at::Tensor& input) {
-    ActivationScope charged(d);  // counted only when the benchmarks installed the meter
-    std::optional<model::DeferWeightGradients> defer;
-    if (schedule.split_backward) defer.emplace(&deferred[{i, s}]);
-    const uint64_t seed = stage_stream_seed(step_seed, i, s);
-    if (device.is_cuda()) {
-      return model::with_default_generator_seeded(torch_device, seed, [&] { return forward(i, s, input); });
-    }
-    model::DropoutGeneratorScope stream(model::make_generator(torch_device, seed));
-    return forward(i, s, input);
-  };
-  auto sample_held = [&] {
-    if (!metered) return;
-    result.peak_held_bytes = std::max(result.peak_held_bytes, activation_live_bytes(d + 1)[d] - live_before);
-  };
-
-  // The k-th compute action of this device (for the checkpoint plan).
-  size_t k = 0;
-  for (const P2PStep& step : plan.per_device[d]) {
-    std::string label;
-    try {
-      if (step.is_exchange()) {
-        label = "exchange " + p2p_exchange_label(step.exchange);
-        transport.exchange(d, step.exchange, [&](const P2PMessage& m) {
-          auto it = outbox.find(key(m));
-          TORCH_CHECK(it != outbox.end(), "the plan sends ", p2p_message_label(m),
-                      " before the action that makes it ran");
-          at::Tensor t = std::move(it->second);
-          outbox.erase(it);
-          return t;
-        });
-        continue;
-      }
-      const Action& action = step.action;
-      const int i = action.micro_batch, s = action.stage;
-      static const char* const kWords[] = {"forward", "backward", "weight-gradient pass"};
-      label = kWords[static_cast<int>(action.kind)] + std::string(" of micro-batch ") + std::to_string(i) + ", " +
-              options.stage_word + " " + std::to_string(s);
-      const Tracer::Args task = {{"micro_batch", static_cast<int64_t>(i)},
-                                 {options.stage_word, static_cast<int64_t>(s)}};
-      const size_t position = k++;
-      if (action.kind == Action::Kind::kWeight) {
-        auto it = deferred.find({i, s});
-        TORCH_CHECK(it != deferred.end(), "its forward has not run on this device");
-        {
-          TraceScope scope(tracer, "weight", track, task);
-          it->second.flush();
-        }
-        deferred.erase(it);
-        continue;
-      }
-      if (action.kind == Action::Kind::kForward) {
-        at::Tensor input;
-        if (s > 0 || ends != nullptr) {
-          input = s > 0 ? receive({P2PMessage::Kind::kActivation, i, s - 1}) : to_stage_device(ends->inputs[i], device);
-        }
-        if (input.defined() && !keep_graph) {
-          // Cut the graph here: this stage's backward is an action of its own.
-          const bool wants_grad = s > 0 || input.requires_grad();
-          input = input.detach();
-          if (metered && device.is_cpu()) {  // charge the held input to this device (see StepResult)
-            ActivationScope charged(d);
-            input = input.clone();
-          }
-          if (wants_grad && input.is_floating_point()) input.requires_grad_(true);
-        }
-        Held h;
-        h.checkpointed = checkpointed[d][position];
-        at::Tensor output;
-        {
-          TraceScope scope(tracer, "forward", track, task);
-          // Kept whole, the graph is the caller's, under the caller's grad mode.
-          std::optional<torch::AutoGradMode> graph;
-          if (!keep_graph) graph.emplace(!h.checkpointed);
-          output = stage_forward(i, s, input);
-        }
-        TORCH_CHECK(output.defined(), "the stage returned an undefined tensor");
-        if (s == S - 1 && ends != nullptr) {
-          ends->outputs[i] = keep_graph ? output : output.detach();
-        } else if (s == S - 1) {
-          TORCH_CHECK(output.numel() == 1, "the last stage must return a scalar loss, got shape ", output.sizes());
-          TORCH_CHECK(h.checkpointed || output.requires_grad(),
-                      "the last stage's loss does not require grad: nothing to train");
-          result.losses[i] = output.detach();
-        } else {
-          hand_over({P2PMessage::Kind::kActivation, i, s}, s + 1, keep_graph ? output : output.detach());
-        }
-        if (!keep_graph) {
-          h.input = input;
-          if (!h.checkpointed) h.output = output;
-          held[{i, s}] = std::move(h);
-        }
-        // Split, a pair stays in flight from its forward to its W (its layers' inputs wait for it).
-        result.peak_in_flight = std::max(
-            result.peak_in_flight, static_cast<int>(schedule.split_backward ? deferred.size() : held.size()));
-        sample_held();
-      } else {
-        TORCH_CHECK(!keep_graph, "a backward action with the graph kept whole (the autograd engine runs it)");
-        auto it = held.find({i, s});
-        TORCH_CHECK(it != held.end(), "its forward has not run on this device");
-        Held h = std::move(it->second);
-        held.erase(it);
-        at::Tensor grad_output;
-        if (s < S - 1) {
-          grad_output = receive({P2PMessage::Kind::kGradient, i, s + 1});
-        } else if (ends != nullptr && ends->grad_outputs[i].defined()) {
-          grad_output = to_stage_device(ends->grad_outputs[i], device);
-        }
-        {
-          Tracer::Args args = task;
-          args.emplace_back("recomputed", static_cast<int64_t>(h.checkpointed ? 1 : 0));
-          TraceScope scope(tracer, "backward", track, args);
-          if (h.checkpointed) {
-            torch::AutoGradMode graph(true);
-            h.output = stage_forward(i, s, h.input);
-            sample_held();  // the rebuilt graph is held until this backward is done
-          }
-          if (h.output.requires_grad()) {
-            if (s == S - 1 && ends == nullptr) {
-              torch::autograd::backward({h.output});
-            } else if (grad_output.defined()) {
-              torch::autograd::backward({h.output}, {grad_output});
-            }
-          }
-        }
-        at::Tensor grad_input;
-        if (s > 0) {
-          grad_input = h.input.grad();
-          if (!grad_input.defined()) grad_input = at::zeros_like(h.input);
-        } else if (ends != nullptr && h.input.defined() && h.input.requires_grad()) {
-          ends->grad_inputs[i] = h.input.grad();
-        }
-        h = Held{};  // the graph and the input go before the previous stage moves on
-        if (s > 0) hand_over({P2PMessage::Kind::kGradient, i, s}, s - 1, std::move(grad_input));
-      }
-    } catch (const Stopped&) {
-      throw;
-    } catch (const c10::Error& e) {
-      transport.fail(d);
-      throw StageActionError(label, e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      transport.fail(d);
-      throw StageActionError(label, e.what());
-    } catch (...) {
-      transport.fail(d);
-      throw;
-    }
-  }
-  try {
-    transport.finish(d);
-  } catch (const c10::Error& e) {
-    throw StageActionError("the step's last sends", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    throw StageActionError("the step's last sends", e.what());
-  }
-  return result;
+  return DeviceSteps(plan, d, device, forward, step_seed, transport, options, track, ends).run();
 }
 
 }  // namespace
