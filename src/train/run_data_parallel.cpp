@@ -526,6 +526,137 @@ void write_trace(const Tracer& tracer, const std::string& trace, const dp::Worke
   tracer.write_chrome_json(path);
 }
 
+// This rank's batches: its share of each training batch, and the validation batches in batches of
+// the global --batch_size, as the original's validation loader (with C > 1 each context rank
+// evaluates its shard of them; the model sums the loss over the group).
+struct RankLoaders {
+  RankLoaders(const DataParallelConfig& flags, const parallel::Layout& layout, int rank, const RankInputs& in)
+      : collate(padded_collate(*in.tokenizer, flags.run.model_max_length)),
+        train(layout.coordinates_of(rank).data, layout.data_parallel_size(), in.corpus.train, flags.run.batch_size,
+              collate, dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch),
+        validation(in.corpus.validation, context_collate(collate, layout, rank),
+                   {flags.run.batch_size, false, 0, false, 2}) {}
+
+  static data::CollateFn padded_collate(const data::Tokenizer& tokenizer, int64_t max_length) {
+    return [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
+      return data::collate(ex, tokenizer, max_length);
+    };
+  }
+  static data::CollateFn context_collate(const data::CollateFn& collate, const parallel::Layout& layout, int rank) {
+    const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
+    if (C == 1) return collate;
+    return [collate, C, cp_rank](const std::vector<data::TranslationExample>& ex) {
+      return context_shard(collate(ex), C, cp_rank);
+    };
+  }
+
+  data::CollateFn collate;
+  dp::ShardedLoader train;
+  data::BatchLoader validation;
+};
+
+// The step a rank trains with: composed once for the layout (`plain`, from `parts`), or under
+// --elastic composed again for each generation (elastic_step.h), the dropped replicas' batches
+// read from their loaders' mirror.
+struct RankStep {
+  StepParts parts;  // its forward-backward and optimizer moved into `plain`
+  std::unique_ptr<GPT2TrainStep> plain;
+  std::unique_ptr<ReplicaBatchMirror> mirror;
+  std::unique_ptr<ElasticTrainStep> elastic;
+
+  TrainStep& step() { return elastic ? static_cast<TrainStep&>(*elastic) : *plain; }
+};
+
+RankStep compose_rank_step(const DataParallelConfig& flags, const parallel::Layout& layout, int rank,
+                           const parallel::ProcessGroups& groups, const dp::DistOptions& options,
+                           const dp::DistContext& world, int join_id, const RankInputs& in,
+                           const data::CollateFn& collate, model::GPT2LMHeadModel& model,
+                           const StepComposition& composition, const TrainStepSettings& settings) {
+  const RunConfig& f = flags.run;
+  RankStep out;
+  if (!flags.elastic) {
+    out.parts = compose_step(model, layout, groups, composition);
+    out.plain = std::make_unique<GPT2TrainStep>(model, std::move(out.parts.forward_backward),
+                                                std::move(out.parts.optimizer), out.parts.sync.get(), settings);
+    return out;
+  }
+  const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
+  const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
+  out.mirror = std::make_unique<ReplicaBatchMirror>([&flags, &in, collate, dp_size](int replica) {
+    return std::make_unique<dp::ShardedLoader>(replica, dp_size, in.corpus.train, flags.run.batch_size, collate,
+                                               dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
+  });
+  ElasticSettings elastic_settings;
+  elastic_settings.min_replicas = flags.min_replicas;
+  elastic_settings.sizes = run_layout_sizes(flags);
+  // The launcher's replacements (their count: its option) take dropped replicas back whole.
+  elastic_settings.accept_joiners = true;
+  elastic_settings.join_id = join_id;
+  // A survivor blocked in a collective with another survivor learns of the loss when the
+  // collective times out, and the launcher declares a stopped process lost a little later.
+  elastic_settings.join_window = std::chrono::seconds(flags.dist_timeout_s + 15);
+  out.elastic = std::make_unique<ElasticTrainStep>(model, composition, options, world, *out.mirror, elastic_settings,
+                                                   settings);
+  if (const auto joined = out.elastic->joined_at()) {
+    // Its own dropout stream, unlike any other replica's or replacement's (the lost one's
+    // cannot be recovered), the same on the tensor ranks of its replica (they join together).
+    torch::manual_seed(f.seed + static_cast<uint64_t>((dp_rank + (joined->global_step + 1) * dp_size) * C + cp_rank));
+  }
+  return out;
+}
+
+// Training (or, with --pytest, one step's gradients written), then this rank's lines after it.
+void train_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
+                const Device& device, const RankInputs& in, RankLoaders& loaders, RankStep& rank_step,
+                model::GPT2LMHeadModel& model, Tracer* tracer, const std::string& track,
+                const dp::DistContext& current_world) {
+  const RunConfig& f = flags.run;
+  const int rank = env.rank;
+  TrainStep& step = rank_step.step();
+  if (flags.pytest) {
+    // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
+    // gradients, written before any optimizer step.
+    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
+    write_gradients_of_one_step(step, loaders.train.set_epoch(0), path, f.gradient_accumulation_steps);
+    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
+    return;
+  }
+  TrainingOptions training = rank_training_options(flags, layout, env, device, in);
+  training.tracer = tracer;
+  training.trace_track = track;
+  TrainingData data;
+  data.train = [&loaders](int64_t epoch) -> data::BatchLoader& { return loaders.train.set_epoch(epoch); };
+  data.validation = &loaders.validation;
+  data.test = &in.corpus.test;
+  data.tokenizer = &*in.tokenizer;
+  if (ElasticTrainStep* elastic = rank_step.elastic.get()) {
+    training.elastic = true;
+    training.peers_alive = [elastic] { elastic->trainer().check_members_alive(); };
+    training.keeps_metrics = [elastic] { return elastic->trainer().keeps_the_log(); };
+    training.lost_peer = [](const std::exception& e) {
+      return is_communication_failure(e) || dynamic_cast<const LostProcessError*>(&e) != nullptr;
+    };
+    ReplicaBatchMirror* mirror = rank_step.mirror.get();
+    data.epoch_started = [mirror](int64_t epoch, int64_t first_batch) { mirror->start_epoch(epoch, first_batch); };
+    data.membership_changes = [elastic] { return elastic->take_membership_changes(); };
+    training.joined_at = elastic->joined_at();
+  }
+  run_training(step, data, training, &current_world);
+  record_weight_digest_if_asked(model, rank_step.elastic ? rank_step.elastic->trainer().launch_rank() : rank);
+  if (rank_step.plain) {
+    if (rank == 0) print_after_training(flags, rank_step.parts.sync.get());
+    if (const StepOptimizer::PostValidation pv = rank_step.plain->optimizer().post_validation(); pv.early > 0) {
+      std::cerr << "[rank " << rank << "] optimizer: post-validation stepped " << pv.early
+                << " times before the global norm arrived, " << pv.undone << " of them undone (clipped or skipped)"
+                << std::endl;
+    }
+  }
+  if (tracer) write_trace(*tracer, f.trace, env);
+  if (current_world.rank == 0) {
+    std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+  }
+}
+
 // `join_id`: under --elastic, a replacement's launch id (launcher.h's kElasticJoinIdVariable), whose
 // `world` is the store alone: it joins the run under way and receives its state; -1 otherwise.
 int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
@@ -534,11 +665,9 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   const RunConfig& f = flags.run;
   const int rank = env.rank;
   const bool joining = join_id >= 0;
-  const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
   RankInputs in;
-  in.rows = dp::per_device_batch_size(f.batch_size, dp_size);
+  in.rows = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
   prepare_rank_inputs(flags, rank, world, joining, in);
-  const data::Tokenizer& tokenizer = *in.tokenizer;
 
   // The model, split over its tensor-parallel group from the start (each rank builds and loads its
   // own slices), starts from rank 0's weights on every rank that holds the same slices (a
@@ -575,106 +704,22 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
   // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
   // The ranks of a context group hold different positions: each draws its own masks.
-  const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
-  torch::manual_seed(f.seed + static_cast<uint64_t>(dp_rank * C + cp_rank));
-  const int64_t max_length = f.model_max_length;
-  data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
-    return data::collate(ex, tokenizer, max_length);
-  };
-  dp::ShardedLoader train_shards(dp_rank, dp_size, in.corpus.train, f.batch_size, collate, dp::kDefaultPartitionSeed,
-                                 flags.reshuffle_each_epoch);
-  // Validation in batches of the global --batch_size, as the original's validation loader; with
-  // C > 1 each context rank evaluates its shard of them (the model sums the loss over the group).
-  data::CollateFn validation_collate = collate;
-  if (C > 1) {
-    validation_collate = [collate, C, cp_rank](const std::vector<data::TranslationExample>& ex) {
-      return context_shard(collate(ex), C, cp_rank);
-    };
-  }
-  data::BatchLoader validation_loader(in.corpus.validation, validation_collate, {f.batch_size, false, 0, false, 2});
+  const int C = layout.context_parallel_size();
+  const parallel::Coordinates here = layout.coordinates_of(rank);
+  torch::manual_seed(f.seed + static_cast<uint64_t>(here.data * C + here.context));
+  RankLoaders loaders(flags, layout, rank, in);
 
-  // The step: composed once for the layout, or under --elastic composed again for each generation
-  // (elastic_step.h), the dropped replicas' batches read from their loaders' mirror.
-  StepParts parts;
-  std::unique_ptr<GPT2TrainStep> plain;
-  std::unique_ptr<ReplicaBatchMirror> mirror;
-  std::unique_ptr<ElasticTrainStep> elastic;
-  if (flags.elastic) {
-    mirror = std::make_unique<ReplicaBatchMirror>([&](int replica) {
-      return std::make_unique<dp::ShardedLoader>(replica, dp_size, in.corpus.train, f.batch_size, collate,
-                                                 dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
-    });
-    ElasticSettings elastic_settings;
-    elastic_settings.min_replicas = flags.min_replicas;
-    elastic_settings.sizes = run_layout_sizes(flags);
-    // The launcher's replacements (their count: its option) take dropped replicas back whole.
-    elastic_settings.accept_joiners = true;
-    elastic_settings.join_id = join_id;
-    // A survivor blocked in a collective with another survivor learns of the loss when the
-    // collective times out, and the launcher declares a stopped process lost a little later.
-    elastic_settings.join_window = std::chrono::seconds(flags.dist_timeout_s + 15);
-    elastic = std::make_unique<ElasticTrainStep>(model, composition, options, world, *mirror, elastic_settings,
-                                                 settings);
-    if (const auto joined = elastic->joined_at()) {
-      // Its own dropout stream, unlike any other replica's or replacement's (the lost one's
-      // cannot be recovered), the same on the tensor ranks of its replica (they join together).
-      torch::manual_seed(f.seed + static_cast<uint64_t>((dp_rank + (joined->global_step + 1) * dp_size) * C + cp_rank));
-    }
-  } else {
-    parts = compose_step(model, layout, groups, composition);
-    if (flags.zero_stage >= 1 && rank == 0) {
-      print_zero_state(flags, layout.gradient_group_size(), model, *parts.optimizer);
-    }
+  RankStep rank_step = compose_rank_step(flags, layout, rank, groups, options, world, join_id, in, loaders.collate,
+                                         model, composition, settings);
+  if (rank_step.plain && flags.zero_stage >= 1 && rank == 0) {
+    print_zero_state(flags, layout.gradient_group_size(), model, rank_step.plain->optimizer());
   }
-  if (rank == 0 && !joining) print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, parts);
-  if (!elastic) {
-    plain = std::make_unique<GPT2TrainStep>(model, std::move(parts.forward_backward), std::move(parts.optimizer),
-                                            parts.sync.get(), settings);
+  if (rank == 0 && !joining) {
+    print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, rank_step.parts);
   }
-  TrainStep& step = elastic ? static_cast<TrainStep&>(*elastic) : *plain;
   // The world the run's collectives and checkpoints go over: the current generation's under --elastic.
-  const dp::DistContext& current_world = elastic ? elastic->world() : world;
-
-  if (flags.pytest) {
-    // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
-    // gradients, written before any optimizer step.
-    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
-    write_gradients_of_one_step(step, train_shards.set_epoch(0), path, f.gradient_accumulation_steps);
-    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
-  } else {
-    TrainingOptions training = rank_training_options(flags, layout, env, device, in);
-    training.tracer = tracer.get();
-    training.trace_track = track;
-    TrainingData data;
-    data.train = [&train_shards](int64_t epoch) -> data::BatchLoader& { return train_shards.set_epoch(epoch); };
-    data.validation = &validation_loader;
-    data.test = &in.corpus.test;
-    data.tokenizer = &tokenizer;
-    if (elastic) {
-      training.elastic = true;
-      training.peers_alive = [&elastic] { elastic->trainer().check_members_alive(); };
-      training.keeps_metrics = [&elastic] { return elastic->trainer().keeps_the_log(); };
-      training.lost_peer = [](const std::exception& e) {
-        return is_communication_failure(e) || dynamic_cast<const LostProcessError*>(&e) != nullptr;
-      };
-      data.epoch_started = [&mirror](int64_t epoch, int64_t first_batch) { mirror->start_epoch(epoch, first_batch); };
-      data.membership_changes = [&elastic] { return elastic->take_membership_changes(); };
-      training.joined_at = elastic->joined_at();
-    }
-    run_training(step, data, training, &current_world);
-    record_weight_digest_if_asked(model, elastic ? elastic->trainer().launch_rank() : rank);
-    if (rank == 0 && plain) print_after_training(flags, parts.sync.get());
-    if (const StepOptimizer::PostValidation pv = plain ? plain->optimizer().post_validation() : StepOptimizer::PostValidation{};
-        pv.early > 0) {
-      std::cerr << "[rank " << rank << "] optimizer: post-validation stepped " << pv.early
-                << " times before the global norm arrived, " << pv.undone << " of them undone (clipped or skipped)"
-                << std::endl;
-    }
-    if (tracer) write_trace(*tracer, f.trace, env);
-    if (current_world.rank == 0) {
-      std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
-    }
-  }
+  const dp::DistContext& current_world = rank_step.elastic ? rank_step.elastic->world() : world;
+  train_rank(flags, layout, env, device, in, loaders, rank_step, model, tracer.get(), track, current_world);
   dp::barrier(current_world);
   report_debug_sync(current_world);
   return 0;
