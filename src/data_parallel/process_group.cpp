@@ -6,6 +6,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <mutex>
 #include <sstream>
 #include <thread>
 #include <stdexcept>
@@ -172,12 +174,24 @@ Backend resolve_backend(Backend backend, const Device& device) {
 
 namespace {
 
+// Gloo writes to its peers with writev, which raises SIGPIPE where the peer's socket is gone (a
+// process lost, or a generation that went on without this one under --elastic), and SIGPIPE's
+// default ends the process before the collective can fail with a reason. Python ignores SIGPIPE
+// from its start, so in PyTorch's programs such a write fails with EPIPE and the collective
+// raises; here the same holds from the first Gloo group on. (A write to a closed stdout then
+// fails too, instead of ending the process, as in Python.)
+void let_writes_to_gone_peers_fail() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::signal(SIGPIPE, SIG_IGN); });
+}
+
 c10::intrusive_ptr<c10d::Backend> create_plain_backend(Backend backend,
                                                        const c10::intrusive_ptr<c10d::Store>& store,
                                                        int rank, int world_size,
                                                        const DistOptions& options) {
   if (backend == Backend::kGloo) {
 #ifdef HARNESS_WITH_GLOO
+    let_writes_to_gone_peers_fail();
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
     // GLOO_SOCKET_IFNAME picks the interface as in PyTorch; on one machine, loopback always works.
     const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");

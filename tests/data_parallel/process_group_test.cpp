@@ -8,6 +8,10 @@
 #include <thread>
 #include <torch/torch.h>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 
@@ -165,6 +169,25 @@ TEST(ProcessGroup, SingleRankGlooGroupWorksInProcess) {
   for (const GradientSyncKind kind : {GradientSyncKind::kNaive, GradientSyncKind::kBucketed}) {
     EXPECT_EQ(parse_gradient_sync(to_string(kind)), kind);
   }
+}
+
+// Gloo writes to its peers with writev: where a peer's socket is gone, the write must fail (EPIPE,
+// and the collective raises) instead of SIGPIPE ending this process. A write to a socket whose
+// other end is closed, after a Gloo group was made, returns the error and the test goes on.
+TEST(ProcessGroup, AfterAGlooGroupAWriteToAGonePeerFailsInsteadOfEndingTheProcess) {
+  DistOptions o;
+  o.master_port = free_port();
+  o.timeout = std::chrono::seconds(30);
+  const DistContext ctx = init_process_group(o);
+  ASSERT_EQ(ctx.backend, Backend::kGloo);
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  ::close(fds[1]);
+  const char byte = 0;
+  errno = 0;
+  EXPECT_EQ(::write(fds[0], &byte, 1), -1);
+  EXPECT_EQ(errno, EPIPE);
+  ::close(fds[0]);
 }
 
 TEST(ProcessGroup, TwoProcessGlooAllReduce) {
