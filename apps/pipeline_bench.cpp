@@ -77,6 +77,107 @@ double measured_bubble(const Tracer& tracer, int devices, int64_t since_us) {
   return 1.0 - static_cast<double>(total) / (static_cast<double>(devices) * static_cast<double>(hi - lo));
 }
 
+// What every configuration shares: the model, the devices, the batches and the step counts.
+struct Bench {
+  train::ModelSource source;
+  model::GPT2Config config;
+  std::vector<Device> devices;
+  int threads = 1;
+  int64_t rows = 0, tokens = 0;
+  int steps = 0, warmup = 0;
+  pipeline::BalanceSpec balance;
+  std::string trace_dir;
+  std::vector<data::Batch> batches;               // two, taken in turn
+  std::map<int, std::vector<int>> auto_balance;  // stages -> half blocks per stage (timed once)
+};
+
+// The balance configuration `c` runs with: --balance auto timed once per number of stages (on
+// micro-batches of a quarter batch), so that every configuration with that many stages compares
+// on the same balance; an explicit list only for the configurations with as many stages.
+std::vector<int> balance_for(Bench& bench, model::GPT2LMHeadModel& model, int stages) {
+  if (bench.balance.automatic) {
+    auto& halves = bench.auto_balance[stages];
+    if (halves.empty()) {
+      halves = pipeline::balance_gpt2_by_time(model, bench.devices.front(), stages,
+                                              std::max<int64_t>(1, bench.rows / 4), bench.tokens);
+      std::cerr << "[pipeline_bench] --balance auto over " << stages << " stages: " << halves.size()
+                << " stages of half blocks";
+      for (int h : halves) std::cerr << " " << h;
+      std::cerr << std::endl;
+    }
+    return halves;
+  }
+  if (static_cast<int>(bench.balance.halves_per_stage.size()) == stages) return bench.balance.halves_per_stage;
+  return {};
+}
+
+// One configuration's figures: the timed steps (the last one traced), then one more step for the
+// memory peaks.
+nlohmann::json measure(Bench& bench, const Configuration& c) {
+  const int D = static_cast<int>(bench.devices.size());
+  model::GPT2LMHeadModel model = train::build_model(bench.source, bench.config, 1234);
+  train::PipelineStepOptions o;
+  o.devices = bench.devices;
+  o.schedule = pipeline::parse_schedule_kind(c.schedule);
+  o.virtual_stages = c.virtual_stages;
+  o.micro_batches = c.micro_batches;
+  o.checkpointing = pipeline::parse_activation_checkpointing(c.checkpointing);
+  o.threads_per_device = bench.threads;
+  o.seed = 1;
+  o.balance_halves = balance_for(bench, model, D * c.virtual_stages);
+  Tracer tracer;
+  o.tracer = &tracer;
+  train::PipelineTrainStep step(model, 1e-4, o);
+  step.set_training(true);
+  std::vector<double> times;
+  int64_t traced_from = 0;
+  const int last = bench.warmup + bench.steps - 1;
+  for (int k = 0; k <= last; ++k) {
+    if (k == last) traced_from = tracer.now_us();
+    const auto start = std::chrono::steady_clock::now();
+    {
+      TraceScope scope(&tracer, "step", "main", {{"step", static_cast<int64_t>(k)}});
+      step.step(bench.batches[k % 2]);
+    }
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (k >= bench.warmup) times.push_back(t);
+  }
+  pipeline::reset_activation_peaks();
+  const std::vector<int64_t> before = pipeline::activation_live_bytes(D);
+  step.step(bench.batches[0]);
+  const std::vector<int64_t> peak = pipeline::activation_peak_bytes(D);
+  std::vector<int64_t> peak_allocated;
+  for (int d = 0; d < D; ++d) peak_allocated.push_back(peak[d] - before[d]);
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const double tokens_per_second = static_cast<double>(bench.rows * bench.tokens) / median;
+  const pipeline::TrainingSchedule& schedule = step.last_schedule();
+  const double unit_bubble = pipeline::simulate_unit_time(schedule).bubble;
+  const double bubble = measured_bubble(tracer, D, traced_from);
+  if (!bench.trace_dir.empty()) tracer.write_chrome_json(bench.trace_dir + "/" + c.name() + ".trace.json");
+  std::cerr << "[pipeline_bench] " << c.name() << ": " << median << " s/step, " << tokens_per_second
+            << " tok/s, bubble " << bubble << " (unit-time " << unit_bubble << "), balance " << step.balance_text()
+            << std::endl;
+  return {{"name", c.name()},
+          {"schedule", schedule.name},
+          {"micro_batches", c.micro_batches},
+          {"virtual_stages", c.virtual_stages},
+          {"activation_checkpointing", c.checkpointing},
+          {"balance", step.balance_text()},
+          {"step_seconds", times},
+          {"step_seconds_median", median},
+          {"tokens_per_second", tokens_per_second},
+          {"bubble_measured", bubble},
+          {"bubble_unit_time", unit_bubble},
+          {"peak_in_flight", step.last_peak_in_flight()},
+          // sampled by the executor as each forward of the memory step returned
+          {"peak_held_activation_bytes", step.last_peak_held_bytes()},
+          // the allocator's peak, a forward's temporaries and recomputation included
+          {"peak_allocated_in_forwards_bytes", peak_allocated},
+          {"traced_step", last}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -105,125 +206,46 @@ int main(int argc, char** argv) {
       return 0;
     }
     pipeline::install_activation_meter();
-    const std::vector<Device> devices = parse_device_list(r["devices"].as<std::string>());
-    const int threads = r["threads_per_device"].as<int>();
-    at::set_num_threads(threads);
+    Bench bench;
+    bench.devices = parse_device_list(r["devices"].as<std::string>());
+    bench.threads = r["threads_per_device"].as<int>();
+    at::set_num_threads(bench.threads);
     std::vector<Configuration> configurations;
     {
       std::stringstream in(r["configs"].as<std::string>());
       for (std::string item; std::getline(in, item, ',');) configurations.push_back(parse_configuration(item));
     }
-    train::ModelSource source;
-    source.preset = r["model"].as<std::string>();
-    model::GPT2Config config = train::resolve_config(source);
-    if (r["vocab_size"].as<int64_t>() > 0) config.vocab_size = r["vocab_size"].as<int64_t>();
-    const int64_t B = r["batch_size"].as<int64_t>(), T = r["tokens"].as<int64_t>();
-    const int steps = r["steps"].as<int>(), warmup = r["warmup"].as<int>();
+    bench.source.preset = r["model"].as<std::string>();
+    bench.config = train::resolve_config(bench.source);
+    if (r["vocab_size"].as<int64_t>() > 0) bench.config.vocab_size = r["vocab_size"].as<int64_t>();
+    bench.rows = r["batch_size"].as<int64_t>();
+    bench.tokens = r["tokens"].as<int64_t>();
+    bench.steps = r["steps"].as<int>();
+    bench.warmup = r["warmup"].as<int>();
     const std::string balance_flag = r["balance"].as<std::string>();
-    const std::string trace_dir = r["trace_dir"].as<std::string>();
-    if (!trace_dir.empty()) train::make_directories(trace_dir);
+    bench.balance = pipeline::parse_balance(balance_flag);
+    bench.trace_dir = r["trace_dir"].as<std::string>();
+    if (!bench.trace_dir.empty()) train::make_directories(bench.trace_dir);
 
     torch::manual_seed(5);
-    std::vector<data::Batch> batches;
+    const int64_t B = bench.rows, T = bench.tokens;
     for (int k = 0; k < 2; ++k) {
       data::Batch b;
-      b.input_ids = torch::randint(config.vocab_size, {B, T}, torch::kLong);
-      b.labels = torch::randint(config.vocab_size, {B, T}, torch::kLong);
+      b.input_ids = torch::randint(bench.config.vocab_size, {B, T}, torch::kLong);
+      b.labels = torch::randint(bench.config.vocab_size, {B, T}, torch::kLong);
       b.label_token_weights = torch::ones({B, T}, torch::kFloat32);
-      batches.push_back(b);
+      bench.batches.push_back(b);
     }
-
-    std::map<int, std::vector<int>> auto_balance;  // stages -> half blocks per stage
     nlohmann::json results = nlohmann::json::array();
-    std::map<std::string, double> tokens_per_second;
-    for (const Configuration& c : configurations) {
-      model::GPT2LMHeadModel model = train::build_model(source, config, 1234);
-      train::PipelineStepOptions o;
-      o.devices = devices;
-      o.schedule = pipeline::parse_schedule_kind(c.schedule);
-      o.virtual_stages = c.virtual_stages;
-      o.micro_batches = c.micro_batches;
-      o.checkpointing = pipeline::parse_activation_checkpointing(c.checkpointing);
-      o.threads_per_device = threads;
-      o.seed = 1;
-      const int stages = static_cast<int>(devices.size()) * c.virtual_stages;
-      const pipeline::BalanceSpec spec = pipeline::parse_balance(balance_flag);
-      if (spec.automatic) {
-        // Timed once per number of stages (on micro-batches of a quarter batch), so that every
-        // configuration with that many stages compares on the same balance.
-        auto& halves = auto_balance[stages];
-        if (halves.empty()) {
-          halves = pipeline::balance_gpt2_by_time(model, devices.front(), stages, std::max<int64_t>(1, B / 4), T);
-          std::cerr << "[pipeline_bench] --balance auto over " << stages << " stages: "
-                    << halves.size() << " stages of half blocks";
-          for (int h : halves) std::cerr << " " << h;
-          std::cerr << std::endl;
-        }
-        o.balance_halves = halves;
-      } else if (static_cast<int>(spec.halves_per_stage.size()) == stages) {
-        o.balance_halves = spec.halves_per_stage;  // only the configurations with as many stages
-      }
-      Tracer tracer;
-      o.tracer = &tracer;
-      train::PipelineTrainStep step(model, 1e-4, o);
-      step.set_training(true);
-      std::vector<double> times;
-      int64_t traced_from = 0;
-      for (int k = 0; k < warmup + steps; ++k) {
-        if (k == warmup + steps - 1) traced_from = tracer.now_us();
-        const auto start = std::chrono::steady_clock::now();
-        {
-          TraceScope scope(&tracer, "step", "main", {{"step", static_cast<int64_t>(k)}});
-          step.step(batches[k % 2]);
-        }
-        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (k >= warmup) times.push_back(t);
-      }
-      // One more untimed step for the memory figures (peaks of one step).
-      pipeline::reset_activation_peaks();
-      const std::vector<int64_t> before = pipeline::activation_live_bytes(static_cast<int>(devices.size()));
-      step.step(batches[0]);
-      const std::vector<int64_t> peak = pipeline::activation_peak_bytes(static_cast<int>(devices.size()));
-      std::vector<int64_t> peak_allocated;
-      for (size_t d = 0; d < devices.size(); ++d) peak_allocated.push_back(peak[d] - before[d]);
-      std::vector<double> sorted = times;
-      std::sort(sorted.begin(), sorted.end());
-      const double median = sorted[sorted.size() / 2];
-      const pipeline::TrainingSchedule& schedule = step.last_schedule();
-      const double unit_bubble = pipeline::simulate_unit_time(schedule).bubble;
-      const double bubble = measured_bubble(tracer, static_cast<int>(devices.size()), traced_from);
-      if (!trace_dir.empty()) tracer.write_chrome_json(trace_dir + "/" + c.name() + ".trace.json");
-      nlohmann::json entry = {{"name", c.name()},
-                              {"schedule", schedule.name},
-                              {"micro_batches", c.micro_batches},
-                              {"virtual_stages", c.virtual_stages},
-                              {"activation_checkpointing", c.checkpointing},
-                              {"balance", step.balance_text()},
-                              {"step_seconds", times},
-                              {"step_seconds_median", median},
-                              {"tokens_per_second", static_cast<double>(B * T) / median},
-                              {"bubble_measured", bubble},
-                              {"bubble_unit_time", unit_bubble},
-                              {"peak_in_flight", step.last_peak_in_flight()},
-                              // sampled by the executor as each forward of the memory step returned
-                              {"peak_held_activation_bytes", step.last_peak_held_bytes()},
-                              // the allocator's peak, a forward's temporaries and recomputation included
-                              {"peak_allocated_in_forwards_bytes", peak_allocated},
-                              {"traced_step", warmup + steps - 1}};
-      tokens_per_second[c.name()] = static_cast<double>(B * T) / median;
-      std::cerr << "[pipeline_bench] " << c.name() << ": " << median << " s/step, "
-                << static_cast<double>(B * T) / median << " tok/s, bubble " << bubble << " (unit-time "
-                << unit_bubble << "), balance " << step.balance_text() << std::endl;
-      results.push_back(entry);
-    }
-    nlohmann::json out = {{"model", source.preset},
-                          {"n_layer", config.n_layer},
-                          {"n_embd", config.n_embd},
-                          {"vocab_size", config.vocab_size},
+    for (const Configuration& c : configurations) results.push_back(measure(bench, c));
+    nlohmann::json out = {{"model", bench.source.preset},
+                          {"n_layer", bench.config.n_layer},
+                          {"n_embd", bench.config.n_embd},
+                          {"vocab_size", bench.config.vocab_size},
                           {"batch_size", B},
                           {"tokens", T},
                           {"devices", r["devices"].as<std::string>()},
-                          {"threads_per_device", threads},
+                          {"threads_per_device", bench.threads},
                           {"balance_flag", balance_flag},
                           {"configurations", results}};
     train::write_file_synced(r["out"].as<std::string>(), out.dump(2) + "\n");
