@@ -419,6 +419,18 @@ void GPT2LMHeadModelImpl::set_sequence_parallel(bool on) {
   sp_ = on;
 }
 
+int64_t GPT2LMHeadModelImpl::sequence_split_of(int64_t rows, int64_t tokens) const {
+  if (!sp_) return kWhole;
+  const int tp_size = tp_->size();
+  if (rows % tp_size == 0) return 0;
+  if (tokens % tp_size != 0) {
+    throw std::invalid_argument("--sequence_parallel: " + std::to_string(rows) + " rows of " + std::to_string(tokens) +
+                                " positions" + (cp_ ? " (this context rank's shard)" : std::string()) +
+                                ": neither is divisible over --tensor_parallel_size " + std::to_string(tp_size));
+  }
+  return 1;
+}
+
 torch::Tensor GPT2LMHeadModelImpl::embed(const torch::Tensor& input_ids, int64_t past_length) {
   return embed_at(input_ids, past_length, cp_ && past_length == 0, sp_ && past_length == 0);
 }
@@ -475,12 +487,7 @@ torch::Tensor GPT2LMHeadModelImpl::embed_at(const torch::Tensor& input_ids, int6
   // along the rows where the batch's rows divide by T (each rank's part is contiguous: no
   // reordering around the collectives), else along the sequence.
   const int tp_size = tp_->size();
-  split_dim_ = ids.size(0) % tp_size == 0 ? 0 : 1;
-  if (split_dim_ == 1 && T % tp_size != 0) {
-    throw std::invalid_argument("--sequence_parallel: " + std::to_string(ids.size(0)) + " rows of " +
-                                std::to_string(T) + " positions" + (cp_ ? " (this context rank's shard)" : std::string()) +
-                                ": neither is divisible over --tensor_parallel_size " + std::to_string(tp_size));
-  }
+  split_sequences_as(ids.size(0), T);
   const torch::Tensor tokens = vocab_parallel_embedding(ids, wte->weight, config_.vocab_size, *tp_, split_dim_);
   if (split_dim_ == 1) positions = positions.narrow(1, tp_->rank() * (T / tp_size), T / tp_size);
   const torch::Tensor placed = torch::embedding(tp_->copy_to_region(wpe->weight), positions.to(wpe->weight.device()));

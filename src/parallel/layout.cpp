@@ -46,11 +46,6 @@ Layout Layout::create(int world_size, const LayoutSizes& sizes) {
     throw std::invalid_argument("--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
                                 "--tensor_parallel_size 2 or more, not " + std::to_string(sizes.tensor));
   }
-  if (sizes.sequence_parallel && sizes.pipeline > 1) {
-    throw std::invalid_argument("--sequence_parallel does not combine with --pipeline_parallel_size " +
-                                std::to_string(sizes.pipeline) +
-                                ": the stages pass whole sequences between them; drop one of the two");
-  }
   return Layout(world_size / model_ranks, sizes);
 }
 

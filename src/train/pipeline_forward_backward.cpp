@@ -126,15 +126,21 @@ PipelineForwardBackward::PipelineForwardBackward(model::GPT2LMHeadModel model, P
   }
   std::optional<pipeline::P2PDebugRecord> debug;
   if (processes_->debug_sync) debug = pipeline::P2PDebugRecord{processes_->pipeline.store};
-  // Activations and their gradients alike: a micro-batch's hidden states [rows, T, C], fp32 (the
-  // residual stream stays fp32 under autocast).
+  // Activations and their gradients alike: a micro-batch's hidden states, fp32 (the residual
+  // stream stays fp32 under autocast).
   transport_ = std::make_unique<pipeline::ProcessTransport>(
       processes_->pipeline.group, options_.devices.front(),
-      [this](const pipeline::P2PMessage& m) {
-        return std::vector<int64_t>{rows_.at(static_cast<size_t>(m.micro_batch)), tokens_,
-                                    model_->config().n_embd};
-      },
-      at::kFloat, std::move(debug));
+      [this](const pipeline::P2PMessage& m) { return message_shape(m.micro_batch); }, at::kFloat, std::move(debug));
+}
+
+// [rows, T, C]; with sequence parallelism this tensor rank's part of it, split as the model splits
+// it (rows where they divide by the tensor group, else positions).
+std::vector<int64_t> PipelineForwardBackward::message_shape(int micro_batch) const {
+  const int64_t rows = rows_.at(static_cast<size_t>(micro_batch));
+  std::vector<int64_t> shape{rows, tokens_, model_->config().n_embd};
+  const int64_t split = split_messages_ ? model_->sequence_split_of(rows, tokens_) : model::kWhole;
+  if (split != model::kWhole) shape[static_cast<size_t>(split)] /= model_->tensor_parallel()->size();
+  return shape;
 }
 
 PipelineForwardBackward::~PipelineForwardBackward() = default;
@@ -229,6 +235,8 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
     const c10::Device where = processes_ ? options_.devices.front().torch_device()
                                          : options_.devices[device_of_stage(s)].torch_device();
     model::AutocastScope autocast(precision, where.type());
+    // With sequence parallelism every stage splits micro-batch i as the first stage's embedding does.
+    if (gpt2.sequence_parallel()) gpt2.split_sequences_as(ids[i].size(0), ids[i].size(1));
     // GPT-2's own pieces: the embedding on the first stage, the stage's run of block halves, the
     // final norm, tied head and loss on the last.
     at::Tensor hidden = s == 0 ? gpt2.embed(ids[i]) : input;
@@ -247,6 +255,7 @@ at::Tensor PipelineForwardBackward::run(const data::Batch& batch, const at::Tens
     last_peak_held_bytes_ = result.peak_held_bytes;
     losses = std::move(result.losses);
   } else {
+    split_messages_ = true;
     tokens_ = batch.input_ids.size(1);
     rows_.clear();
     for (const at::Tensor& part : ids) rows_.push_back(part.size(0));
@@ -325,6 +334,10 @@ at::Tensor PipelineForwardBackward::forward_through_stages(const at::Tensor& ids
   // The training transport carries the one "micro-batch" of ids' rows down the chain.
   rows_ = {ids.size(0)};
   tokens_ = ids.size(1);
+  // The cached path (generation) stays whole; with sequence parallelism a whole batch is split as
+  // the first stage's embedding splits it.
+  split_messages_ = cache == nullptr;
+  if (split_messages_ && gpt2.sequence_parallel()) gpt2.split_sequences_as(ids.size(0), ids.size(1));
   at::Tensor hidden;
   for (int s = 0; s < S; ++s) {
     if (device_of_stage(s) != p) continue;

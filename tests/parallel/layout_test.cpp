@@ -203,9 +203,9 @@ void expect_refused(int world, int t, int p, int zero, const std::string& messag
   }
 }
 
-// --sequence_parallel splits what the tensor group holds; it needs one, and whole sequences
-// between pipeline stages.
-TEST(Layout, SequenceParallelNeedsTensorRanksAndNoStages) {
+// --sequence_parallel splits what the tensor group holds, and needs one; pipeline stages pass each
+// tensor rank's part between them.
+TEST(Layout, SequenceParallelNeedsTensorRanks) {
   LayoutSizes with = sizes(2, 1, 0, 2);
   with.sequence_parallel = true;
   const Layout l = Layout::create(8, with);
@@ -213,19 +213,22 @@ TEST(Layout, SequenceParallelNeedsTensorRanksAndNoStages) {
   EXPECT_EQ(l.data_parallel_size(), 2);
   EXPECT_EQ(l.tensor_parallel_group(5), (std::vector<int>{4, 5}));  // the rank order is unchanged
   EXPECT_FALSE(Layout::create(8, sizes(2, 1, 0, 2)).sequence_parallel());
-  for (const auto& [tensor, pipeline, message] :
-       std::vector<std::tuple<int, int, std::string>>{
-           {1, 1, "--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
-                  "--tensor_parallel_size 2 or more, not 1"},
-           {2, 2, "--sequence_parallel does not combine with --pipeline_parallel_size 2"}}) {
-    LayoutSizes bad = sizes(tensor, pipeline, 0);
-    bad.sequence_parallel = true;
-    try {
-      (void)Layout::create(4, bad);
-      ADD_FAILURE() << "expected an error containing: " << message;
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-    }
+  LayoutSizes staged = sizes(2, 2, 0);
+  staged.sequence_parallel = true;
+  const Layout p = Layout::create(8, staged);
+  EXPECT_TRUE(p.sequence_parallel());
+  EXPECT_EQ(p.pipeline_parallel_size(), 2);
+  EXPECT_EQ(p.tensor_parallel_group(6), (std::vector<int>{6, 7}));
+  LayoutSizes bad = sizes(1, 1, 0);
+  bad.sequence_parallel = true;
+  try {
+    (void)Layout::create(4, bad);
+    ADD_FAILURE() << "expected --sequence_parallel without tensor ranks to be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--sequence_parallel splits the sequence over the tensor-parallel group: it "
+                                         "needs --tensor_parallel_size 2 or more, not 1"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -2,9 +2,10 @@
 ranks (zigzag chunks, ring attention). After three AdamW steps with dropout 0 the weights equal
 one device's (data parallelism alone's when D > 1) by the rule of after_adamw.py, for (D,C,T,P) =
 (1,2,1,1), (2,2,1,1), (1,2,2,1) and (1,3,1,1), under ZeRO-2 and ZeRO-3, (2,2,2,1) under ZeRO-2, with
---sequence_parallel (1,1,2,1) and (1,2,2,1), (1,2,1,2) in pipeline stages under 1F1B, and with two
-batches a step (--gradient_accumulation_steps 2); the validation loss is one device's; only c = 0
-prints; --model_max_length 38 is padded to a multiple of 2C (40, 42), of 2C·T with sequence
+--sequence_parallel (1,1,2,1), (1,2,2,1), (1,1,2,2) in pipeline stages (1F1B, and zbv with every
+forward recomputed) and (2,1,2,2) under zb1p with ZeRO-1, (1,2,1,2) in pipeline stages under 1F1B,
+and with two batches a step (--gradient_accumulation_steps 2); the validation loss is one device's;
+only c = 0 prints; --model_max_length 38 is padded to a multiple of 2C (40, 42), of 2C·T with sequence
 parallelism (40). The refusals name the flags.
 Checkpoints reshard to and from context ranks; a killed context rank is named. gpt2-tiny, a few
 batches, at most 8 processes."""
@@ -112,6 +113,38 @@ class ContextParallel(unittest.TestCase):
                     open(os.path.join(alone, "rank0_gen_epoch0.json")) as g:
                 self.assertEqual(json.load(f), json.load(g))
 
+    def test_sequence_parallelism_inside_pipeline_stages_trains_like_one_device(self):
+        # (1,1,2,2): the stages pass each tensor rank's part of a micro-batch. Under 1F1B with
+        # 4 micro-batches of 4 rows the parts are whole rows; under zbv with 16 of one row (and every
+        # forward recomputed) they are halves of each sequence, 38 positions padded to 40.
+        with tempfile.TemporaryDirectory() as tmp:
+            alone, alone_proc = self.train(tmp, "alone", 1)
+            expected = self.validation_losses(alone_proc)
+            with open(os.path.join(alone, "rank0_gen_epoch0.json")) as g:
+                translations = json.load(g)
+            for name, extra in (("rows", ["--n_chunk", "4"]),
+                                ("positions", ["--n_chunk", "16", "--pipeline_schedule", "zbv",
+                                               "--activation_checkpointing", "always"])):
+                with self.subTest(name):
+                    staged, proc = self.train(tmp, "t2p2sp-" + name, 4,
+                                              ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+                                               "--sequence_parallel"] + extra)
+                    self.same_weights(staged, alone, "(1,1,2,2) with --sequence_parallel against one device")
+                    self.assertIn("sequence_parallel=true", proc.stderr)
+                    self.assertIn("pipeline_parallel_size=2", proc.stderr)
+                    losses = self.validation_losses(proc)
+                    self.assertEqual(list(losses), [0])
+                    self.assertAlmostEqual(losses[0], expected[0], delta=1e-4 * abs(expected[0]))
+                    # Generation passes whole sequences down the stages (the cached path is not split).
+                    with open(os.path.join(staged, "rank0_gen_epoch0.json")) as f:
+                        self.assertEqual(json.load(f), translations)
+            # (2,1,2,2) under zb1p (a split backward) with ZeRO-1: data parallelism alone's weights.
+            data, _ = self.train(tmp, "d2", 2, ["--benchmark_only"])
+            eight, _ = self.train(tmp, "d2t2p2sp", 8, ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+                                                      "--sequence_parallel", "--n_chunk", "4", "--pipeline_schedule",
+                                                      "zb1p", "--zero_stage", "1", "--benchmark_only"])
+            self.same_weights(eight, data, "(2,1,2,2) with --sequence_parallel, zb1p and ZeRO-1 against D = 2")
+
     def test_accumulated_batches_weigh_as_on_one_device(self):
         # Two batches a step: each rank's loss is divided by both whole batches' label weight.
         with tempfile.TemporaryDirectory() as tmp:
@@ -135,10 +168,7 @@ class ContextParallel(unittest.TestCase):
                  "--context_parallel_size 3 pads --model_max_length 127 to 132 positions"),
                 (["--sequence_parallel", "--world_size", "2", "--model_max_length", "40"],
                  "--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
-                 "--tensor_parallel_size 2 or more, not 1"),
-                (["--sequence_parallel", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
-                  "--world_size", "4", "--model_max_length", "40"],
-                 "--sequence_parallel does not combine with --pipeline_parallel_size 2")):
+                 "--tensor_parallel_size 2 or more, not 1")):
             proc = run([DP] + unsized + extra, check=False)
             self.assertNotEqual(proc.returncode, 0, proc.stderr)
             self.assertIn(needle, proc.stderr)

@@ -240,9 +240,10 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // this rank's part t of the batch's tokens: rows [t B/T, (t+1) B/T) where the B rows divide by T
   // (a contiguous part, as Megatron's split of its sequence-first layout), else positions
   // [t S/T, (t+1) S/T) of each sequence (of the context shard with a context group).
-  // forward_units() takes and returns such parts (the last embed()'s split), and head_loss()
-  // takes the part and gathers the whole before the head. The column-parallel layers all-gather
-  // their input and the row-parallel ones reduce-scatter their output; LayerNorm, dropout (from
+  // forward_units() takes and returns such parts (the split of the last embed() or
+  // split_sequences_as()), and head_loss() takes the part and gathers the whole before the head.
+  // The column-parallel layers all-gather their input and the row-parallel ones reduce-scatter
+  // their output; LayerNorm, dropout (from
   // the rank's own stream) and the residual stream run on the part, and the gradients of the
   // parameters used there (the LayerNorms, the row-parallel biases, wpe) are summed over the
   // group. forward() still returns the whole logits; the cached path (generation) stays whole.
@@ -250,6 +251,13 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // without a tensor-parallel group of two or more ranks.
   void set_sequence_parallel(bool on);
   bool sequence_parallel() const { return sp_; }
+  // With sequence parallelism, what micro-batches of rows x tokens (the tokens of this rank's
+  // context shard, with a context group) are split along between the split layers: 0 where the rows
+  // divide by T, else 1; kWhole without it. Throws, naming the flags, where neither divides.
+  int64_t sequence_split_of(int64_t rows, int64_t tokens) const;
+  // A pipeline stage that does not embed (or one about to take its next micro-batch) sets the split
+  // its forward_units() and head_loss() follow, as embed() does for its own input.
+  void split_sequences_as(int64_t rows, int64_t tokens) { split_dim_ = sequence_split_of(rows, tokens); }
 
   // Hugging Face's initialisation: normal(0, initializer_range) weights, zero biases, unit
   // LayerNorms, c_proj weights scaled by 1/sqrt(2 * n_layer). Deterministic given torch's seed.

@@ -195,6 +195,10 @@ class PipelineForwardBackward final : public ForwardBackward {
   std::unique_ptr<pipeline::ProcessTransport> transport_;
   std::vector<int64_t> rows_;
   int64_t tokens_ = 0;
+  // With sequence parallelism the stages pass each tensor rank's part of a micro-batch (training,
+  // validation); the cached path (generation) passes whole ones.
+  bool split_messages_ = true;
+  std::vector<int64_t> message_shape(int micro_batch) const;
   at::Tensor head_weight_;  // in-process: the tied head's leaf, from micro-step 0 of each step
   int64_t global_step_ = 0;
   pipeline::TrainingSchedule last_schedule_;
