@@ -505,6 +505,7 @@ class Launch {
     if (pid == 0) {
       ::setpgid(0, 0);
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::signal(SIGPIPE, SIG_DFL);  // as a shell would start it, whatever this process ignores
       if (::getppid() != launcher_pid_) ::_exit(125);  // the launcher is already gone
       ::dup2(out_pipe.write, STDOUT_FILENO);
       ::dup2(err_pipe.write, STDERR_FILENO);

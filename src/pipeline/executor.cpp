@@ -222,19 +222,13 @@ class DeviceSteps {
         transport_(transport),
         options_(options),
         track_(track),
-        ends_(ends),
+        ends_(checked(ends, plan.schedule)),
         keep_graph_(ends != nullptr && ends->keep_graph),
         metered_(activation_meter_installed()),
         live_before_(metered_ ? activation_live_bytes(d + 1)[d] : 0),
         checkpointed_(checkpoint_plan(schedule_, options.checkpointing)),
         held_((ends != nullptr ? *ends->held[d] : own_).by_task) {
-    const int D = schedule_.devices, M = schedule_.micro_batches;
-    result_.losses.resize(M);
-    if (ends != nullptr) {
-      TORCH_CHECK(static_cast<int>(ends->inputs.size()) == M && static_cast<int>(ends->held.size()) == D,
-                  "run_device_steps: the pipeline's ends are for ", ends->inputs.size(), " micro-batches and ",
-                  ends->held.size(), " devices, the plan has ", M, " and ", D);
-    }
+    result_.losses.resize(schedule_.micro_batches);
   }
 
   DeviceStepResult run() {
@@ -285,6 +279,18 @@ class DeviceSteps {
 
  private:
   using Held = HeldForwards::Held;
+
+  // `ends`, checked to be for the plan's micro-batches and devices before anything reads them.
+  static StageEnds* checked(StageEnds* ends, const TrainingSchedule& schedule) {
+    const int D = schedule.devices, M = schedule.micro_batches;
+    if (ends != nullptr) {
+      TORCH_CHECK(static_cast<int>(ends->inputs.size()) == M && static_cast<int>(ends->held.size()) == D,
+                  "run_device_steps: the pipeline's ends are for ", ends->inputs.size(), " micro-batches and ",
+                  ends->held.size(), " devices, the plan has ", M, " and ", D);
+    }
+    return ends;
+  }
+
   using Key = std::tuple<int, int, int>;  // a message's kind, micro-batch and sending stage
 
   static Key key(const P2PMessage& m) { return {static_cast<int>(m.kind), m.micro_batch, m.from_stage}; }

@@ -70,7 +70,7 @@ ActivationCosts activation_costs(const MemoryPlanInput& in) {
   a.mlp = 4 * C / S + b * C + 2 * b * I / T + residual_mask;
   a.embeddings = (4 * C + (c.embd_pdrop > 0.0 ? C : 0)) / S;
   a.head = 4 * C / S + b * C + 8 * model::vocabulary_range(V, 0, static_cast<int>(T)).size();
-  a.stage_input = 4 * C;
+  a.stage_input = 4 * C / S;  // with sequence parallelism the stages pass 1/T of it
   return a;
 }
 
