@@ -243,12 +243,11 @@ class GPT2LMHeadModelImpl : public torch::nn::Module {
   // forward_units() takes and returns such parts (the split of the last embed() or
   // split_sequences_as()), and head_loss() takes the part and gathers the whole before the head.
   // The column-parallel layers all-gather their input and the row-parallel ones reduce-scatter
-  // their output; LayerNorm, dropout (from
-  // the rank's own stream) and the residual stream run on the part, and the gradients of the
-  // parameters used there (the LayerNorms, the row-parallel biases, wpe) are summed over the
-  // group. forward() still returns the whole logits; the cached path (generation) stays whole.
-  // embed() throws, naming the flags, where neither the rows nor the sequence divide by T. Throws
-  // without a tensor-parallel group of two or more ranks.
+  // their output; LayerNorm, dropout (from the rank's own stream) and the residual stream run on
+  // the part, and the gradients of the parameters used there (the LayerNorms, the row-parallel
+  // biases, wpe) are summed over the group. forward() still returns the whole logits; the cached
+  // path (generation) stays whole. embed() throws, naming the flags, where neither the rows nor
+  // the sequence divide by T. Throws without a tensor-parallel group of two or more ranks.
   void set_sequence_parallel(bool on);
   bool sequence_parallel() const { return sp_; }
   // With sequence parallelism, what micro-batches of rows x tokens (the tokens of this rank's
