@@ -220,6 +220,10 @@ class WorkerGroup {
   Worker& operator[](int rank) { return workers_[static_cast<size_t>(rank)]; }
   std::vector<Worker>& all() { return workers_; }
   int size() const { return static_cast<int>(workers_.size()); }
+  // Whether any worker is started and not reaped yet.
+  bool any_running() const {
+    return std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; });
+  }
   // A slot for one more worker (references to the others may move); its index.
   int add() {
     workers_.emplace_back();
@@ -463,7 +467,7 @@ class Launch {
       start_replacements();
       if (stopping_ && Clock::now() >= kill_deadline_) workers_.signal_running(SIGKILL);
       if (!all_exited) {
-        all_exited = std::none_of(workers_.all().begin(), workers_.all().end(), [](const Worker& w) { return w.running; });
+        all_exited = !workers_.any_running();
         if (all_exited) drain_deadline = Clock::now() + std::chrono::seconds(2);
       }
     }
@@ -586,8 +590,7 @@ class Launch {
     }
     if (!workers_.reap_if_exited(w)) return;
     const int status = w.status;
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0 &&
-        std::any_of(workers_.all().begin(), workers_.all().end(), [](const Worker& o) { return o.running; })) {
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && workers_.any_running()) {
       w.left_early = Clock::now();
     }
     const bool failed = WIFSIGNALED(status) || WEXITSTATUS(status) != 0;
@@ -606,17 +609,19 @@ class Launch {
   // whatever fails next (the others time out waiting for it in a collective): the failure names it.
   std::string suspects() {
     std::string text;
-    char seconds[64];
+    const auto seconds_since = [](Clock::time_point since) {
+      char text[64];
+      std::snprintf(text, sizeof(text), "%.1f", std::chrono::duration<double>(Clock::now() - since).count());
+      return std::string(text);
+    };
     for (int slot = 0; slot < workers_.size(); ++slot) {
       const Worker& w = workers_[slot];
       if (w.running && w.stopped_since) {
-        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.stopped_since).count());
         text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(slot) + " was stopped by " +
-                signal_name(w.stop_signal) + " " + seconds + " s ago and stopped answering";
+                signal_name(w.stop_signal) + " " + seconds_since(*w.stopped_since) + " s ago and stopped answering";
       } else if (w.left_early) {
-        std::snprintf(seconds, sizeof(seconds), "%.1f", std::chrono::duration<double>(Clock::now() - *w.left_early).count());
         text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(slot) + " exited with status 0 " +
-                seconds + " s ago while the others kept running";
+                seconds_since(*w.left_early) + " s ago while the others kept running";
       }
     }
     return text;
