@@ -531,11 +531,20 @@ void write_trace(const Tracer& tracer, const std::string& trace, const dp::Worke
 // evaluates its shard of them; the model sums the loss over the group).
 struct RankLoaders {
   RankLoaders(const DataParallelConfig& flags, const parallel::Layout& layout, int rank, const RankInputs& in)
-      : collate(padded_collate(*in.tokenizer, flags.run.model_max_length)),
-        train(layout.coordinates_of(rank).data, layout.data_parallel_size(), in.corpus.train, flags.run.batch_size,
-              collate, dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch),
+      : flags(flags),
+        in(in),
+        replicas(layout.data_parallel_size()),
+        collate(padded_collate(*in.tokenizer, flags.run.model_max_length)),
+        train(shard_of(layout.coordinates_of(rank).data)),
         validation(in.corpus.validation, context_collate(collate, layout, rank),
                    {flags.run.batch_size, false, 0, false, 2}) {}
+
+  // Data-parallel replica `replica`'s share of each training batch: this rank's (train), or under
+  // --elastic a dropped replica's, read from the mirror.
+  std::unique_ptr<dp::ShardedLoader> shard_of(int replica) const {
+    return std::make_unique<dp::ShardedLoader>(replica, replicas, in.corpus.train, flags.run.batch_size, collate,
+                                               dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
+  }
 
   static data::CollateFn padded_collate(const data::Tokenizer& tokenizer, int64_t max_length) {
     return [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
@@ -550,8 +559,11 @@ struct RankLoaders {
     };
   }
 
+  const DataParallelConfig& flags;
+  const RankInputs& in;
+  const int replicas;
   data::CollateFn collate;
-  dp::ShardedLoader train;
+  std::unique_ptr<dp::ShardedLoader> train;
   data::BatchLoader validation;
 };
 
@@ -569,9 +581,9 @@ struct RankStep {
 
 RankStep compose_rank_step(const DataParallelConfig& flags, const parallel::Layout& layout, int rank,
                            const parallel::ProcessGroups& groups, const dp::DistOptions& options,
-                           const dp::DistContext& world, int join_id, const RankInputs& in,
-                           const data::CollateFn& collate, model::GPT2LMHeadModel& model,
-                           const StepComposition& composition, const TrainStepSettings& settings) {
+                           const dp::DistContext& world, int join_id, const RankLoaders& loaders,
+                           model::GPT2LMHeadModel& model, const StepComposition& composition,
+                           const TrainStepSettings& settings) {
   const RunConfig& f = flags.run;
   RankStep out;
   if (!flags.elastic) {
@@ -582,10 +594,7 @@ RankStep compose_rank_step(const DataParallelConfig& flags, const parallel::Layo
   }
   const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
   const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
-  out.mirror = std::make_unique<ReplicaBatchMirror>([&flags, &in, collate, dp_size](int replica) {
-    return std::make_unique<dp::ShardedLoader>(replica, dp_size, in.corpus.train, flags.run.batch_size, collate,
-                                               dp::kDefaultPartitionSeed, flags.reshuffle_each_epoch);
-  });
+  out.mirror = std::make_unique<ReplicaBatchMirror>([&loaders](int replica) { return loaders.shard_of(replica); });
   ElasticSettings elastic_settings;
   elastic_settings.min_replicas = flags.min_replicas;
   elastic_settings.sizes = run_layout_sizes(flags);
@@ -617,7 +626,7 @@ void train_rank(const DataParallelConfig& flags, const parallel::Layout& layout,
     // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
     // gradients, written before any optimizer step.
     const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
-    write_gradients_of_one_step(step, loaders.train.set_epoch(0), path, f.gradient_accumulation_steps);
+    write_gradients_of_one_step(step, loaders.train->set_epoch(0), path, f.gradient_accumulation_steps);
     std::cout << "Rank " << rank << ": wrote " << path << std::endl;
     return;
   }
@@ -625,7 +634,7 @@ void train_rank(const DataParallelConfig& flags, const parallel::Layout& layout,
   training.tracer = tracer;
   training.trace_track = track;
   TrainingData data;
-  data.train = [&loaders](int64_t epoch) -> data::BatchLoader& { return loaders.train.set_epoch(epoch); };
+  data.train = [&loaders](int64_t epoch) -> data::BatchLoader& { return loaders.train->set_epoch(epoch); };
   data.validation = &loaders.validation;
   data.test = &in.corpus.test;
   data.tokenizer = &*in.tokenizer;
@@ -709,8 +718,8 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   torch::manual_seed(f.seed + static_cast<uint64_t>(here.data * C + here.context));
   RankLoaders loaders(flags, layout, rank, in);
 
-  RankStep rank_step = compose_rank_step(flags, layout, rank, groups, options, world, join_id, in, loaders.collate,
-                                         model, composition, settings);
+  RankStep rank_step =
+      compose_rank_step(flags, layout, rank, groups, options, world, join_id, loaders, model, composition, settings);
   if (rank_step.plain && flags.zero_stage >= 1 && rank == 0) {
     print_zero_state(flags, layout.gradient_group_size(), model, rank_step.plain->optimizer());
   }
