@@ -5,6 +5,7 @@
 #include "harness/data_parallel/debug_sync.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -16,6 +17,8 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <iostream>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -103,6 +106,9 @@ void wait_for_every_rank(c10d::Store& store, const DistOptions& o, const std::st
 }
 
 c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
+  // Across hosts, a rank with no route to MASTER_ADDR fails now, naming it, not after the
+  // rendezvous' timeout.
+  if (!is_loopback(o.master_addr)) local_address_toward(o.master_addr, o.master_port);
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(o.master_port);
   store_options.isServer = o.rank == 0 && !o.use_agent_store;
@@ -136,6 +142,63 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
 }
 
 }  // namespace
+
+std::string local_address_toward(const std::string& host, int port) {
+  const std::string where = host + ":" + std::to_string(port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int resolved = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  if (resolved != 0 || found == nullptr) {
+    throw std::runtime_error("MASTER_ADDR " + host + " does not resolve on this host (" +
+                             ::gai_strerror(resolved) + "): set --master_addr to rank 0's address");
+  }
+  std::string failure;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage own{};
+    socklen_t own_size = sizeof(own);
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&own), &own_size) != 0) {
+      failure = std::strerror(errno);
+      ::close(fd);
+      continue;
+    }
+    ::close(fd);
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* bytes = own.ss_family == AF_INET6
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&own)->sin6_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&own)->sin_addr);
+    if (::inet_ntop(own.ss_family, bytes, text, sizeof(text)) != nullptr) {
+      ::freeaddrinfo(found);
+      return text;
+    }
+  }
+  ::freeaddrinfo(found);
+  throw std::runtime_error("this host has no route to MASTER_ADDR " + where + " (" +
+                           (failure.empty() ? "no usable address" : failure) +
+                           "): is its network up, and is --master_addr rank 0's address?");
+}
+
+GlooInterface choose_gloo_interface(const std::string& master_addr, int master_port,
+                                    const char* socket_ifname) {
+  GlooInterface choice;
+  if (socket_ifname != nullptr && *socket_ifname != '\0') {
+    choice.kind = GlooInterface::Kind::kInterfaceName;
+    choice.value = socket_ifname;
+    choice.reason = "GLOO_SOCKET_IFNAME";
+  } else if (is_loopback(master_addr)) {
+    choice.value = "127.0.0.1";
+    choice.reason = "MASTER_ADDR " + master_addr + " is loopback: one machine";
+  } else {
+    choice.value = local_address_toward(master_addr, master_port);
+    choice.reason = "the address that routes to MASTER_ADDR " + master_addr +
+                    "; GLOO_SOCKET_IFNAME overrides";
+  }
+  return choice;
+}
 
 Backend parse_backend(const std::string& name) {
   if (name == "auto") return Backend::kAuto;
@@ -193,15 +256,23 @@ c10::intrusive_ptr<c10d::Backend> create_plain_backend(Backend backend,
 #ifdef HARNESS_WITH_GLOO
     let_writes_to_gone_peers_fail();
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    // GLOO_SOCKET_IFNAME picks the interface as in PyTorch; on one machine, loopback always works.
-    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-    if (ifname != nullptr && *ifname != '\0') {
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    } else if (is_loopback(options.master_addr)) {
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-    } else {
-      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    // Gloo's default device binds to what the hostname resolves to, which on many hosts is
+    // 127.0.1.1 or 127.0.0.1: every peer on another host would then dial its own loopback.
+    const GlooInterface choice = choose_gloo_interface(options.master_addr, options.master_port,
+                                                       std::getenv("GLOO_SOCKET_IFNAME"));
+    gloo_options->devices.push_back(
+        choice.kind == GlooInterface::Kind::kInterfaceName
+            ? c10d::ProcessGroupGloo::createDeviceForInterface(choice.value)
+            : c10d::ProcessGroupGloo::createDeviceForHostname(choice.value));
+    if (options.local_rank == 0 && !is_loopback(options.master_addr)) {
+      static std::once_flag printed;
+      std::call_once(printed, [&] {
+        char host[256] = {};
+        ::gethostname(host, sizeof(host) - 1);
+        std::cerr << "[gloo] host " << host << ": Gloo uses "
+                  << (choice.kind == GlooInterface::Kind::kInterfaceName ? "interface " : "address ")
+                  << choice.value << " (" << choice.reason << ")" << std::endl;
+      });
     }
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, gloo_options);
 #else

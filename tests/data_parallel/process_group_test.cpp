@@ -8,6 +8,10 @@
 #include <thread>
 #include <torch/torch.h>
 
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -141,6 +145,50 @@ TEST(ProcessGroup, RankZeroTimeoutNamesTheMissingRanks) {
   rank1.join();
   EXPECT_NE(error.find("for the other 2 rank(s)"), std::string::npos) << error;
   EXPECT_NE(error.find("missing: rank 2 of --world_size 3"), std::string::npos) << error;
+}
+
+// An IPv4 address of this machine's own, on an interface that is up and not loopback ("" if none).
+std::string own_non_loopback_address() {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return "";
+  std::string found;
+  for (const ifaddrs* i = all; i != nullptr && found.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    if ((i->ifa_flags & IFF_UP) == 0 || (i->ifa_flags & IFF_LOOPBACK) != 0) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text));
+    found = text;
+  }
+  ::freeifaddrs(all);
+  return found;
+}
+
+// Gloo's interface: GLOO_SOCKET_IFNAME first, loopback on one machine, else the address that
+// routes to MASTER_ADDR (never the hostname's loopback address).
+TEST(ProcessGroup, GlooBindsToTheAddressThatRoutesToTheMaster) {
+  const GlooInterface named = choose_gloo_interface("10.1.2.3", 29500, "eth7");
+  EXPECT_EQ(named.kind, GlooInterface::Kind::kInterfaceName);
+  EXPECT_EQ(named.value, "eth7");
+  EXPECT_EQ(named.reason, "GLOO_SOCKET_IFNAME");
+  for (const char* loopback : {"localhost", "127.0.0.1"}) {
+    const GlooInterface one_machine = choose_gloo_interface(loopback, 29500, "");
+    EXPECT_EQ(one_machine.kind, GlooInterface::Kind::kAddress);
+    EXPECT_EQ(one_machine.value, "127.0.0.1");
+  }
+  EXPECT_EQ(local_address_toward("127.0.0.1", 29500), "127.0.0.1");
+  try {
+    local_address_toward("no-such-host.invalid", 29500);
+    ADD_FAILURE() << "an unresolvable MASTER_ADDR was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("MASTER_ADDR no-such-host.invalid does not resolve"),
+              std::string::npos) << e.what();
+  }
+  const std::string own = own_non_loopback_address();
+  if (own.empty()) GTEST_SKIP() << "this machine has no non-loopback IPv4 address that is up";
+  const GlooInterface routed = choose_gloo_interface(own, 29500, nullptr);
+  EXPECT_EQ(routed.kind, GlooInterface::Kind::kAddress);
+  EXPECT_EQ(routed.value, own);  // toward its own address a host uses that address, not 127.x
+  EXPECT_NE(routed.reason.find("routes to MASTER_ADDR " + own), std::string::npos) << routed.reason;
 }
 
 TEST(ProcessGroup, SingleRankGlooGroupWorksInProcess) {

@@ -73,9 +73,27 @@ DistContext connect_rendezvous_store(const DistOptions& options);
 DistOptions dist_options_for(const WorkerEnv& env, Backend backend = Backend::kAuto,
                              const Device& device = Device::cpu());
 
+// The local address this host uses to reach `host` (a name or an address) at `port`: the own
+// address of a UDP socket connected toward it, as NCCL matches its bootstrap interface (no packet
+// is sent). Throws std::runtime_error naming host and port when the name does not resolve or no
+// route leads there (a host cut off from MASTER_ADDR fails here, before any rendezvous).
+std::string local_address_toward(const std::string& host, int port);
+
+// Which interface Gloo binds to, as data: GLOO_SOCKET_IFNAME when set (PyTorch's variable still
+// wins); 127.0.0.1 when MASTER_ADDR is loopback (one machine); else the address that routes to
+// MASTER_ADDR, so that a rank on several hosts never advertises its hostname's loopback address.
+struct GlooInterface {
+  enum class Kind { kInterfaceName, kAddress };
+  Kind kind = Kind::kAddress;
+  std::string value;   // the interface's name, or the address to bind
+  std::string reason;  // why this one, for the line each host prints
+};
+GlooInterface choose_gloo_interface(const std::string& master_addr, int master_port,
+                                    const char* socket_ifname);
+
 // A Gloo or NCCL backend (kAuto is refused) for `rank` of `world_size` over `store` (the rendezvous of a group),
-// with the transport options.master_addr implies (GLOO_SOCKET_IFNAME, loopback, or the default
-// interface) and options.device bound for NCCL, wrapped in a DebugSyncBackend under
+// on the interface choose_gloo_interface picks (printed once per host, local rank 0, when
+// MASTER_ADDR is not loopback) and options.device bound for NCCL, wrapped in a DebugSyncBackend under
 // options.debug_sync. c10d's exceptions propagate: the caller says
 // which group failed.
 c10::intrusive_ptr<c10d::Backend> create_backend(Backend backend,
