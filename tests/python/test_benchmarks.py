@@ -248,6 +248,30 @@ class RunnerTest(unittest.TestCase):
             self.assertIn("FAILED: pipeline time speedup", out.getvalue())
             self.assertIn("--pp-time-threshold", out.getvalue())
 
+            # The defaults are the course's (1.5 / 1.5 / 1.0 / 1.0): these logs' 1.67x and 1.14x pass
+            # them; --strict holds them to the project's 1.8x and 1.25x and names every miss.
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+                rc = run_benchmarks.main(common + ["--mode", "grader"])
+            self.assertEqual(rc, 0, out.getvalue())
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+                rc = run_benchmarks.main(common + ["--mode", "grader", "--strict"])
+            self.assertEqual(rc, 1)
+            for flag in ("--dp-time-threshold 1.800x", "--pp-throughput-threshold 1.250x"):
+                self.assertIn(flag, out.getvalue())
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+                rc = run_benchmarks.main(common + ["--mode", "grader", "--strict", "--dp-time-threshold", "1.5",
+                                                   "--dp-throughput-threshold", "1.5", "--pp-time-threshold", "1",
+                                                   "--pp-throughput-threshold", "1"])
+            self.assertEqual(rc, 0, out.getvalue())
+
+    def test_grader_defaults_are_the_originals(self):
+        args = run_benchmarks.parse_args(["--mode", "grader"])
+        self.assertEqual((args.dp_time_threshold, args.dp_throughput_threshold, args.pp_time_threshold,
+                          args.pp_throughput_threshold), (1.5, 1.5, 1.0, 1.0))
+        args = run_benchmarks.parse_args(["--mode", "grader", "--strict", "--pp-time-threshold", "1.1"])
+        self.assertEqual((args.dp_time_threshold, args.dp_throughput_threshold, args.pp_time_threshold,
+                          args.pp_throughput_threshold), (1.8, 1.8, 1.1, 1.25))
+
     def test_schedules_table_goals_and_figures_from_a_pipeline_bench_result(self):
         def config(name, schedule, m, v, ckpt, tok, bubble, unit, held, allocated):
             return {"name": name, "schedule": schedule, "micro_batches": m, "virtual_stages": v,
