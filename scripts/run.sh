@@ -4,8 +4,9 @@
 # Extra arguments are passed to run_data_parallel (e.g. --n_epochs 2).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# The demo runs one program: build it and the library, not the tools and test suites.
-"$ROOT/scripts/build.sh" run_data_parallel
+# The demo runs run_data_parallel; run_pipeline is built too, so that every command of README's
+# Quick start runs after this one. The tools and test suites are left to scripts/build.sh.
+"$ROOT/scripts/build.sh" run_data_parallel run_pipeline
 BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
 WORKDIR="${WORKDIR:-$ROOT/workdir/main}"
 cd "$ROOT"

@@ -117,6 +117,107 @@ def script_flags(path):
     return flags
 
 
+def readme_section(title):
+    """The text of README's '## {title}' section, up to the next '## ' heading."""
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", read(os.path.join(SOURCE, "README.md")), re.S | re.M)
+    if not m:
+        raise AssertionError(f"README.md has no '## {title}' section")
+    return m.group(1)
+
+
+def sh_commands(text):
+    """[(the prose since the previous block, [command, ...])] of each sh block of a markdown text,
+    with continued lines joined and comments dropped."""
+    out, lines, prose = [], text.splitlines(), ""
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() != "```sh":
+            prose += lines[i] + "\n"
+            i += 1
+            continue
+        commands, pending = [], ""
+        i += 1
+        while lines[i].strip() != "```":
+            line = lines[i].rstrip()
+            if line.endswith("\\"):
+                pending += line[:-1] + " "
+            else:
+                command = (pending + line).strip()
+                pending = ""
+                if command and not command.startswith("#"):
+                    commands.append(command)
+            i += 1
+        out.append((prose, commands))
+        prose = ""
+        i += 1
+    return out
+
+
+def with_flags(words, settings):
+    """The words of a command with each --flag of settings set to its value (replaced where given,
+    appended where not); a value of None is a bare switch."""
+    words = list(words)
+    for flag, value in settings.items():
+        if flag in words:
+            at = words.index(flag)
+            if value is not None:
+                words[at + 1] = value
+        else:
+            words += [flag] if value is None else [flag, value]
+    return words
+
+
+class QuickStart(unittest.TestCase):
+    """README's Quick start as a new user runs it: after scripts/run.sh, every command shown works."""
+
+    def test_every_program_of_the_quick_start_is_built_by_scripts_run_sh(self):
+        shown = set()
+        for _, commands in sh_commands(readme_section("Quick start")):
+            for command in commands:
+                shown |= set(re.findall(r"(?<![\w/])build/([\w-]+)", command))
+        self.assertIn("run_pipeline", shown)
+        m = re.search(r"scripts/build\.sh\"?((?: [\w-]+)+)", read(os.path.join(SOURCE, "scripts", "run.sh")))
+        self.assertIsNotNone(m, "scripts/run.sh does not call scripts/build.sh with its targets")
+        built = set(m.group(1).split())
+        self.assertEqual(sorted(shown - built), [],
+                         "README's Quick start runs programs that scripts/run.sh does not build")
+
+    def test_the_cpu_quick_start_runs_as_printed_for_one_batch(self):
+        blocks = sh_commands(readme_section("Quick start"))
+        self.assertTrue(blocks and "On CPUs" in blocks[0][0], "the Quick start opens with its CPU block")
+        commands = blocks[0][1]
+        self.assertGreaterEqual(len(commands), 3)
+        import tempfile
+        for n, command in enumerate(commands):
+            words = shlex.split(command, comments=True)
+            m = re.match(r"^build/([\w-]+)$", words[0])
+            self.assertIsNotNone(m, command)
+            with tempfile.TemporaryDirectory() as work:
+                args = with_flags([os.path.join(BINARY, m.group(1))] + words[1:], {
+                    "--n_epochs": "1", "--max_batches": "1", "--train_size": "128", "--validation_size": "8",
+                    "--test_size": "2", "--no_progress": None, "--workdir": os.path.join(work, "w")})
+                with self.subTest(command=command):
+                    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+                    self.assertEqual(proc.returncode, 0, f"{' '.join(args)}\n{proc.stdout}\n{proc.stderr}")
+                    if "--memory_plan" in words:
+                        self.assertIn("model state per rank: at most", proc.stdout)
+                    else:
+                        self.assertRegex(proc.stdout, r"(?m)^Epoch 0( on Rank 0)?: BLEU = \d", proc.stdout)
+
+    def test_a_test_count_is_written_in_one_place_only(self):
+        counts = [f"{rel(page)}:{number}: {m}" for page in doc_files()
+                  for number, line in enumerate(read(page).splitlines(), 1)
+                  for m in re.findall(r"\b\d[\d,]* tests\b", line)]
+        self.assertLessEqual(len(counts), 1, "the suite's size is written in more than one place "
+                                             "(keep it in docs/tests.md only):\n" + "\n".join(counts))
+
+    def test_the_build_page_lists_every_program(self):
+        row = next((line for line in read(os.path.join(SOURCE, "docs", "tests.md")).splitlines()
+                    if line.startswith("| `build/<program>`")), "")
+        self.assertEqual([t for t in TOOLS if f"`{t}`" not in row], [],
+                         "docs/tests.md's `build/<program>` row misses programs of apps/")
+
+
 class Docs(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
