@@ -223,7 +223,8 @@ class Docs(unittest.TestCase):
     def setUpClass(cls):
         cls.help = {tool: help_text(tool) for tool in TOOLS}
         cls.flags = {tool: help_flags(text) for tool, text in cls.help.items()}
-        cls.script_flags = {rel(p): script_flags(p) for p in glob.glob(os.path.join(SOURCE, "scripts", "*"))}
+        cls.script_flags = {rel(p): script_flags(p) for p in glob.glob(os.path.join(SOURCE, "scripts", "*"))
+                            if os.path.isfile(p)}   # not scripts/__pycache__
         # scripts/run.sh hands its arguments to run_data_parallel, scripts/test.sh to ctest.
         cls.script_flags["scripts/run.sh"] = cls.flags["run_data_parallel"]
         cls.script_flags["scripts/test.sh"] = OUTSIDE_FLAGS["ctest"]
