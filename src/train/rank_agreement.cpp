@@ -4,8 +4,15 @@
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
 
 #include "harness/data_parallel/process_group.h"
 #include "harness/train/checkpoint_store.h"
@@ -17,6 +24,8 @@ namespace {
 namespace dp = harness::data_parallel;
 
 const char* const kStopKey = "harness/stopped/";
+const char* const kHostKey = "harness/host/";
+const char* const kAnsweredKey = "harness/timed_out/";
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
@@ -33,7 +42,133 @@ bool is_peer_loss(const std::string& error) {
   return false;
 }
 
+// What Gloo says when a collective waited past the process group's timeout.
+bool is_timeout(const std::string& error) {
+  return error.find("Timed out waiting") != std::string::npos ||
+         error.find("timed out") != std::string::npos;
+}
+
+std::string seconds(std::chrono::milliseconds d) {
+  std::ostringstream out;
+  out << static_cast<double>(d.count()) / 1000.0 << " s";
+  return out.str();
+}
+
+// What a thread that reads the store found, shared with the rank that waits on it.
+struct StoreRound {
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool reached = false;  // this rank's own key came back from the store
+  bool done = false;
+  std::set<int> answered;
+  std::map<int, std::string> hosts;
+};
+
+void read_who_answered(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+                       std::chrono::steady_clock::time_point deadline, std::shared_ptr<StoreRound> round) {
+  auto finish = [&] {
+    std::lock_guard<std::mutex> lock(round->mutex);
+    round->done = true;
+    round->done_cv.notify_all();
+  };
+  try {
+    const std::string mine = kAnsweredKey + std::to_string(rank);
+    store->set(mine, std::vector<uint8_t>{1});
+    if (!store->check({mine})) throw std::runtime_error("the store lost this rank's key");
+    {
+      std::lock_guard<std::mutex> lock(round->mutex);
+      round->reached = true;
+      round->answered.insert(rank);
+    }
+    // Every rank behind the same timeout says so within moments; the window bounds the wait.
+    for (;;) {
+      std::set<int> seen{rank};
+      for (int r = 0; r < world_size; ++r) {
+        if (r != rank && store->check({kAnsweredKey + std::to_string(r)})) seen.insert(r);
+      }
+      {
+        std::lock_guard<std::mutex> lock(round->mutex);
+        round->answered = seen;
+      }
+      if (static_cast<int>(seen.size()) == world_size || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::map<int, std::string> hosts;
+    for (int r = 0; r < world_size; ++r) {
+      const std::string key = kHostKey + std::to_string(r);
+      if (store->check({key})) {
+        const std::vector<uint8_t> label = store->get(key);
+        hosts[r] = std::string(label.begin(), label.end());
+      }
+    }
+    std::lock_guard<std::mutex> lock(round->mutex);
+    round->hosts = std::move(hosts);
+  } catch (const std::exception&) {
+    // A store that fails here is a store this rank cannot use: what was read so far stands.
+  }
+  finish();
+}
+
+// "rank 2 (host2 10.77.0.3)", or "ranks 0, 1 (host0 10.77.0.1; host1 10.77.0.2)".
+std::string ranks_with_hosts(const std::vector<int>& ranks, const std::map<int, std::string>& hosts) {
+  std::string out = rank_list(ranks);
+  std::vector<std::string> labels;
+  for (int r : ranks) {
+    const auto it = hosts.find(r);
+    const std::string label = it == hosts.end() ? "" : it->second;
+    if (!label.empty() && std::find(labels.begin(), labels.end(), label) == labels.end()) labels.push_back(label);
+  }
+  if (labels.empty()) return out;
+  out += " (";
+  for (size_t i = 0; i < labels.size(); ++i) out += (i ? "; " : "") + labels[i];
+  return out + ")";
+}
+
 }  // namespace
+
+void record_host(const std::string& label, const dp::DistContext& world) {
+  if (!world.store || world.world_size == 1) return;
+  try {
+    world.store->set(kHostKey + std::to_string(world.rank), std::vector<uint8_t>(label.begin(), label.end()));
+  } catch (const std::exception&) {
+    // Only the explanation of a later timeout would miss it.
+  }
+}
+
+TimeoutDiagnosis explain_timeout(const std::string& error, const dp::DistContext& world,
+                                 const std::string& own_host, const std::string& store_address,
+                                 std::chrono::milliseconds window) {
+  if (!world.store || world.world_size == 1 || !is_timeout(error)) return {error, true};
+  const auto deadline = std::chrono::steady_clock::now() + window;
+  auto round = std::make_shared<StoreRound>();
+  // Detached: a store behind a cut link may never answer, and this rank must not wait on it.
+  std::thread(read_who_answered, world.store, world.rank, world.world_size, deadline, round).detach();
+  std::unique_lock<std::mutex> lock(round->mutex);
+  round->done_cv.wait_until(lock, deadline + std::chrono::seconds(1), [&] { return round->done; });
+  const std::string transport = " (Gloo: " + error.substr(0, error.find('\n')) + ")";
+  if (!round->reached) {
+    return {"a collective timed out, and this rank (rank " + std::to_string(world.rank) + " on " + own_host +
+                ") could not reach the rendezvous store at " + store_address + " within " + seconds(window) +
+                " either: this host is cut off from rank 0's host (a cut link or a lost network), so the run "
+                "cannot go on here" + transport,
+            false};
+  }
+  std::vector<int> silent, answered;
+  for (int r = 0; r < world.world_size; ++r) {
+    (round->answered.count(r) ? answered : silent).push_back(r);
+  }
+  if (silent.empty()) {
+    return {"a collective timed out on every rank, and every rank still reaches the store: a rank was too slow "
+            "for --dist_timeout_s, or the ranks issued different collectives (--debug_sync checks that)" +
+                transport,
+            true};
+  }
+  return {"a collective timed out: " + ranks_with_hosts(silent, round->hosts) +
+              " did not answer through the rendezvous store at " + store_address + " within " + seconds(window) +
+              ", so it is unreachable from here (a cut link, a lost host, or a stopped process); " +
+              ranks_with_hosts(answered, round->hosts) + " answered" + transport,
+          true};
+}
 
 std::vector<std::string> all_gather_strings(const std::string& mine, const dp::DistContext* world) {
   if (world == nullptr || world->world_size == 1) return {mine};

@@ -4,12 +4,14 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "harness/data_parallel/bucketed_all_reduce.h"
 #include "harness/data_parallel/debug_sync.h"
@@ -734,6 +736,28 @@ int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& lay
   return 0;
 }
 
+// "host2 10.77.0.3": this rank's hostname, and across hosts the address it reaches MASTER_ADDR
+// from, for the messages that name a rank's host.
+std::string host_label(const dp::DistOptions& options) {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  std::string label = name;
+  if (options.master_addr != "localhost" && options.master_addr.rfind("127.", 0) != 0) {
+    try {
+      label += " " + dp::local_address_toward(options.master_addr, options.master_port);
+    } catch (const std::exception&) {
+      // The rendezvous got through: only the label goes without its address.
+    }
+  }
+  return label;
+}
+
+// How long a rank whose collective timed out waits for the others to say so through the store:
+// half the collective timeout, between 1 and 5 seconds.
+std::chrono::milliseconds diagnosis_window(const DataParallelConfig& flags) {
+  return std::chrono::milliseconds(std::clamp(flags.dist_timeout_s * 500, 1000, 5000));
+}
+
 }  // namespace
 
 int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEnv& env) {
@@ -763,6 +787,8 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   const std::string join_id = flags.elastic ? env_or(dp::kElasticJoinIdVariable, "") : "";
   const dp::DistContext world =
       join_id.empty() ? dp::init_process_group(options) : dp::connect_rendezvous_store(options);
+  const std::string host = host_label(options);
+  record_host(host, world);
   try {
     return train_this_rank(flags, layout, env, device, threads, options, world,
                            join_id.empty() ? -1 : std::stoi(join_id));
@@ -772,6 +798,17 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
     std::cerr << e.what() << "; nothing to do" << std::endl;
     return 0;
   } catch (const std::exception& e) {
+    // A collective that timed out: who answers through the store, and who is behind a cut link.
+    // A peer that finds this rank gone then reads that explanation in the store.
+    const TimeoutDiagnosis timeout = explain_timeout(
+        e.what(), world, host, options.master_addr + ":" + std::to_string(options.master_port),
+        diagnosis_window(flags));
+    if (timeout.message != e.what()) {
+      if (timeout.reached_store) record_stop(timeout.message, world);
+      // Rank 0 may serve the store: it stays a moment, so that the others finish reading it.
+      if (world.rank == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+      throw std::runtime_error(timeout.message);
+    }
     // A peer that finds this rank gone reads why in the store; this rank, finding a peer gone,
     // names it rather than repeating the transport's words.
     record_stop(e.what(), world);

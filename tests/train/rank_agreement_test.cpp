@@ -1,10 +1,16 @@
 // A rank that finds a peer gone names it: from the message the peer left in the store, or rank 0
-// when the store (which rank 0 serves) is gone too; other errors pass unchanged.
+// when the store (which rank 0 serves) is gone too; other errors pass unchanged. A rank whose
+// collective timed out names the ranks that never answer through the store, or its own host as
+// cut off when it cannot reach the store either.
 #include "harness/train/rank_agreement.h"
 
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <future>
+#include <thread>
 
 #include "harness/data_parallel/process_group.h"
 
@@ -60,6 +66,72 @@ TEST(ExplainStop, AStoreGoneWithItsServerMeansRankZeroStopped) {
   server.reset();  // rank 0's process ended
   const std::string said = explain_stop(kPeerGone, context(1, 2, client));
   EXPECT_NE(said.find("rank 0 stopped"), std::string::npos) << said;
+}
+
+const std::string kTimedOut =
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+    "operation to complete";
+
+// Ranks 0 and 1 time out together and answer; rank 2 (behind a cut link) never does.
+TEST(ExplainTimeout, NamesTheRanksThatNeverAnswerWithTheirHosts) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  for (int r = 0; r < 3; ++r) {
+    record_host("host" + std::to_string(r) + " 10.0.0." + std::to_string(r + 1), context(r, 3, store));
+  }
+  auto rank1 = std::async(std::launch::async, [&] {
+    return explain_timeout(kTimedOut, context(1, 3, store), "host1 10.0.0.2", "10.0.0.1:5555",
+                           std::chrono::milliseconds(1000));
+  });
+  const TimeoutDiagnosis said = explain_timeout(kTimedOut, context(0, 3, store), "host0 10.0.0.1", "10.0.0.1:5555",
+                                                std::chrono::milliseconds(1000));
+  EXPECT_TRUE(said.reached_store);
+  EXPECT_NE(said.message.find("rank 2 (host2 10.0.0.3) did not answer through the rendezvous store at "
+                              "10.0.0.1:5555 within 1 s"),
+            std::string::npos) << said.message;
+  EXPECT_NE(said.message.find("ranks 0, 1 (host0 10.0.0.1; host1 10.0.0.2) answered"), std::string::npos)
+      << said.message;
+  EXPECT_NE(said.message.find("Timed out waiting 10000ms"), std::string::npos) << said.message;  // the detail
+  const std::string rank1_said = rank1.get().message;
+  EXPECT_NE(rank1_said.find("rank 2 (host2 10.0.0.3) did not answer"), std::string::npos) << rank1_said;
+}
+
+TEST(ExplainTimeout, EveryRankAnsweringIsNoCutAndOtherErrorsPassUnchanged) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto rank1 = std::async(std::launch::async, [&] {
+    return explain_timeout(kTimedOut, context(1, 2, store), "h1", "a:1", std::chrono::milliseconds(3000));
+  });
+  const auto started = std::chrono::steady_clock::now();
+  const TimeoutDiagnosis said = explain_timeout(kTimedOut, context(0, 2, store), "h0", "a:1",
+                                                std::chrono::milliseconds(3000));
+  // Both answered at once: neither waits out its window.
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(2500));
+  EXPECT_NE(said.message.find("every rank still reaches the store"), std::string::npos) << said.message;
+  rank1.get();
+  const TimeoutDiagnosis other = explain_timeout(kPeerGone, context(0, 2, store), "h0", "a:1",
+                                                 std::chrono::milliseconds(1000));
+  EXPECT_EQ(other.message, kPeerGone);
+  EXPECT_EQ(explain_timeout(kTimedOut, context(0, 1, store), "h0", "a:1", std::chrono::milliseconds(1000)).message,
+            kTimedOut);
+}
+
+// A store behind a cut link: its calls never return.
+class UnreachableStore : public c10d::HashStore {
+ public:
+  void set(const std::string&, const std::vector<uint8_t>&) override {
+    std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+};
+
+TEST(ExplainTimeout, ARankThatCannotReachTheStoreSaysItsHostIsCutOffWithinTheWindow) {
+  auto store = c10::make_intrusive<UnreachableStore>();
+  const auto started = std::chrono::steady_clock::now();
+  const TimeoutDiagnosis said = explain_timeout(kTimedOut, context(2, 3, store), "host2 10.0.0.3", "10.0.0.1:5555",
+                                                std::chrono::milliseconds(500));
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(2500));
+  EXPECT_FALSE(said.reached_store);
+  EXPECT_NE(said.message.find("this rank (rank 2 on host2 10.0.0.3) could not reach the rendezvous store at "
+                              "10.0.0.1:5555 within 0.5 s either: this host is cut off"),
+            std::string::npos) << said.message;
 }
 
 TEST(AgreeToGoOn, OneProcessGoesOnOrSaysWhy) {

@@ -4,6 +4,7 @@
 // peer gone says which rank stopped instead of repeating the transport's error.
 #pragma once
 
+#include <chrono>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -55,5 +56,27 @@ std::string explain_stop(const std::string& error, const data_parallel::DistCont
 // Leaves this rank's error in the world's store, so that a peer that finds it gone can name it
 // (best effort: a store already gone is ignored).
 void record_stop(const std::string& error, const data_parallel::DistContext& world);
+
+// Leaves in the world's store which host this rank runs on (`label`: its hostname and the
+// address it reaches MASTER_ADDR from), so that a rank that loses it can name its host. Best
+// effort, like record_stop.
+void record_host(const std::string& label, const data_parallel::DistContext& world);
+
+// What a rank says when a collective timed out (Gloo's "Timed out waiting ..."): no rank can tell
+// from the transport alone whether a peer died, stopped, or sits behind a cut link.
+struct TimeoutDiagnosis {
+  std::string message;
+  bool reached_store = true;  // false: this rank is cut off from the store (and from rank 0's host)
+};
+
+// For an `error` that is a collective's timeout, every rank that catches one says so through the
+// store and waits `window` for the others: the ranks that never answer are named, with their
+// hosts, as unreachable from this side; a rank that cannot reach the store itself within `window`
+// says that its host (`own_host`, record_host's label) is cut off from `store_address`. Other errors come back unchanged. The store
+// is read from a thread of its own, so that a store behind a cut link cannot hold this rank past
+// `window` (and a second).
+TimeoutDiagnosis explain_timeout(const std::string& error, const data_parallel::DistContext& world,
+                                 const std::string& own_host, const std::string& store_address,
+                                 std::chrono::milliseconds window);
 
 }  // namespace harness::train
