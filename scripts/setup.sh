@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the build and the scripts need, and nothing twice:
-# Debian packages (compilers' libraries, SentencePiece, JSON, cxxopts, Gloo headers, ccache)
+# Debian packages (compilers' libraries, SentencePiece, JSON, cxxopts, Gloo headers, ccache,
+# Slurm and munge for scripts/cluster.py's emulated hosts)
 # and a git-ignored virtual environment .venv holding the pinned PyPI torch wheel,
 # whose bundled LibTorch is what CMake links, plus the Python packages of scripts/.
 #
@@ -26,6 +27,9 @@ APT_PACKAGES=(
   python3 python3-venv
   libsentencepiece-dev nlohmann-json3-dev libcxxopts-dev libgloo-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  # Slurm on scripts/cluster.py's hosts (`up N --slurm`), which starts its own munged, slurmctld
+  # and slurmd with its own config: the packages' system services are not used.
+  slurm-wlm munge
 )
 
 log() { printf '[setup] %s\n' "$*"; }
