@@ -49,6 +49,47 @@ std::string admitted_key(int launch_id) { return "elastic/admitted/" + std::to_s
 
 std::string admissions_closed_key() { return "elastic/closed"; }
 
+std::string heartbeat_key(int launch_rank) { return "elastic/heartbeat/" + std::to_string(launch_rank); }
+
+Heartbeat::Heartbeat(c10::intrusive_ptr<c10d::Store> store, int launch_rank, std::chrono::milliseconds period)
+    : store_(std::move(store)), key_(heartbeat_key(launch_rank)), period_(period) {
+  thread_ = std::thread([this] { beat(); });
+}
+
+Heartbeat::~Heartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  thread_.join();
+}
+
+void Heartbeat::beat() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    lock.unlock();
+    try {
+      store_->add(key_, 1);
+    } catch (const std::exception&) {
+      return;  // the store is gone or unreachable: no beat can be heard anyway
+    }
+    lock.lock();
+    stop_cv_.wait_for(lock, period_, [this] { return stop_; });
+  }
+}
+
+bool LossWatch::lost(c10d::Store& store, int member) {
+  if (store.check({lost_process_key(member)})) return true;
+  const std::string key = heartbeat_key(member);
+  if (!store.check({key})) return false;  // it never beat: the launcher watches it
+  const int64_t count = store.add(key, 0);
+  const Clock::time_point now = Clock::now();
+  auto [it, first] = seen_.try_emplace(member, Seen{count, now});
+  if (!first && it->second.count != count) it->second = Seen{count, now};
+  return now - it->second.since >= stale_after_;
+}
+
 Generation agree_next_generation(c10d::Store& store, const Generation& now, int launch_rank,
                                  std::chrono::milliseconds join_window) {
   Generation next;
@@ -59,13 +100,14 @@ Generation agree_next_generation(c10d::Store& store, const Generation& now, int 
     // Every member of `now` checked in or known lost, or the window over: the ones in are next.
     const Clock::time_point deadline = Clock::now() + join_window;
     std::vector<int> in;
+    LossWatch losses;
     for (;;) {
       in.clear();
       bool all_known = true;
       for (const int member : now.members) {
         if (store.check({key("alive/" + std::to_string(member))})) {
           in.push_back(member);
-        } else if (!store.check({lost_process_key(member)})) {
+        } else if (!losses.lost(store, member)) {
           all_known = false;
         }
       }
@@ -132,12 +174,13 @@ StepDecision vote_to_commit(c10d::Store& store, const Generation& now, int64_t s
   // moment of each other (their last collective ends together), so the first pauses are short.
   const Clock::time_point start = Clock::now();
   Clock::time_point next_lost_check = start;
+  LossWatch losses;
   for (auto pause = std::chrono::microseconds(50);; pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
     if (store.check({decision})) return decision_of(store.get(decision));
     const Clock::time_point now_time = Clock::now();
     if (now_time >= next_lost_check) {
       for (const int member : now.members) {
-        if (member != launch_rank && store.check({lost_process_key(member)})) return decide(store, decision, kRetake);
+        if (member != launch_rank && losses.lost(store, member)) return decide(store, decision, kRetake);
       }
       next_lost_check = now_time + std::chrono::milliseconds(20);
     }

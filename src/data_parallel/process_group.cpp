@@ -200,6 +200,18 @@ GlooInterface choose_gloo_interface(const std::string& master_addr, int master_p
   return choice;
 }
 
+c10::intrusive_ptr<c10d::Store> open_store_client(const DistOptions& o) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(o.master_port);
+  store_options.isServer = false;
+  store_options.numWorkers = std::nullopt;
+  store_options.waitWorkers = false;
+  store_options.timeout = o.timeout;
+  auto tcp = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+  if (!o.use_agent_store) return tcp;
+  return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(o.restart_count), tcp);
+}
+
 Backend parse_backend(const std::string& name) {
   if (name == "auto") return Backend::kAuto;
   if (name == "gloo") return Backend::kGloo;

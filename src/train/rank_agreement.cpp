@@ -170,6 +170,32 @@ TimeoutDiagnosis explain_timeout(const std::string& error, const dp::DistContext
           true};
 }
 
+bool store_reachable(const dp::DistContext& world, std::chrono::milliseconds window) {
+  if (!world.store) return false;
+  struct Probe {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false, reached = false;
+  };
+  auto probe = std::make_shared<Probe>();
+  std::thread([store = world.store, rank = world.rank, probe] {
+    bool reached = false;
+    try {
+      const std::string key = "harness/reachable/" + std::to_string(rank);
+      store->set(key, std::vector<uint8_t>{1});
+      reached = store->check({key});
+    } catch (const std::exception&) {
+    }
+    std::lock_guard<std::mutex> lock(probe->mutex);
+    probe->done = true;
+    probe->reached = reached;
+    probe->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(probe->mutex);
+  probe->done_cv.wait_for(lock, window, [&] { return probe->done; });
+  return probe->reached;
+}
+
 std::vector<std::string> all_gather_strings(const std::string& mine, const dp::DistContext* world) {
   if (world == nullptr || world->world_size == 1) return {mine};
   const c10::Device device = world->device.torch_device();

@@ -189,9 +189,9 @@ void check_zero_stage(const DataParallelConfig& flags) {
   }
 }
 
-void check_elastic_run(const DataParallelConfig& flags) {
+void check_elastic_run(const DataParallelConfig& flags, int world_size) {
   if (!flags.elastic) return;
-  const parallel::Layout layout = run_layout(flags, flags.world_size);
+  const parallel::Layout layout = run_layout(flags, world_size > 0 ? world_size : flags.world_size);
   const int D = layout.data_parallel_size();
   if (D < 2) {
     throw std::invalid_argument("--elastic keeps training when a data-parallel replica is lost: it needs at least "
@@ -775,12 +775,17 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   const parallel::Layout layout = run_layout(flags, env.world_size);
   (void)layout.coordinates_of(env.rank);  // a rank outside the world is refused before connecting
   check_zero_stage(flags);
-  check_elastic_run(flags);
-  if (flags.elastic && env_or(kElasticLaunchVariable, "").empty()) {
+  check_elastic_run(flags, env.world_size);
+  // Under torchrun each host's agent watches only its own workers and lets the others run on; a
+  // lost host takes its agent with it, so the workers beat through the agent's store and read a
+  // beat that stands still as a loss (elastic_rendezvous.h). srun ends a step when one task fails.
+  const bool our_launcher = !env_or(kElasticLaunchVariable, "").empty();
+  const bool torchrun = !env_or("TORCHELASTIC_RUN_ID", "").empty();
+  if (flags.elastic && !our_launcher && !torchrun) {
     throw std::invalid_argument(
-        "--elastic needs run_data_parallel's own launcher (start it without torchrun or srun): it holds the "
-        "rendezvous store and lets the other workers go on when one is lost, whereas torchrun's agent stops "
-        "every worker when one fails; under torchrun, use its --max-restarts with --resume auto");
+        "--elastic needs run_data_parallel's own launcher or torchrun: they hold the rendezvous store apart "
+        "from the workers, and let the other workers go on when one is lost, whereas this launcher (srun?) "
+        "ends every task when one fails; here, use --max_restarts (or the launcher's restarts) with --resume auto");
   }
   // A replacement the launcher started for a lost worker joins the run under way: the store
   // alone, until the others admit it.
@@ -789,6 +794,9 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
       join_id.empty() ? dp::init_process_group(options) : dp::connect_rendezvous_store(options);
   const std::string host = host_label(options);
   record_host(host, world);
+  const std::unique_ptr<dp::Heartbeat> heartbeat =
+      flags.elastic && !our_launcher ? std::make_unique<dp::Heartbeat>(dp::open_store_client(options), env.rank)
+                                     : nullptr;
   try {
     return train_this_rank(flags, layout, env, device, threads, options, world,
                            join_id.empty() ? -1 : std::stoi(join_id));
@@ -798,11 +806,21 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
     std::cerr << e.what() << "; nothing to do" << std::endl;
     return 0;
   } catch (const std::exception& e) {
+    // Under --elastic the store is what the survivors agree through: without it none goes on.
+    const std::string store_address = options.master_addr + ":" + std::to_string(options.master_port);
+    if (flags.elastic && !store_reachable(world, diagnosis_window(flags))) {
+      const std::string what = e.what();
+      throw std::runtime_error(
+          "the rendezvous store at " + store_address + " cannot be reached from this rank (" + host +
+          "): under --elastic the store is the run's one single point of failure, and the host that holds it (" +
+          (our_launcher ? std::string("the launcher's") : std::string("MASTER_ADDR's, torchrun's agent")) +
+          ") is lost or cut off from this one, so the run cannot go on here (" + what.substr(0, what.find('\n')) +
+          ")");
+    }
     // A collective that timed out: who answers through the store, and who is behind a cut link.
     // A peer that finds this rank gone then reads that explanation in the store.
     const TimeoutDiagnosis timeout = explain_timeout(
-        e.what(), world, host, options.master_addr + ":" + std::to_string(options.master_port),
-        diagnosis_window(flags));
+        e.what(), world, host, store_address, diagnosis_window(flags));
     if (timeout.message != e.what()) {
       if (timeout.reached_store) record_stop(timeout.message, world);
       // Rank 0 may serve the store: it stays a moment, so that the others finish reading it.

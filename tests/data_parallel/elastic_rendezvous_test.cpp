@@ -1,6 +1,7 @@
 // Joining a run under way through the store (elastic_rendezvous.h), on an in-memory store: the
 // askers in order, the generation that admits them, and an asker left waiting. And a step's commit
-// vote, with members that vote, call the step off, or are lost before or after voting.
+// vote, with members that vote, call the step off, or are lost before or after voting. And heartbeats,
+// which tell a lost member where no launcher records it.
 #include "harness/data_parallel/elastic_rendezvous.h"
 
 #include <gtest/gtest.h>
@@ -8,12 +9,59 @@
 
 #include <chrono>
 #include <future>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 namespace harness::data_parallel {
 namespace {
+
+// Without a launcher to record losses (torchrun across hosts), a heartbeat that stands still is a
+// loss: a beating member is never lost, a silent one is once it stood still for the window, and
+// one that never beat is judged by the launcher's record alone.
+TEST(ElasticHeartbeat, AMemberWhoseBeatStandsStillIsLostAndOneThatBeatsIsNot) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  LossWatch watch(std::chrono::milliseconds(300));
+  auto beat = std::make_unique<Heartbeat>(store, 1, std::chrono::milliseconds(20));
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(700);
+  while (std::chrono::steady_clock::now() < until) {
+    EXPECT_FALSE(watch.lost(*store, 1));
+    EXPECT_FALSE(watch.lost(*store, 2));  // never beat, not recorded lost
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  beat.reset();  // its process is gone: the count stands still from here
+  const auto stopped = std::chrono::steady_clock::now();
+  while (!watch.lost(*store, 1)) {
+    ASSERT_LT(std::chrono::steady_clock::now() - stopped, std::chrono::seconds(3));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - stopped, std::chrono::milliseconds(250));
+  EXPECT_FALSE(watch.lost(*store, 2));
+  store->set(lost_process_key(2), std::vector<uint8_t>{'x'});
+  EXPECT_TRUE(watch.lost(*store, 2));
+}
+
+// The survivors of a lost host agree without it once its beat stands still, well before the join
+// window ends.
+TEST(ElasticHeartbeat, TheNextGenerationLeavesASilentMemberOutBeforeTheWindowEnds) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::seconds(30));
+  Generation now;
+  now.members = {0, 1, 2};
+  std::vector<std::unique_ptr<Heartbeat>> beats;
+  for (int member : now.members) beats.push_back(std::make_unique<Heartbeat>(store, member));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  beats[2].reset();  // host2 lost
+  const auto started = std::chrono::steady_clock::now();
+  auto other = std::async(std::launch::async, [&] {
+    return agree_next_generation(*store, now, 1, std::chrono::seconds(20));
+  });
+  const Generation next = agree_next_generation(*store, now, 0, std::chrono::seconds(20));
+  EXPECT_EQ(next.members, (std::vector<int>{0, 1}));
+  EXPECT_EQ(other.get().members, (std::vector<int>{0, 1}));
+  EXPECT_LT(std::chrono::steady_clock::now() - started, kHeartbeatStaleAfter + std::chrono::seconds(2));
+}
 
 TEST(ElasticJoin, RankZeroReadsTheAskersInOrderAndAdmitsThem) {
   auto store = c10::make_intrusive<c10d::HashStore>();

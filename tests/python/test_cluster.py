@@ -511,5 +511,143 @@ class CutLinkWithoutElastic(ClusterTestCase):
                                             r" could not reach the rendezvous store .* cut off", log)
 
 
+class ElasticHosts(ClusterTestCase):
+    """--elastic under torchrun on 3 hosts, one process a host: gpt2-tiny, 12 steps of 12 rows."""
+    STEPS, LR = 12, 3e-3
+    FLAGS = ["--model", "gpt2-tiny", "--model_max_length", "32", "--train_size", "144", "--validation_size", "6",
+             "--test_size", "2", "--no_progress", "--batch_size", "12", "--n_epochs", "1", "--dropout", "0",
+             "--learning_rate", str(LR), "--dist_timeout_s", "10", "--threads_per_device", "1", "--elastic"]
+
+    def setUp(self):
+        super().setUp()
+        for needed in (DP, TORCHRUN):
+            if not os.access(needed, os.X_OK):
+                self.skipTest(f"{needed} is not built or installed (scripts/build.sh, scripts/setup.sh)")
+
+    def undisturbed_run(self, tmp, env):
+        """The workdir of the same run on one host, without a loss."""
+        plain = os.path.join(tmp, "plain")
+        proc = subprocess.run([DP, "--world_size", "3", "--master_port", str(free_port()), "--workdir", plain]
+                              + self.FLAGS, capture_output=True, text=True, timeout=300, env=env)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        return plain
+
+    def start(self, c, tmp, env):
+        return [host.start([TORCHRUN, "--nnodes", "3", "--nproc_per_node", "1", "--node_rank", str(host.index),
+                            "--master_addr", c.hosts[0].address, "--master_port", str(PORT), "--no-python", DP,
+                            "--workdir", os.path.join(tmp, host.name)] + self.FLAGS, env=env)
+                for host in c.hosts]
+
+
+
+class StoreHostLostUnderElastic(ElasticHosts):
+    """The host whose torchrun agent serves the store is lost: the store is the one single point of
+    failure (as torchft's lighthouse is), and every survivor ends saying so."""
+
+    def test_losing_the_host_that_holds_the_store_ends_the_run_saying_so(self):
+        env = dict(os.environ, OMP_NUM_THREADS="1", HARNESS_TEST_KILL_AT_STEP="0:5:stop")
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        with tempfile.TemporaryDirectory() as tmp, cluster.Cluster(3, log=None) as c:
+            runs = self.start(c, tmp, env)
+            self.assertIsNotNone(wait_for(runs[0][1], r"test hook: stopped at step 5", 120),
+                                 "\n".join(c.log.lines[-40:]))
+            c.hosts[0].down()   # torchrun's agent on host0 serves the store
+            codes = wait_all(runs[1:], timeout=60, grace=60)
+            log = "\n".join(c.log.lines[-60:])
+        self.assertTrue(all(code not in (None, 0) for code in codes), f"{codes}\n{log}")
+        for host, (_, output) in zip(c.hosts[1:], runs[1:]):
+            self.assertIn(f"the rendezvous store at {c.hosts[0].address}:{PORT} cannot be reached from this rank "
+                          f"({host.name} {host.address}): under --elastic the store is the run's one single point "
+                          "of failure", output.text(), log)
+
+
+class ElasticAcrossHosts(ElasticHosts):
+    """host2 is taken down (every process killed, its link down) in step 5 of 12. The survivors go
+    on without a restart, agree on the next generation within 5 s (host2's heartbeat stands still:
+    nobody else is left to record its loss), and end with the undisturbed run's weights by the
+    AdamW rule; the membership record names host2's rank."""
+
+    def test_a_host_lost_in_step_5_leaves_two_that_finish_with_the_undisturbed_weights(self):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from after_adamw import weight_problems
+        from safetensors.torch import load_file
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = self.undisturbed_run(tmp, env)
+            # Rank 2 stops itself (SIGSTOP) as step 5 starts; the test then takes its host down.
+            env["HARNESS_TEST_KILL_AT_STEP"] = "2:5:stop"
+            with cluster.Cluster(3, log=None) as c:
+                runs = self.start(c, tmp, env)
+                self.assertIsNotNone(wait_for(runs[2][1], r"test hook: stopped at step 5", 120),
+                                     "\n".join(c.log.lines[-40:]))
+                c.hosts[2].down()
+                lost_at = time.monotonic()
+                agreed = wait_for(runs[0][1], r"elastic: generation 1 at step 5: lost process 2; 2 of 3", 60)
+                agreed_after = time.monotonic() - lost_at
+                # The survivors' workers end; their torchrun agents would then wait out their exit
+                # barrier (300 s) for host2's agent, which is gone: the test does not.
+                for _, output in runs[:2]:
+                    self.assertIsNotNone(wait_for(output, r"Rank \d training time: avg", 120),
+                                         "\n".join(c.log.lines[-60:]))
+                log = "\n".join(c.log.lines[-80:])
+            self.assertIsNotNone(agreed, log)
+            self.assertLess(agreed_after, 5.0, log)
+            with open(os.path.join(tmp, "host0", "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            members = [r for r in records if r["kind"] == "membership"]
+            self.assertEqual(members, [{"kind": "membership", "generation": 1, "step": 5, "replicas": 2,
+                                        "lost": [2], "joined": []}], log)
+            self.assertEqual([r["step"] for r in records if r["kind"] == "train"], list(range(1, self.STEPS + 1)))
+            problems = weight_problems(load_file(os.path.join(tmp, "host0", "model.safetensors")),
+                                       load_file(os.path.join(plain, "model.safetensors")), self.LR, self.STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
+
+class CutLinkUnderElastic(ElasticHosts):
+    """A link cut under --elastic: exactly one side goes on. host2 stops itself as step 5 starts,
+    its link is cut, and it is let go on (SIGCONT), alive behind the cut. host0 and host1, which
+    hold the store, go on without it once its collective times out and its heartbeat stands still;
+    once they have, the link heals, and host2 is refused as a dead generation and exits having
+    written no checkpoint and no metrics."""
+
+    def test_a_cut_link_lets_the_side_with_the_store_go_on_and_refuses_the_other_after_healing(self):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from after_adamw import weight_problems
+        from safetensors.torch import load_file
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = self.undisturbed_run(tmp, env)
+            env["HARNESS_TEST_KILL_AT_STEP"] = "2:5:stop"
+            with cluster.Cluster(3, log=None) as c:
+                runs = self.start(c, tmp, env)
+                self.assertIsNotNone(wait_for(runs[2][1], r"test hook: stopped at step 5", 120),
+                                     "\n".join(c.log.lines[-40:]))
+                c.hosts[2].cut()
+                for pid in c.hosts[2].pids():   # the worker (stopped) and its agent, alive behind the cut
+                    os.kill(pid, signal.SIGCONT)
+                agreed = wait_for(runs[0][1], r"elastic: generation 1 at step 5: lost process 2; 2 of 3", 60)
+                c.hosts[2].heal()
+                refused = wait_for(runs[2][1], r"went on without it", 60)
+                for _, output in runs[:2]:
+                    self.assertIsNotNone(wait_for(output, r"Rank \d training time: avg", 120),
+                                         "\n".join(c.log.lines[-60:]))
+                log = "\n".join(c.log.lines[-80:])
+            self.assertIsNotNone(agreed, log)
+            self.assertIsNotNone(refused, log)
+            self.assertIn("generation 1 went on without it (members {0,1}); it must not train", refused)
+            self.assertFalse(os.path.exists(os.path.join(tmp, "host2", "metrics.jsonl")), log)
+            self.assertFalse(os.path.exists(os.path.join(tmp, "host2", "checkpoints")), log)
+            with open(os.path.join(tmp, "host0", "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            self.assertEqual([r for r in records if r["kind"] == "membership"],
+                             [{"kind": "membership", "generation": 1, "step": 5, "replicas": 2, "lost": [2],
+                               "joined": []}], log)
+            problems = weight_problems(load_file(os.path.join(tmp, "host0", "model.safetensors")),
+                                       load_file(os.path.join(plain, "model.safetensors")), self.LR, self.STEPS)
+            self.assertEqual(problems, [], "\n".join(problems))
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

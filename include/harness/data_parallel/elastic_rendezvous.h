@@ -12,6 +12,10 @@
 //   elastic/recovered/<launch rank>        the survivors committed a step without that process:
 //                                          the launcher may start its replacement (the survivors'
 //                                          recovery has not shared the machine with its start)
+//   elastic/heartbeat/<launch rank>        a counter each process adds to every kHeartbeatPeriod
+//                                          when no launcher of ours watches it (torchrun across
+//                                          hosts): one that stands still for kHeartbeatStaleAfter
+//                                          is lost, whole hosts included, with nobody to record it
 //
 // The decider waits until every member of the generation before has checked in or is known lost,
 // or until the join window ends (a process stopped by SIGSTOP neither checks in nor dies), and
@@ -22,10 +26,15 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness/data_parallel/process_group.h"
@@ -54,6 +63,52 @@ std::string lost_process_key(int launch_rank);
 // The key the survivors set once they committed a step without the process of `launch_rank`
 // (its value: the generation that did), which the launcher waits for to start its replacement.
 std::string recovered_key(int launch_rank);
+
+// Heartbeats: where no launcher of ours records lost processes (torchrun's agents watch only the
+// processes of their own host, and a lost host takes its agent with it), each process beats, and
+// the others read a beat that stands still as a loss.
+inline constexpr std::chrono::milliseconds kHeartbeatPeriod{200};
+inline constexpr std::chrono::milliseconds kHeartbeatStaleAfter{2500};
+std::string heartbeat_key(int launch_rank);
+
+// Adds to this process's heartbeat every `period` from a thread of its own, over a store client of
+// its own (a long wait on the process's other client must not stop the beat). Stops, and joins the
+// thread, when destroyed. A store that fails ends the beat: the others then read this process lost.
+class Heartbeat {
+ public:
+  Heartbeat(c10::intrusive_ptr<c10d::Store> store, int launch_rank,
+            std::chrono::milliseconds period = kHeartbeatPeriod);
+  ~Heartbeat();
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+ private:
+  void beat();
+  c10::intrusive_ptr<c10d::Store> store_;
+  const std::string key_;
+  const std::chrono::milliseconds period_;
+  std::mutex mutex_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// Whether a member is lost: recorded so by the launcher, or (where it beats) its heartbeat stood
+// still for `stale_after`. Remembers each member's last count and when it changed, so it is asked
+// again and again by one waiter; a member that never beat is judged by the launcher's record alone.
+class LossWatch {
+ public:
+  explicit LossWatch(std::chrono::milliseconds stale_after = kHeartbeatStaleAfter) : stale_after_(stale_after) {}
+  bool lost(c10d::Store& store, int member);
+
+ private:
+  struct Seen {
+    int64_t count = 0;
+    std::chrono::steady_clock::time_point since;
+  };
+  std::chrono::milliseconds stale_after_;
+  std::map<int, Seen> seen_;
+};
 
 // Called by every process of generation `now` that is still alive, after a collective failed:
 // generation now.number + 1, the members of `now` that checked in, in their order in `now`. Throws

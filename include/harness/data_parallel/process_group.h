@@ -68,6 +68,11 @@ DistContext init_process_group(const DistOptions& options);
 // that joins a run under way (launcher.h's replacements) and connects its group later.
 DistContext connect_rendezvous_store(const DistOptions& options);
 
+// Another client of the rendezvous store init_process_group connected to (the same server, the
+// same prefix under torchrun), for a thread that must not wait behind the process's own client
+// (elastic_rendezvous.h's Heartbeat). No rendezvous: it only connects.
+c10::intrusive_ptr<c10d::Store> open_store_client(const DistOptions& options);
+
 // The options of the worker `env` describes (rank, world size, local rank, rendezvous address)
 // with `backend` and `device`; the timeout stays the default.
 DistOptions dist_options_for(const WorkerEnv& env, Backend backend = Backend::kAuto,

@@ -111,8 +111,8 @@ struct DataParallelConfig {
 int run_data_parallel_worker(const DataParallelConfig& config, const data_parallel::WorkerEnv& env);
 
 // Set in the workers run_data_parallel's own launcher starts for --elastic: it holds the store and
-// lets the others go on when one is lost. A worker of another launcher (torchrun, srun) refuses
-// --elastic.
+// lets the others go on when one is lost. Under torchrun the workers beat through the agent's
+// store instead; a worker of another launcher (srun) refuses --elastic.
 inline constexpr const char* kElasticLaunchVariable = "HARNESS_ELASTIC_LAUNCHER";
 // How many replacement processes an --elastic launch starts over the run, for lost ones (default:
 // --world_size; 0: none, the others go on without).
@@ -120,7 +120,8 @@ inline constexpr const char* kElasticReplacementsVariable = "HARNESS_ELASTIC_MAX
 
 // --elastic's rules (the flags named): D >= 2 replicas (of any C x T x P ranks), no ZeRO,
 // 1 <= --min_replicas <= D, the final model in --workdir alone.
-void check_elastic_run(const DataParallelConfig& config);
+// world_size: the run's (under torchrun, WORLD_SIZE's); 0: config.world_size.
+void check_elastic_run(const DataParallelConfig& config, int world_size = 0);
 
 // Every rule a worker would apply to the flags, model, data and devices, applied once in the
 // launching process before any worker starts, so that a bad run fails at once with one error

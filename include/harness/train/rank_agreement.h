@@ -79,4 +79,8 @@ TimeoutDiagnosis explain_timeout(const std::string& error, const data_parallel::
                                  const std::string& own_host, const std::string& store_address,
                                  std::chrono::milliseconds window);
 
+// Whether this rank reaches the world's store within `window` (a key written and read back), asked
+// from a detached thread so that a store behind a cut link cannot hold the caller.
+bool store_reachable(const data_parallel::DistContext& world, std::chrono::milliseconds window);
+
 }  // namespace harness::train
