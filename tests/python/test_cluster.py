@@ -524,6 +524,34 @@ class ElasticHosts(ClusterTestCase):
             if not os.access(needed, os.X_OK):
                 self.skipTest(f"{needed} is not built or installed (scripts/build.sh, scripts/setup.sh)")
 
+    @staticmethod
+    def environment():
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.pop("GLOO_SOCKET_IFNAME", None)   # each rank finds its interface by itself
+        return env
+
+    def start_with_host2_stopped_at_step_5(self, c, tmp, env):
+        """The run on every host, returned once rank 2 has stopped itself (SIGSTOP) as step 5 starts."""
+        runs = self.start(c, tmp, dict(env, HARNESS_TEST_KILL_AT_STEP="2:5:stop"))
+        self.assertIsNotNone(wait_for(runs[2][1], r"test hook: stopped at step 5", 120), "\n".join(c.log.lines[-40:]))
+        return runs
+
+    def assert_the_undisturbed_run_after_a_loss_at_step_5(self, tmp, plain, log):
+        """host0's metrics record the loss of rank 2 at step 5 and every step; its weights are the
+        undisturbed run's by the AdamW rule."""
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from after_adamw import weight_problems
+        from safetensors.torch import load_file
+        with open(os.path.join(tmp, "host0", "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        self.assertEqual([r for r in records if r["kind"] == "membership"],
+                         [{"kind": "membership", "generation": 1, "step": 5, "replicas": 2, "lost": [2],
+                           "joined": []}], log)
+        self.assertEqual([r["step"] for r in records if r["kind"] == "train"], list(range(1, self.STEPS + 1)))
+        problems = weight_problems(load_file(os.path.join(tmp, "host0", "model.safetensors")),
+                                   load_file(os.path.join(plain, "model.safetensors")), self.LR, self.STEPS)
+        self.assertEqual(problems, [], "\n".join(problems))
+
     def undisturbed_run(self, tmp, env):
         """The workdir of the same run on one host, without a loss."""
         plain = os.path.join(tmp, "plain")
@@ -545,8 +573,7 @@ class StoreHostLostUnderElastic(ElasticHosts):
     failure (as torchft's lighthouse is), and every survivor ends saying so."""
 
     def test_losing_the_host_that_holds_the_store_ends_the_run_saying_so(self):
-        env = dict(os.environ, OMP_NUM_THREADS="1", HARNESS_TEST_KILL_AT_STEP="0:5:stop")
-        env.pop("GLOO_SOCKET_IFNAME", None)
+        env = dict(self.environment(), HARNESS_TEST_KILL_AT_STEP="0:5:stop")
         with tempfile.TemporaryDirectory() as tmp, cluster.Cluster(3, log=None) as c:
             runs = self.start(c, tmp, env)
             self.assertIsNotNone(wait_for(runs[0][1], r"test hook: stopped at step 5", 120),
@@ -568,19 +595,11 @@ class ElasticAcrossHosts(ElasticHosts):
     AdamW rule; the membership record names host2's rank."""
 
     def test_a_host_lost_in_step_5_leaves_two_that_finish_with_the_undisturbed_weights(self):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from after_adamw import weight_problems
-        from safetensors.torch import load_file
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("GLOO_SOCKET_IFNAME", None)
+        env = self.environment()
         with tempfile.TemporaryDirectory() as tmp:
             plain = self.undisturbed_run(tmp, env)
-            # Rank 2 stops itself (SIGSTOP) as step 5 starts; the test then takes its host down.
-            env["HARNESS_TEST_KILL_AT_STEP"] = "2:5:stop"
             with cluster.Cluster(3, log=None) as c:
-                runs = self.start(c, tmp, env)
-                self.assertIsNotNone(wait_for(runs[2][1], r"test hook: stopped at step 5", 120),
-                                     "\n".join(c.log.lines[-40:]))
+                runs = self.start_with_host2_stopped_at_step_5(c, tmp, env)
                 c.hosts[2].down()
                 lost_at = time.monotonic()
                 agreed = wait_for(runs[0][1], r"elastic: generation 1 at step 5: lost process 2; 2 of 3", 60)
@@ -593,15 +612,7 @@ class ElasticAcrossHosts(ElasticHosts):
                 log = "\n".join(c.log.lines[-80:])
             self.assertIsNotNone(agreed, log)
             self.assertLess(agreed_after, 5.0, log)
-            with open(os.path.join(tmp, "host0", "metrics.jsonl")) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-            members = [r for r in records if r["kind"] == "membership"]
-            self.assertEqual(members, [{"kind": "membership", "generation": 1, "step": 5, "replicas": 2,
-                                        "lost": [2], "joined": []}], log)
-            self.assertEqual([r["step"] for r in records if r["kind"] == "train"], list(range(1, self.STEPS + 1)))
-            problems = weight_problems(load_file(os.path.join(tmp, "host0", "model.safetensors")),
-                                       load_file(os.path.join(plain, "model.safetensors")), self.LR, self.STEPS)
-            self.assertEqual(problems, [], "\n".join(problems))
+            self.assert_the_undisturbed_run_after_a_loss_at_step_5(tmp, plain, log)
 
 
 class CutLinkUnderElastic(ElasticHosts):
@@ -612,18 +623,11 @@ class CutLinkUnderElastic(ElasticHosts):
     written no checkpoint and no metrics."""
 
     def test_a_cut_link_lets_the_side_with_the_store_go_on_and_refuses_the_other_after_healing(self):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from after_adamw import weight_problems
-        from safetensors.torch import load_file
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        env.pop("GLOO_SOCKET_IFNAME", None)
+        env = self.environment()
         with tempfile.TemporaryDirectory() as tmp:
             plain = self.undisturbed_run(tmp, env)
-            env["HARNESS_TEST_KILL_AT_STEP"] = "2:5:stop"
             with cluster.Cluster(3, log=None) as c:
-                runs = self.start(c, tmp, env)
-                self.assertIsNotNone(wait_for(runs[2][1], r"test hook: stopped at step 5", 120),
-                                     "\n".join(c.log.lines[-40:]))
+                runs = self.start_with_host2_stopped_at_step_5(c, tmp, env)
                 c.hosts[2].cut()
                 for pid in c.hosts[2].pids():   # the worker (stopped) and its agent, alive behind the cut
                     os.kill(pid, signal.SIGCONT)
@@ -639,14 +643,7 @@ class CutLinkUnderElastic(ElasticHosts):
             self.assertIn("generation 1 went on without it (members {0,1}); it must not train", refused)
             self.assertFalse(os.path.exists(os.path.join(tmp, "host2", "metrics.jsonl")), log)
             self.assertFalse(os.path.exists(os.path.join(tmp, "host2", "checkpoints")), log)
-            with open(os.path.join(tmp, "host0", "metrics.jsonl")) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-            self.assertEqual([r for r in records if r["kind"] == "membership"],
-                             [{"kind": "membership", "generation": 1, "step": 5, "replicas": 2, "lost": [2],
-                               "joined": []}], log)
-            problems = weight_problems(load_file(os.path.join(tmp, "host0", "model.safetensors")),
-                                       load_file(os.path.join(plain, "model.safetensors")), self.LR, self.STEPS)
-            self.assertEqual(problems, [], "\n".join(problems))
+            self.assert_the_undisturbed_run_after_a_loss_at_step_5(tmp, plain, log)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ SOURCE = os.environ.get("HARNESS_SOURCE_DIR", os.path.dirname(os.path.dirname(os
 BINARY = os.environ.get("HARNESS_BINARY_DIR", os.path.join(SOURCE, "build"))
 sys.path.insert(0, os.path.join(SOURCE, "scripts"))
 import cluster  # noqa: E402  the emulated hosts and their Slurm, under test
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_cluster import running  # noqa: E402  whether a pid still runs (not a zombie)
 DP = os.path.join(BINARY, "run_data_parallel")
 DOC = os.path.join(SOURCE, "docs", "data-parallel.md")
 UNAVAILABLE = cluster.slurm_unavailable_reason() or (
@@ -64,16 +66,6 @@ def batch_script(workdir):
     program = os.path.relpath(DP, SOURCE) if DP.startswith(SOURCE + os.sep) else DP
     lines[srun[0]] = " ".join(["srun", "--ntasks-per-node", "1", program] + TINY + ["--workdir", workdir])
     return "#!/bin/sh\n" + "\n".join(lines) + "\n"
-
-
-def running(pid):
-    """Whether pid is a process that still runs (a zombie, already killed, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def read(path):
