@@ -61,6 +61,7 @@ struct StoreRound {
   bool reached = false;  // this rank's own key came back from the store
   bool done = false;
   std::set<int> answered;
+  std::map<int, std::string> stopped;  // ranks that left a stop (record_stop): their message
   std::map<int, std::string> hosts;
 };
 
@@ -80,17 +81,27 @@ void read_who_answered(c10::intrusive_ptr<c10d::Store> store, int rank, int worl
       round->reached = true;
       round->answered.insert(rank);
     }
-    // Every rank behind the same timeout says so within moments; the window bounds the wait.
+    // Every rank behind the same failure says so within moments, or has stopped with a reason of its
+    // own; the window bounds the wait for the others.
     for (;;) {
       std::set<int> seen{rank};
+      std::map<int, std::string> stopped;
       for (int r = 0; r < world_size; ++r) {
-        if (r != rank && store->check({kAnsweredKey + std::to_string(r)})) seen.insert(r);
+        if (r == rank) continue;
+        if (store->check({kAnsweredKey + std::to_string(r)})) {
+          seen.insert(r);
+        } else if (store->check({kStopKey + std::to_string(r)})) {
+          const std::vector<uint8_t> said = store->get(kStopKey + std::to_string(r));
+          stopped[r] = std::string(said.begin(), said.end());
+        }
       }
+      const bool all_known = seen.size() + stopped.size() == static_cast<size_t>(world_size);
       {
         std::lock_guard<std::mutex> lock(round->mutex);
         round->answered = seen;
+        round->stopped = std::move(stopped);
       }
-      if (static_cast<int>(seen.size()) == world_size || std::chrono::steady_clock::now() >= deadline) break;
+      if (all_known || std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     std::map<int, std::string> hosts;
@@ -135,36 +146,43 @@ void record_host(const std::string& label, const dp::DistContext& world) {
   }
 }
 
-TimeoutDiagnosis explain_timeout(const std::string& error, const dp::DistContext& world,
-                                 const std::string& own_host, const std::string& store_address,
-                                 std::chrono::milliseconds window) {
-  if (!world.store || world.world_size == 1 || !is_timeout(error)) return {error, true};
+CollectiveDiagnosis explain_failed_collective(const std::string& error, const dp::DistContext& world,
+                                              const std::string& own_host, const std::string& store_address,
+                                              std::chrono::milliseconds window) {
+  if (!world.store || world.world_size == 1 || !(is_timeout(error) || is_peer_loss(error))) return {error, true};
   const auto deadline = std::chrono::steady_clock::now() + window;
   auto round = std::make_shared<StoreRound>();
   // Detached: a store behind a cut link may never answer, and this rank must not wait on it.
   std::thread(read_who_answered, world.store, world.rank, world.world_size, deadline, round).detach();
   std::unique_lock<std::mutex> lock(round->mutex);
-  round->done_cv.wait_until(lock, deadline + std::chrono::seconds(1), [&] { return round->done; });
+  const bool finished =
+      round->done_cv.wait_until(lock, deadline + std::chrono::seconds(1), [&] { return round->done; });
+  const std::string failed = is_timeout(error) ? "a collective timed out" : "a peer closed its connection";
   const std::string transport = " (Gloo: " + error.substr(0, error.find('\n')) + ")";
   if (!round->reached) {
-    return {"a collective timed out, and this rank (rank " + std::to_string(world.rank) + " on " + own_host +
+    // Refused outright: the store's server (rank 0, or the launcher) is gone, not out of reach.
+    if (finished) return {explain_stop(error, world), false};
+    return {failed + ", and this rank (rank " + std::to_string(world.rank) + " on " + own_host +
                 ") could not reach the rendezvous store at " + store_address + " within " + seconds(window) +
                 " either: this host is cut off from rank 0's host (a cut link or a lost network), so the run "
                 "cannot go on here" + transport,
             false};
+  }
+  if (!round->stopped.empty()) {
+    const auto& [rank, said] = *round->stopped.begin();
+    return {"rank " + std::to_string(rank) + " stopped, with: " + said + transport, true};
   }
   std::vector<int> silent, answered;
   for (int r = 0; r < world.world_size; ++r) {
     (round->answered.count(r) ? answered : silent).push_back(r);
   }
   if (silent.empty()) {
-    return {"a collective timed out on every rank, and every rank still reaches the store: a rank was too slow "
-            "for --dist_timeout_s, or the ranks issued different collectives (--debug_sync checks that)" +
-                transport,
+    return {failed + " on every rank, and every rank still reaches the store: a rank was too slow for "
+            "--dist_timeout_s, or the ranks issued different collectives (--debug_sync checks that)" + transport,
             true};
   }
-  return {"a collective timed out: " + ranks_with_hosts(silent, round->hosts) +
-              " did not answer through the rendezvous store at " + store_address + " within " + seconds(window) +
+  return {failed + ": " + ranks_with_hosts(silent, round->hosts) + " did not answer through the rendezvous store at " +
+              store_address + " within " + seconds(window) +
               ", so it is unreachable from here (a cut link, a lost host, or a stopped process); " +
               ranks_with_hosts(answered, round->hosts) + " answered" + transport,
           true};

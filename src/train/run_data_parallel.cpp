@@ -817,15 +817,15 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
           ") is lost or cut off from this one, so the run cannot go on here (" + what.substr(0, what.find('\n')) +
           ")");
     }
-    // A collective that timed out: who answers through the store, and who is behind a cut link.
-    // A peer that finds this rank gone then reads that explanation in the store.
-    const TimeoutDiagnosis timeout = explain_timeout(
-        e.what(), world, host, store_address, diagnosis_window(flags));
-    if (timeout.message != e.what()) {
-      if (timeout.reached_store) record_stop(timeout.message, world);
+    // A collective that failed for want of a peer: who answers through the store, who stopped with
+    // a reason, and who is behind a cut link. A peer that finds this rank gone then reads that.
+    const CollectiveDiagnosis failure =
+        explain_failed_collective(e.what(), world, host, store_address, diagnosis_window(flags));
+    if (failure.message != e.what()) {
+      if (failure.reached_store) record_stop(failure.message, world);
       // Rank 0 may serve the store: it stays a moment, so that the others finish reading it.
       if (world.rank == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
-      throw std::runtime_error(timeout.message);
+      throw std::runtime_error(failure.message);
     }
     // A peer that finds this rank gone reads why in the store; this rank, finding a peer gone,
     // names it rather than repeating the transport's words.

@@ -1,7 +1,8 @@
 // A rank that finds a peer gone names it: from the message the peer left in the store, or rank 0
 // when the store (which rank 0 serves) is gone too; other errors pass unchanged. A rank whose
-// collective timed out names the ranks that never answer through the store, or its own host as
-// cut off when it cannot reach the store either.
+// collective failed (timed out, or a peer closed its connection) names the ranks that stopped with
+// their reasons, the ranks that never answer through the store, or its own host as cut off when it
+// cannot reach the store either.
 #include "harness/train/rank_agreement.h"
 
 #include <gtest/gtest.h>
@@ -73,17 +74,17 @@ const std::string kTimedOut =
     "operation to complete";
 
 // Ranks 0 and 1 time out together and answer; rank 2 (behind a cut link) never does.
-TEST(ExplainTimeout, NamesTheRanksThatNeverAnswerWithTheirHosts) {
+TEST(ExplainFailedCollective, NamesTheRanksThatNeverAnswerWithTheirHosts) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   for (int r = 0; r < 3; ++r) {
     record_host("host" + std::to_string(r) + " 10.0.0." + std::to_string(r + 1), context(r, 3, store));
   }
   auto rank1 = std::async(std::launch::async, [&] {
-    return explain_timeout(kTimedOut, context(1, 3, store), "host1 10.0.0.2", "10.0.0.1:5555",
-                           std::chrono::milliseconds(1000));
+    return explain_failed_collective(kTimedOut, context(1, 3, store), "host1 10.0.0.2", "10.0.0.1:5555",
+                                     std::chrono::milliseconds(1000));
   });
-  const TimeoutDiagnosis said = explain_timeout(kTimedOut, context(0, 3, store), "host0 10.0.0.1", "10.0.0.1:5555",
-                                                std::chrono::milliseconds(1000));
+  const CollectiveDiagnosis said = explain_failed_collective(kTimedOut, context(0, 3, store), "host0 10.0.0.1",
+                                                             "10.0.0.1:5555", std::chrono::milliseconds(1000));
   EXPECT_TRUE(said.reached_store);
   EXPECT_NE(said.message.find("rank 2 (host2 10.0.0.3) did not answer through the rendezvous store at "
                               "10.0.0.1:5555 within 1 s"),
@@ -95,23 +96,39 @@ TEST(ExplainTimeout, NamesTheRanksThatNeverAnswerWithTheirHosts) {
   EXPECT_NE(rank1_said.find("rank 2 (host2 10.0.0.3) did not answer"), std::string::npos) << rank1_said;
 }
 
-TEST(ExplainTimeout, EveryRankAnsweringIsNoCutAndOtherErrorsPassUnchanged) {
+TEST(ExplainFailedCollective, EveryRankAnsweringIsNoCutAndOtherErrorsPassUnchanged) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto rank1 = std::async(std::launch::async, [&] {
-    return explain_timeout(kTimedOut, context(1, 2, store), "h1", "a:1", std::chrono::milliseconds(3000));
+    return explain_failed_collective(kTimedOut, context(1, 2, store), "h1", "a:1",
+                                     std::chrono::milliseconds(3000));
   });
   const auto started = std::chrono::steady_clock::now();
-  const TimeoutDiagnosis said = explain_timeout(kTimedOut, context(0, 2, store), "h0", "a:1",
-                                                std::chrono::milliseconds(3000));
+  const CollectiveDiagnosis said = explain_failed_collective(kTimedOut, context(0, 2, store), "h0", "a:1",
+                                                             std::chrono::milliseconds(3000));
   // Both answered at once: neither waits out its window.
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(2500));
   EXPECT_NE(said.message.find("every rank still reaches the store"), std::string::npos) << said.message;
   rank1.get();
-  const TimeoutDiagnosis other = explain_timeout(kPeerGone, context(0, 2, store), "h0", "a:1",
-                                                 std::chrono::milliseconds(1000));
-  EXPECT_EQ(other.message, kPeerGone);
-  EXPECT_EQ(explain_timeout(kTimedOut, context(0, 1, store), "h0", "a:1", std::chrono::milliseconds(1000)).message,
-            kTimedOut);
+  const std::string other = "--workdir /proc/self is not writable";
+  EXPECT_EQ(explain_failed_collective(other, context(0, 2, store), "h0", "a:1", std::chrono::seconds(1)).message,
+            other);
+  EXPECT_EQ(
+      explain_failed_collective(kTimedOut, context(0, 1, store), "h0", "a:1", std::chrono::seconds(1)).message,
+      kTimedOut);
+}
+
+// A peer that stopped with a reason of its own (a refusal, an error) is named with it, at once: it
+// is not waited for as if it were out of reach.
+TEST(ExplainFailedCollective, APeerThatStoppedWithAReasonIsNamedWithItWithoutWaiting) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  record_stop("--resume /x: no such checkpoint", context(1, 2, store));
+  const auto started = std::chrono::steady_clock::now();
+  const CollectiveDiagnosis said =
+      explain_failed_collective(kPeerGone, context(0, 2, store), "h0", "a:1", std::chrono::seconds(5));
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(2));
+  EXPECT_NE(said.message.find("rank 1 stopped, with: --resume /x: no such checkpoint"), std::string::npos)
+      << said.message;
+  EXPECT_NE(said.message.find("Connection closed by peer"), std::string::npos) << said.message;
 }
 
 // A store behind a cut link: its calls never return.
@@ -122,11 +139,11 @@ class UnreachableStore : public c10d::HashStore {
   }
 };
 
-TEST(ExplainTimeout, ARankThatCannotReachTheStoreSaysItsHostIsCutOffWithinTheWindow) {
+TEST(ExplainFailedCollective, ARankThatCannotReachTheStoreSaysItsHostIsCutOffWithinTheWindow) {
   auto store = c10::make_intrusive<UnreachableStore>();
   const auto started = std::chrono::steady_clock::now();
-  const TimeoutDiagnosis said = explain_timeout(kTimedOut, context(2, 3, store), "host2 10.0.0.3", "10.0.0.1:5555",
-                                                std::chrono::milliseconds(500));
+  const CollectiveDiagnosis said = explain_failed_collective(kTimedOut, context(2, 3, store), "host2 10.0.0.3",
+                                                             "10.0.0.1:5555", std::chrono::milliseconds(500));
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(2500));
   EXPECT_FALSE(said.reached_store);
   EXPECT_NE(said.message.find("this rank (rank 2 on host2 10.0.0.3) could not reach the rendezvous store at "

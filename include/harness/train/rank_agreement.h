@@ -62,22 +62,25 @@ void record_stop(const std::string& error, const data_parallel::DistContext& wor
 // effort, like record_stop.
 void record_host(const std::string& label, const data_parallel::DistContext& world);
 
-// What a rank says when a collective timed out (Gloo's "Timed out waiting ..."): no rank can tell
-// from the transport alone whether a peer died, stopped, or sits behind a cut link.
-struct TimeoutDiagnosis {
+// What a rank says when a collective failed for want of a peer (Gloo's "Timed out waiting ...", or
+// a connection a peer closed): no rank can tell from the transport alone whether a peer died,
+// stopped, timed out itself, or sits behind a cut link.
+struct CollectiveDiagnosis {
   std::string message;
-  bool reached_store = true;  // false: this rank is cut off from the store (and from rank 0's host)
+  bool reached_store = true;  // false: this rank cannot use the store (cut off, or its server gone)
 };
 
-// For an `error` that is a collective's timeout, every rank that catches one says so through the
-// store and waits `window` for the others: the ranks that never answer are named, with their
-// hosts, as unreachable from this side; a rank that cannot reach the store itself within `window`
-// says that its host (`own_host`, record_host's label) is cut off from `store_address`. Other errors come back unchanged. The store
-// is read from a thread of its own, so that a store behind a cut link cannot hold this rank past
-// `window` (and a second).
-TimeoutDiagnosis explain_timeout(const std::string& error, const data_parallel::DistContext& world,
-                                 const std::string& own_host, const std::string& store_address,
-                                 std::chrono::milliseconds window);
+// For an `error` that is such a failure, every rank that catches one says so through the store and
+// waits up to `window` for each other rank to say so too or to have left a stop (record_stop).
+// A rank that stopped is named with its own message, as explain_stop does; the ranks that never
+// answer are named, with their hosts, as unreachable from this side; a rank that cannot reach the
+// store itself within `window` says that its host (`own_host`, record_host's label) is cut off
+// from `store_address` (where the store's server is gone outright, explain_stop's account).
+// Other errors come back unchanged. The store is read from a thread of its own, so that a store
+// behind a cut link cannot hold this rank past `window` (and a second).
+CollectiveDiagnosis explain_failed_collective(const std::string& error, const data_parallel::DistContext& world,
+                                              const std::string& own_host, const std::string& store_address,
+                                              std::chrono::milliseconds window);
 
 // Whether this rank reaches the world's store within `window` (a key written and read back), asked
 // from a detached thread so that a store behind a cut link cannot hold the caller.
