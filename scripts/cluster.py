@@ -799,6 +799,21 @@ def clusters_present() -> Dict[str, Dict[str, object]]:
     return found
 
 
+def wait_all(runs, timeout: float, grace: float = 15) -> List[Optional[int]]:
+    """Exit codes of [(Popen, HostOutput)] started on the hosts (Host.start), None where still
+    running: waits until all have ended, or `timeout` seconds, or `grace` seconds after the first
+    one failed (the others, which wait on it, end by then or are reported still running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc, _ in runs]
+        if all(code is not None for code in codes):
+            return codes
+        if any(code not in (None, 0) for code in codes):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.1)
+    return [proc.poll() for proc, _ in runs]
+
+
 def cleanup_stale(log: Optional[IO[str]] = sys.stderr, include_live: bool = False) -> List[str]:
     """Removes every cluster of this script whose owning process is gone (include_live: every
     cluster), processes in its hosts included; returns their names."""

@@ -386,20 +386,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_all(runs, timeout, grace=15):
-    """Exit codes of [(Popen, HostOutput)], None where still running: waits until all have ended,
-    or timeout, or grace seconds after the first one failed (the others then wait on it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [proc.poll() for proc, _ in runs]
-        if all(code is not None for code in codes):
-            return codes
-        if any(code not in (None, 0) for code in codes):
-            deadline = min(deadline, time.monotonic() + grace)
-        time.sleep(0.1)
-    return [proc.poll() for proc, _ in runs]
-
-
 class TorchrunAcrossHosts(ClusterTestCase):
     """torchrun on every host, the c10d rendezvous on host0, no GLOO_SOCKET_IFNAME: each layout ends
     with the weights of the same layout run by one launcher on one host."""
@@ -435,7 +421,7 @@ class TorchrunAcrossHosts(ClusterTestCase):
                                     "--master_port", str(PORT), "--no-python", DP,
                                     "--workdir", os.path.join(tmp, host.name)] + TINY + layout, env=env)
                         for host in c.hosts]
-                codes = wait_all(runs, timeout=180)
+                codes = cluster.wait_all(runs, timeout=180)
             log = "\n".join(c.log.lines[-120:])
             self.assertEqual(codes, [0] * n_hosts, f"exit codes of host0..{n_hosts - 1}; the cluster log:\n{log}")
             for host, (_, output) in zip(c.hosts, runs):
@@ -498,7 +484,7 @@ class CutLinkWithoutElastic(ClusterTestCase):
             self.assertIsNotNone(started)
             cut_at = time.monotonic()
             c.hosts[2].cut()
-            codes = wait_all(runs, timeout=timeout_s + 30, grace=timeout_s + 30)
+            codes = cluster.wait_all(runs, timeout=timeout_s + 30, grace=timeout_s + 30)
             elapsed = time.monotonic() - cut_at
             log = "\n".join(c.log.lines[-60:])
         self.assertTrue(all(code not in (None, 0) for code in codes), f"exit codes {codes}; the cluster log:\n{log}")
@@ -579,7 +565,7 @@ class StoreHostLostUnderElastic(ElasticHosts):
             self.assertIsNotNone(wait_for(runs[0][1], r"test hook: stopped at step 5", 120),
                                  "\n".join(c.log.lines[-40:]))
             c.hosts[0].down()   # torchrun's agent on host0 serves the store
-            codes = wait_all(runs[1:], timeout=60, grace=60)
+            codes = cluster.wait_all(runs[1:], timeout=60, grace=60)
             log = "\n".join(c.log.lines[-60:])
         self.assertTrue(all(code not in (None, 0) for code in codes), f"{codes}\n{log}")
         for host, (_, output) in zip(c.hosts[1:], runs[1:]):
