@@ -188,16 +188,18 @@ class QuickStart(unittest.TestCase):
         commands = blocks[0][1]
         self.assertGreaterEqual(len(commands), 3)
         import tempfile
-        for n, command in enumerate(commands):
-            words = shlex.split(command, comments=True)
-            m = re.match(r"^build/([\w-]+)$", words[0])
-            self.assertIsNotNone(m, command)
-            with tempfile.TemporaryDirectory() as work:
+        # In order, from one folder, with the work directories as printed: a command that would
+        # start over an earlier one's checkpoints is refused, as it would be for a user.
+        with tempfile.TemporaryDirectory() as cwd:
+            for command in commands:
+                words = shlex.split(command, comments=True)
+                m = re.match(r"^build/([\w-]+)$", words[0])
+                self.assertIsNotNone(m, command)
                 args = with_flags([os.path.join(BINARY, m.group(1))] + words[1:], {
                     "--n_epochs": "1", "--max_batches": "1", "--train_size": "128", "--validation_size": "8",
-                    "--test_size": "2", "--no_progress": None, "--workdir": os.path.join(work, "w")})
+                    "--test_size": "2", "--no_progress": None})
                 with self.subTest(command=command):
-                    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+                    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=cwd)
                     self.assertEqual(proc.returncode, 0, f"{' '.join(args)}\n{proc.stdout}\n{proc.stderr}")
                     if "--memory_plan" in words:
                         self.assertIn("model state per rank: at most", proc.stdout)
