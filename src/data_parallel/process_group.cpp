@@ -40,9 +40,6 @@ std::string seconds_text(std::chrono::milliseconds timeout) {
   return out.str();
 }
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
 
 // True when nothing can listen on `port` (IPv4 wildcard) because another socket holds it.
 bool port_in_use(int port) {
@@ -105,6 +102,12 @@ void wait_for_every_rank(c10d::Store& store, const DistOptions& o, const std::st
   }
 }
 
+// Under torchrun (use_agent_store) each restart's keys live under a prefix of their own.
+c10::intrusive_ptr<c10d::Store> under_attempt_prefix(const DistOptions& o, c10::intrusive_ptr<c10d::TCPStore> tcp) {
+  if (!o.use_agent_store) return tcp;
+  return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(o.restart_count), tcp);
+}
+
 c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
   // Across hosts, a rank with no route to MASTER_ADDR fails now, naming it, not after the
   // rendezvous' timeout.
@@ -118,11 +121,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
   const std::string where = o.master_addr + ":" + std::to_string(o.master_port);
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    auto tcp = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
-    store = o.use_agent_store
-                ? c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::PrefixStore>(
-                      "/worker/attempt_" + std::to_string(o.restart_count), tcp))
-                : c10::intrusive_ptr<c10d::Store>(tcp);
+    store = under_attempt_prefix(o, c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options));
   } catch (const std::exception& e) {
     const std::string what = e.what();
     if (o.rank == 0 && !o.use_agent_store &&
@@ -142,6 +141,10 @@ c10::intrusive_ptr<c10d::Store> connect_store(const DistOptions& o) {
 }
 
 }  // namespace
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
 
 std::string local_address_toward(const std::string& host, int port) {
   const std::string where = host + ":" + std::to_string(port);
@@ -207,9 +210,7 @@ c10::intrusive_ptr<c10d::Store> open_store_client(const DistOptions& o) {
   store_options.numWorkers = std::nullopt;
   store_options.waitWorkers = false;
   store_options.timeout = o.timeout;
-  auto tcp = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
-  if (!o.use_agent_store) return tcp;
-  return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::to_string(o.restart_count), tcp);
+  return under_attempt_prefix(o, c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options));
 }
 
 Backend parse_backend(const std::string& name) {

@@ -742,7 +742,7 @@ std::string host_label(const dp::DistOptions& options) {
   char name[256] = {};
   ::gethostname(name, sizeof(name) - 1);
   std::string label = name;
-  if (options.master_addr != "localhost" && options.master_addr.rfind("127.", 0) != 0) {
+  if (!dp::is_loopback(options.master_addr)) {
     try {
       label += " " + dp::local_address_toward(options.master_addr, options.master_port);
     } catch (const std::exception&) {

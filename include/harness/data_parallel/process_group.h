@@ -78,6 +78,9 @@ c10::intrusive_ptr<c10d::Store> open_store_client(const DistOptions& options);
 DistOptions dist_options_for(const WorkerEnv& env, Backend backend = Backend::kAuto,
                              const Device& device = Device::cpu());
 
+// Whether `host` names this machine's loopback ("localhost", 127.x.y.z, "::1"): a run on one machine.
+bool is_loopback(const std::string& host);
+
 // The local address this host uses to reach `host` (a name or an address) at `port`: the own
 // address of a UDP socket connected toward it, as NCCL matches its bootstrap interface (no packet
 // is sent). Throws std::runtime_error naming host and port when the name does not resolve or no
