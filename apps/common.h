@@ -1,5 +1,5 @@
 // Flags that run_data_parallel and run_pipeline share. Parsing lives here, in the programs; the
-// library (train/driver.h) takes plain structs.
+// library (train/run/driver.h) takes plain structs.
 #pragma once
 
 #include <cxxopts.hpp>
@@ -14,7 +14,8 @@
 #include "harness/data/dataset.h"
 #include "harness/data/loader.h"
 #include "harness/device.h"
-#include "harness/train/programs.h"
+#include "harness/train/run_data_parallel.h"
+#include "harness/train/run_pipeline.h"
 
 namespace harness::apps {
 

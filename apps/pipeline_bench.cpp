@@ -21,8 +21,8 @@
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/executor.h"
 #include "harness/pipeline/gpt2_pipeline.h"
-#include "harness/train/checkpoint_store.h"
-#include "harness/train/pipeline_train_step.h"
+#include "harness/train/checkpoint/checkpoint_store.h"
+#include "harness/train/step/build_step.h"
 #include "harness/train/setup.h"
 
 namespace {
@@ -127,7 +127,15 @@ nlohmann::json measure(Bench& bench, const Configuration& c) {
   o.balance_halves = balance_for(bench, model, D * c.virtual_stages);
   Tracer tracer;
   o.tracer = &tracer;
-  train::PipelineTrainStep step(model, 1e-4, o);
+  train::RankContext rank;  // one process, its stages over the devices
+  rank.device = bench.devices.front();
+  train::StepComposition composition;
+  composition.optimizer = train::OptimizerSettings(1e-4);
+  composition.stages = o;
+  train::BuiltStep built = train::build_step(
+      rank, [&model](std::shared_ptr<model::TensorParallelGroup>) { return model; }, composition, {});
+  train::TrainStep& step = built.step();
+  const train::PipelineForwardBackward& stages = *built.stages;
   step.set_training(true);
   std::vector<double> times;
   int64_t traced_from = 0;
@@ -152,27 +160,27 @@ nlohmann::json measure(Bench& bench, const Configuration& c) {
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
   const double tokens_per_second = static_cast<double>(bench.rows * bench.tokens) / median;
-  const pipeline::TrainingSchedule& schedule = step.last_schedule();
+  const pipeline::TrainingSchedule& schedule = stages.last_schedule();
   const double unit_bubble = pipeline::simulate_unit_time(schedule).bubble;
   const double bubble = measured_bubble(tracer, D, traced_from);
   if (!bench.trace_dir.empty()) tracer.write_chrome_json(bench.trace_dir + "/" + c.name() + ".trace.json");
   std::cerr << "[pipeline_bench] " << c.name() << ": " << median << " s/step, " << tokens_per_second
-            << " tok/s, bubble " << bubble << " (unit-time " << unit_bubble << "), balance " << step.balance_text()
+            << " tok/s, bubble " << bubble << " (unit-time " << unit_bubble << "), balance " << stages.balance_text()
             << std::endl;
   return {{"name", c.name()},
           {"schedule", schedule.name},
           {"micro_batches", c.micro_batches},
           {"virtual_stages", c.virtual_stages},
           {"activation_checkpointing", c.checkpointing},
-          {"balance", step.balance_text()},
+          {"balance", stages.balance_text()},
           {"step_seconds", times},
           {"step_seconds_median", median},
           {"tokens_per_second", tokens_per_second},
           {"bubble_measured", bubble},
           {"bubble_unit_time", unit_bubble},
-          {"peak_in_flight", step.last_peak_in_flight()},
+          {"peak_in_flight", stages.last_peak_in_flight()},
           // sampled by the executor as each forward of the memory step returned
-          {"peak_held_activation_bytes", step.last_peak_held_bytes()},
+          {"peak_held_activation_bytes", stages.last_peak_held_bytes()},
           // the allocator's peak, a forward's temporaries and recomputation included
           {"peak_allocated_in_forwards_bytes", peak_allocated},
           {"traced_step", last}};

@@ -17,7 +17,7 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
-#include "harness/train/memory_plan.h"
+#include "harness/train/plan/memory_plan.h"
 
 namespace harness::apps {
 namespace {
@@ -29,11 +29,8 @@ struct DataParallelFlags {
   std::string export_dataset;
 };
 
-DataParallelFlags parse(int argc, char** argv) {
-  const std::string what =
-      "Train GPT-2 (German->English) with data, context, tensor and pipeline parallelism over processes.";
-  cxxopts::Options options("run_data_parallel", what);
-  add_common_options(options, /*default_batch_size=*/128, /*default_epochs=*/10);
+// run_data_parallel's own flags, beside the common ones and the pipeline's.
+void add_data_parallel_options(cxxopts::Options& options) {
   options.add_options()
       ("world_size", "processes in all: data x context x tensor x pipeline", cxxopts::value<int>()->default_value("2"), "N")
       ("tensor_parallel_size", "ranks that split each layer of a replica", cxxopts::value<int>()->default_value("1"), "T")
@@ -61,64 +58,83 @@ DataParallelFlags parse(int argc, char** argv) {
       ("synchronous_step", "zb1p/zbv stage processes: step after the global norm, no early step to undo")
       ("elastic", "a lost data-parallel replica does not end the run: the others continue")
       ("min_replicas", "with --elastic: the fewest replicas to continue with", cxxopts::value<int>()->default_value("1"), "N");
+}
+
+// The plan: the layout's sizes, ZeRO, the gradient sync, the pipeline's schedule, --elastic.
+train::Plan read_plan(const cxxopts::ParseResult& result) {
+  train::Plan plan;
+  plan.world_size = result["world_size"].as<int>();
+  plan.gradient_sync.allreduce = dp::parse_allreduce_algorithm(result["allreduce"].as<std::string>());
+  plan.gradient_sync.kind = dp::parse_gradient_sync(result["grad_sync"].as<std::string>());
+  plan.gradient_sync.bucket_cap_mb = result["bucket_cap_mb"].as<double>();
+  plan.tensor_parallel_size = result["tensor_parallel_size"].as<int>();
+  plan.elastic = result.count("elastic") > 0;
+  plan.min_replicas = result["min_replicas"].as<int>();
+  if (result.count("min_replicas") > 0 && !plan.elastic) {
+    throw std::invalid_argument("--min_replicas applies to --elastic runs only");
+  }
+  const std::string reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
+  if (reduce_dtype != "fp32" && reduce_dtype != "bf16") {
+    throw std::invalid_argument("--grad_reduce_dtype '" + reduce_dtype + "': expected fp32 or bf16");
+  }
+  plan.gradient_sync.reduce_dtype = reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  plan.zero.stage = result["zero_stage"].as<int>();
+  plan.zero.prefetch = result["zero_prefetch"].as<int>();
+  plan.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
+  plan.context_parallel_size = result["context_parallel_size"].as<int>();
+  plan.sequence_parallel = result.count("sequence_parallel") > 0;
+  plan.pipeline = read_pipeline_flags(result);
+  if (plan.world_size <= 0) {
+    throw std::invalid_argument("--world_size must be positive, got " + std::to_string(plan.world_size));
+  }
+  if (plan.tensor_parallel_size < 1) {
+    throw std::invalid_argument("--tensor_parallel_size must be at least 1, got " +
+                                std::to_string(plan.tensor_parallel_size));
+  }
+  return plan;
+}
+
+// How the processes start, meet and fail: the launcher's, the rendezvous' and --pytest's flags.
+void read_launch(const cxxopts::ParseResult& result, train::DataParallelConfig& c) {
+  c.pytest = result["pytest"].as<bool>();
+  c.save_every_rank = result.count("save_every_rank") > 0;
+  c.reshuffle_each_epoch = result.count("reshuffle_each_epoch") > 0;
+  c.grad_dir = result["grad_dir"].as<std::string>();
+  c.backend = dp::parse_backend(result["backend"].as<std::string>());
+  c.device = harness::parse_device_choice(result["device"].as<std::string>());
+  c.master_addr = result["master_addr"].as<std::string>();
+  c.master_port = result["master_port"].as<int>();
+  c.max_restarts = result["max_restarts"].as<int>();
+  c.dist_timeout_s = result["dist_timeout_s"].as<int>();
+  c.debug_sync = result.count("debug_sync") > 0;
+  c.synchronous_step = result.count("synchronous_step") > 0;
+  if (c.dist_timeout_s < 1) {
+    throw std::invalid_argument("--dist_timeout_s must be at least 1, got " + std::to_string(c.dist_timeout_s));
+  }
+  if (c.max_restarts < 0) {
+    throw std::invalid_argument("--max_restarts must be >= 0, got " + std::to_string(c.max_restarts));
+  }
+  if (c.master_port < 0 || c.master_port > 65535) {
+    throw std::invalid_argument("--master_port " + std::to_string(c.master_port) + " is not a port");
+  }
+}
+
+DataParallelFlags parse(int argc, char** argv) {
+  const std::string what =
+      "Train GPT-2 (German->English) with data, context, tensor and pipeline parallelism over processes.";
+  cxxopts::Options options("run_data_parallel", what);
+  add_common_options(options, /*default_batch_size=*/128, /*default_epochs=*/10);
+  add_data_parallel_options(options);
   add_pipeline_options(options, "with --pipeline_parallel_size above 1");
   cxxopts::ParseResult result = parse_or_exit(options, what, argc, argv);
   DataParallelFlags flags;
   try {
     const CommonFlags common = read_common(result);
     flags.export_dataset = common.export_dataset;
-    train::DataParallelConfig& c = flags.config;
-    c.run = common;
-    c.world_size = result["world_size"].as<int>();
-    c.pytest = result["pytest"].as<bool>();
-    c.save_every_rank = result.count("save_every_rank") > 0;
-    c.allreduce = dp::parse_allreduce_algorithm(result["allreduce"].as<std::string>());
-    c.reshuffle_each_epoch = result.count("reshuffle_each_epoch") > 0;
-    c.grad_dir = result["grad_dir"].as<std::string>();
-    c.backend = dp::parse_backend(result["backend"].as<std::string>());
-    c.device = harness::parse_device_choice(result["device"].as<std::string>());
-    c.master_addr = result["master_addr"].as<std::string>();
-    c.master_port = result["master_port"].as<int>();
-    c.grad_sync = dp::parse_gradient_sync(result["grad_sync"].as<std::string>());
-    c.bucket_cap_mb = result["bucket_cap_mb"].as<double>();
-    c.tensor_parallel_size = result["tensor_parallel_size"].as<int>();
-    c.max_restarts = result["max_restarts"].as<int>();
-    c.dist_timeout_s = result["dist_timeout_s"].as<int>();
-    c.debug_sync = result.count("debug_sync") > 0;
-    c.synchronous_step = result.count("synchronous_step") > 0;
-    c.elastic = result.count("elastic") > 0;
-    c.min_replicas = result["min_replicas"].as<int>();
-    if (result.count("min_replicas") > 0 && !c.elastic) {
-      throw std::invalid_argument("--min_replicas applies to --elastic runs only");
-    }
-    const std::string reduce_dtype = result["grad_reduce_dtype"].as<std::string>();
-    if (reduce_dtype != "fp32" && reduce_dtype != "bf16") {
-      throw std::invalid_argument("--grad_reduce_dtype '" + reduce_dtype + "': expected fp32 or bf16");
-    }
-    c.grad_reduce_dtype = reduce_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    c.zero_stage = result["zero_stage"].as<int>();
-    c.zero_prefetch = result["zero_prefetch"].as<int>();
-    c.pipeline_parallel_size = result["pipeline_parallel_size"].as<int>();
-    c.context_parallel_size = result["context_parallel_size"].as<int>();
-    c.sequence_parallel = result.count("sequence_parallel") > 0;
-    c.pipe = read_pipeline_flags(result);
-    c.run.memory_plan = result.count("memory_plan") > 0;
-    if (c.dist_timeout_s < 1) {
-      throw std::invalid_argument("--dist_timeout_s must be at least 1, got " + std::to_string(c.dist_timeout_s));
-    }
-    if (c.max_restarts < 0) {
-      throw std::invalid_argument("--max_restarts must be >= 0, got " + std::to_string(c.max_restarts));
-    }
-    if (c.world_size <= 0) {
-      throw std::invalid_argument("--world_size must be positive, got " + std::to_string(c.world_size));
-    }
-    if (c.tensor_parallel_size < 1) {
-      throw std::invalid_argument("--tensor_parallel_size must be at least 1, got " +
-                                  std::to_string(c.tensor_parallel_size));
-    }
-    if (c.master_port < 0 || c.master_port > 65535) {
-      throw std::invalid_argument("--master_port " + std::to_string(c.master_port) + " is not a port");
-    }
+    flags.config.run = common;
+    flags.config.run.memory_plan = result.count("memory_plan") > 0;
+    read_launch(result, flags.config);
+    flags.config.plan = read_plan(result);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: " << e.what() << std::endl;
     std::exit(2);
@@ -165,10 +181,10 @@ int main(int argc, char** argv) {
     launch.unresponsive_worker_timeout = std::chrono::seconds(config.dist_timeout_s + 10);
     // With restarts the launcher serves the rendezvous store, as torchrun's agent does: one store
     // for every attempt, which no worker's death takes with it.
-    launch.serve_store = config.max_restarts > 0 || config.elastic;
+    launch.serve_store = config.max_restarts > 0 || config.plan.elastic;
     // --elastic: a lost worker is recorded in the store and the others go on (elastic_step.h).
-    launch.elastic = config.elastic;
-    if (config.elastic) {
+    launch.elastic = config.plan.elastic;
+    if (config.plan.elastic) {
       launch.extra_env.emplace_back(harness::train::kElasticLaunchVariable, "1");
       // A replacement starts for each lost worker and joins at a step boundary (elastic_trainer.h).
       const std::string replacements = env_or(harness::train::kElasticReplacementsVariable, "");
@@ -176,9 +192,9 @@ int main(int argc, char** argv) {
         throw std::invalid_argument(std::string(harness::train::kElasticReplacementsVariable) + "=" + replacements +
                                     ": expected a count of replacement processes (0 or more)");
       }
-      launch.max_replacements = replacements.empty() ? config.world_size : std::atoi(replacements.c_str());
+      launch.max_replacements = replacements.empty() ? config.plan.world_size : std::atoi(replacements.c_str());
     }
-    return dp::launch_with_restarts(args, config.world_size, addr, port, config.max_restarts, launch);
+    return dp::launch_with_restarts(args, config.plan.world_size, addr, port, config.max_restarts, launch);
   } catch (const std::exception& e) {
     std::cerr << "run_data_parallel: error: " << e.what() << std::endl;
     return 1;

@@ -5,7 +5,7 @@
 #include "common.h"
 #include "pipeline_flags.h"
 #include "harness/host_memory.h"
-#include "harness/train/memory_plan.h"
+#include "harness/train/plan/memory_plan.h"
 
 namespace harness::apps {
 namespace {
@@ -33,11 +33,11 @@ PipelineFlags parse(int argc, char** argv) {
     train::PipelineConfig& c = flags.config;
     c.mode = train::parse_model_parallel_mode(result["model_parallel_mode"].as<std::string>());
     c.shuffle = result.count("shuffle") > 0;
-    c.pipe = read_pipeline_flags(result);
+    c.plan.pipeline = read_pipeline_flags(result);
     c.run.memory_plan = result.count("memory_plan") > 0;
     if (c.mode == train::ModelParallelMode::kPipelineParallel &&
-        (c.pipe.n_chunk <= 0 || c.pipe.n_chunk > c.run.batch_size)) {
-      throw std::invalid_argument("--n_chunk " + std::to_string(c.pipe.n_chunk) +
+        (c.plan.pipeline.n_chunk <= 0 || c.plan.pipeline.n_chunk > c.run.batch_size)) {
+      throw std::invalid_argument("--n_chunk " + std::to_string(c.plan.pipeline.n_chunk) +
                                   " must be between 1 and --batch_size " +
                                   std::to_string(c.run.batch_size));
     }

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cxxopts.hpp>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <string>
@@ -24,7 +25,7 @@
 #include "harness/model/gpt2.h"
 #include "harness/host_memory.h"
 #include "harness/model/precision.h"
-#include "harness/train/train_step.h"
+#include "harness/train/step/build_step.h"
 
 namespace {
 
@@ -92,13 +93,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext*) {
   (*op_self_seconds)[name] += self;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  harness::keep_freed_host_memory();  // reuse, not re-fault, the large tensors of each step
-  using namespace harness;
-  const std::string what = "Where a GPT-2 training step's time goes, by kind of work";
-  cxxopts::Options options("step_breakdown", what);
+// The program's flags, with their defaults.
+void add_flags(cxxopts::Options& options) {
   options.add_options()
       ("model", "preset", cxxopts::value<std::string>()->default_value("gpt2-mini"))
       ("vocab", "vocab_size (0: the preset's)", cxxopts::value<int64_t>()->default_value("0"))
@@ -110,6 +106,102 @@ int main(int argc, char** argv) {
       ("precision", "fp32 | bf16", cxxopts::value<std::string>()->default_value("fp32"))
       ("out", "JSON file", cxxopts::value<std::string>()->default_value(""))
       ("h,help", "this help");
+}
+
+// The --model preset, its vocabulary replaced by --vocab where given, with dropout 0.1 throughout.
+harness::model::GPT2Config config_from(const cxxopts::ParseResult& flags) {
+  harness::model::GPT2Config config = harness::model::GPT2Config::preset(flags["model"].as<std::string>());
+  if (flags["vocab"].as<int64_t>() > 0) config.vocab_size = flags["vocab"].as<int64_t>();
+  config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = 0.1;
+  return config;
+}
+
+// `gpt2`'s training step at `precision`: the whole model and its AdamW on one process.
+harness::train::BuiltStep build_one_process_step(const harness::model::GPT2LMHeadModel& gpt2,
+                                                 const std::string& precision) {
+  using namespace harness;
+  train::TrainStepSettings settings;
+  settings.precision = model::parse_precision(precision);
+  train::StepComposition composition;
+  composition.optimizer = train::OptimizerSettings(1e-4);
+  return train::build_step(
+      train::RankContext{}, [&gpt2](std::shared_ptr<model::TensorParallelGroup>) { return gpt2; }, composition,
+      settings);
+}
+
+// What the timed steps recorded: each step's seconds, and the ops' self seconds (summed over the
+// steps) by category and by op name.
+struct Recording {
+  std::vector<double> seconds;
+  std::map<std::string, double> by_category, by_op;
+};
+
+// Runs `steps` steps on batches from `next_batch`, each timed, with the op callback on this thread.
+Recording record_steps(harness::train::TrainStep& step, const std::function<harness::data::Batch()>& next_batch,
+                       int steps) {
+  Recording recording;
+  std::vector<Frame> stack;
+  frames = &stack;
+  self_seconds = &recording.by_category;
+  op_self_seconds = &recording.by_op;
+  const auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(on_start, on_end).scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
+  for (int i = 0; i < steps; ++i) {
+    const harness::data::Batch b = next_batch();
+    const auto start = Clock::now();
+    step.step(b);
+    recording.seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    in_optimizer = false;
+  }
+  at::removeCallback(handle);
+  frames = nullptr;
+  return recording;
+}
+
+// Seconds per step by category, plus what no op accounts for: the mean step less the categories.
+// Backward nodes (BACKWARD_FUNCTION scope, e.g. "AddmmBackward0") hold the ATen ops they run,
+// counted by those ops' categories; the nodes' own self time is counted apart.
+std::map<std::string, double> per_step_by_category(const std::map<std::string, double>& by_category, int steps,
+                                                   double mean) {
+  std::map<std::string, double> per_step;
+  double accounted = 0.0;
+  for (const auto& [name, s] : by_category) {
+    per_step[name] = s / steps;
+    accounted += s / steps;
+  }
+  per_step["outside ATen ops (autograd engine, allocation, step code)"] = std::max(0.0, mean - accounted);
+  return per_step;
+}
+
+// The 15 ops with the most self time, in seconds per step.
+nlohmann::json top_ops(const std::map<std::string, double>& by_op, int steps) {
+  std::vector<std::pair<std::string, double>> ops(by_op.begin(), by_op.end());
+  std::sort(ops.begin(), ops.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  nlohmann::json top = nlohmann::json::array();
+  for (size_t i = 0; i < ops.size() && i < 15; ++i) top.push_back({{"op", ops[i].first}, {"seconds_per_step", ops[i].second / steps}});
+  return top;
+}
+
+// The table on stdout: the run in one line, then each category's seconds per step, largest first.
+void print_table(const nlohmann::json& out, const std::map<std::string, double>& per_step, int64_t B, int64_t T,
+                 int threads, double mean) {
+  std::printf("%s, %lld x %lld tokens, %d thread(s), %s: %.3f s per step, %.0f tokens/s\n",
+              out["model"].get<std::string>().c_str(), static_cast<long long>(B), static_cast<long long>(T),
+              threads, out["precision"].get<std::string>().c_str(), mean,
+              out["tokens_per_second"].get<double>());
+  std::vector<std::pair<std::string, double>> rows(per_step.begin(), per_step.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  for (const auto& [name, s] : rows) std::printf("  %-58s %8.4f s  %5.1f%%\n", name.c_str(), s, 100.0 * s / mean);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  harness::keep_freed_host_memory();  // reuse, not re-fault, the large tensors of each step
+  using namespace harness;
+  const std::string what = "Where a GPT-2 training step's time goes, by kind of work";
+  cxxopts::Options options("step_breakdown", what);
+  add_flags(options);
   const auto flags = options.parse(argc, argv);
   if (flags.count("help")) {
     std::cout << harness::apps::one_line_help(options, what);
@@ -117,16 +209,13 @@ int main(int argc, char** argv) {
   }
   try {
     at::set_num_threads(flags["threads"].as<int>());
-    model::GPT2Config config = model::GPT2Config::preset(flags["model"].as<std::string>());
-    if (flags["vocab"].as<int64_t>() > 0) config.vocab_size = flags["vocab"].as<int64_t>();
-    config.embd_pdrop = config.attn_pdrop = config.resid_pdrop = 0.1;
+    const model::GPT2Config config = config_from(flags);
     const int64_t B = flags["batch_size"].as<int64_t>(), T = flags["model_max_length"].as<int64_t>();
     torch::manual_seed(1234);
     model::GPT2LMHeadModel gpt2(config);
     gpt2->reset_parameters();
-    train::TrainStepSettings settings;
-    settings.precision = model::parse_precision(flags["precision"].as<std::string>());
-    train::GPT2TrainStep step(gpt2, 1e-4, nullptr, settings);
+    train::BuiltStep built = build_one_process_step(gpt2, flags["precision"].as<std::string>());
+    train::TrainStep& step = *built.plain;
     step.set_training(true);
     step.after_backward = [] { in_optimizer = true; };
     auto batch = [&] {
@@ -141,39 +230,12 @@ int main(int argc, char** argv) {
       in_optimizer = false;
     }
 
-    std::vector<Frame> stack;
-    std::map<std::string, double> by_category, by_op;
-    frames = &stack;
-    self_seconds = &by_category;
-    op_self_seconds = &by_op;
-    const auto handle = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(on_start, on_end).scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}));
     const int steps = flags["steps"].as<int>();
-    std::vector<double> seconds;
-    for (int i = 0; i < steps; ++i) {
-      const data::Batch b = batch();
-      const auto start = Clock::now();
-      step.step(b);
-      seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-      in_optimizer = false;
-    }
-    at::removeCallback(handle);
-    frames = nullptr;
-
-    // Backward nodes (BACKWARD_FUNCTION scope, e.g. "AddmmBackward0") hold the ATen ops they run,
-    // counted by those ops' categories; the nodes' own self time is counted apart.
-    std::map<std::string, double> per_step;
-    double accounted = 0.0;
-    for (const auto& [name, s] : by_category) {
-      per_step[name] = s / steps;
-      accounted += s / steps;
-    }
+    const Recording recording = record_steps(step, batch, steps);
     double total = 0.0;
-    for (double s : seconds) total += s;
+    for (double s : recording.seconds) total += s;
     const double mean = total / steps;
-    per_step["outside ATen ops (autograd engine, allocation, step code)"] = std::max(0.0, mean - accounted);
-    std::vector<std::pair<std::string, double>> ops(by_op.begin(), by_op.end());
-    std::sort(ops.begin(), ops.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    const std::map<std::string, double> per_step = per_step_by_category(recording.by_category, steps, mean);
 
     nlohmann::json out;
     out["model"] = flags["model"].as<std::string>();
@@ -186,18 +248,9 @@ int main(int argc, char** argv) {
     out["step_seconds_mean"] = mean;
     out["tokens_per_second"] = static_cast<double>(B * T) / mean;
     out["seconds_per_step_by_category"] = per_step;
-    nlohmann::json top = nlohmann::json::array();
-    for (size_t i = 0; i < ops.size() && i < 15; ++i) top.push_back({{"op", ops[i].first}, {"seconds_per_step", ops[i].second / steps}});
-    out["top_ops_by_self_time"] = top;
+    out["top_ops_by_self_time"] = top_ops(recording.by_op, steps);
     if (!flags["out"].as<std::string>().empty()) std::ofstream(flags["out"].as<std::string>()) << out.dump(2) << "\n";
-
-    std::printf("%s, %lld x %lld tokens, %d thread(s), %s: %.3f s per step, %.0f tokens/s\n",
-                out["model"].get<std::string>().c_str(), static_cast<long long>(B), static_cast<long long>(T),
-                flags["threads"].as<int>(), out["precision"].get<std::string>().c_str(), mean,
-                out["tokens_per_second"].get<double>());
-    std::vector<std::pair<std::string, double>> rows(per_step.begin(), per_step.end());
-    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-    for (const auto& [name, s] : rows) std::printf("  %-58s %8.4f s  %5.1f%%\n", name.c_str(), s, 100.0 * s / mean);
+    print_table(out, per_step, B, T, flags["threads"].as<int>(), mean);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "step_breakdown: error: " << e.what() << std::endl;

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "fuzz_support.h"
-#include "harness/train/checkpoint_store.h"
+#include "harness/train/checkpoint/checkpoint_store.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace harness::train;

@@ -39,9 +39,6 @@ Layout Layout::create(int world_size, const LayoutSizes& sizes) {
                                               : " = " + std::to_string(model_ranks) + " (world size = " + meaning +
                                                     " size)"));
   }
-  if (sizes.zero_stage < 0 || sizes.zero_stage > 3) {
-    throw std::invalid_argument("--zero_stage " + std::to_string(sizes.zero_stage) + ": expected 0, 1, 2 or 3");
-  }
   if (sizes.sequence_parallel && sizes.tensor < 2) {
     throw std::invalid_argument("--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
                                 "--tensor_parallel_size 2 or more, not " + std::to_string(sizes.tensor));
@@ -164,12 +161,12 @@ std::string Layout::sizes_text() const {
          std::to_string(pipeline_) + " = world " + std::to_string(world_size());
 }
 
-std::string Layout::coordinates_table() const {
+std::string Layout::coordinates_table(const std::string& note) const {
   std::ostringstream out;
   // The context column only where sequences are split, so a 3D run's table reads as before.
   const bool context = context_ > 1;
   out << "layout: " << sizes_text() << (context ? ", rank = ((p*D + d)*C + c)*T + t" : ", rank = (p*D + d)*T + t")
-      << (zero_stage_ ? ", ZeRO stage " + std::to_string(zero_stage_) : std::string()) << "\n";
+      << note << "\n";
   out << "  rank  data" << (context ? "  context" : "") << "  tensor  pipeline  reports\n";
   for (int r = 0; r < world_size(); ++r) {
     const Coordinates c = coordinates_of(r);

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "harness/train/report.h"
+#include "harness/train/run/report.h"
 
 namespace harness::train {
 

@@ -15,8 +15,8 @@
 #include <thread>
 
 #include "harness/data_parallel/process_group.h"
-#include "harness/train/checkpoint_store.h"
-#include "harness/train/training_state.h"
+#include "harness/train/checkpoint/checkpoint_store.h"
+#include "harness/train/checkpoint/training_state.h"
 
 namespace harness::train {
 namespace {

@@ -1,4 +1,4 @@
-// run_data_parallel's worker (see programs.h): one rank's process group, data partition, model
+// run_data_parallel's worker (see run_data_parallel.h): one rank's process group, data partition, model
 // (whole, or its tensor-parallel shard) and gradient synchronisation, trained by the driver.
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -21,8 +21,6 @@
 #include "harness/data_parallel/partition.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/sharded_loader.h"
-#include "harness/train/zero/sharded_adamw.h"
-#include "harness/train/zero/sharded_units.h"
 #include "harness/model/safetensors.h"
 #include "harness/parallel/layout.h"
 #include "harness/parallel/process_groups.h"
@@ -30,14 +28,14 @@
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/tensor_parallel/group.h"
 #include "harness/trace.h"
-#include "harness/train/context_parallel_step.h"
-#include "harness/train/memory_plan.h"
-#include "harness/train/pipeline_forward_backward.h"
-#include "harness/train/programs.h"
+#include "harness/train/step/context_parallel_step.h"
+#include "harness/train/plan/memory_plan.h"
+#include "harness/train/step/pipeline_forward_backward.h"
+#include "harness/train/run_data_parallel.h"
 #include "harness/train/rank_agreement.h"
-#include "harness/train/compose_step.h"
-#include "harness/train/elastic_step.h"
-#include "harness/train/zero/zero3_step.h"
+#include "harness/train/step/build_step.h"
+#include "harness/train/elastic/elastic_step.h"
+#include "harness/zero/zero.h"
 
 namespace harness::train {
 namespace {
@@ -83,29 +81,12 @@ void broadcast_parameters(const dp::DistContext& ctx, torch::nn::Module& module)
   }
 }
 
-// The run's data x context x tensor x pipeline layout, validated (sizes and ZeRO stage; the flags
-// named). Context parallelism does not run through pipeline stages: refused here, before launch.
-parallel::LayoutSizes run_layout_sizes(const DataParallelConfig& flags) {
-  parallel::LayoutSizes sizes;
-  sizes.tensor = flags.tensor_parallel_size;
-  sizes.context = flags.context_parallel_size;
-  sizes.pipeline = flags.pipeline_parallel_size;
-  sizes.zero_stage = flags.zero_stage;
-  sizes.sequence_parallel = flags.sequence_parallel;
-  sizes.loss_on_first_stage = pipeline::placement_of(flags.pipe.schedule) == pipeline::StagePlacement::kV;
-  return sizes;
-}
-
-parallel::Layout run_layout(const DataParallelConfig& flags, int world_size) {
-  return parallel::Layout::create(world_size, run_layout_sizes(flags));
-}
-
 // The positions each sequence is padded to: --model_max_length, or with C > 1 a multiple of 2C
 // (of 2C * T, or of T when C = 1, with --sequence_parallel), which must still fit the model's
 // position table.
 int64_t padded_sequence_length(const DataParallelConfig& flags, const model::GPT2Config& config) {
-  const int C = flags.context_parallel_size;
-  const int T = flags.sequence_parallel ? flags.tensor_parallel_size : 1;
+  const int C = flags.plan.context_parallel_size;
+  const int T = flags.plan.sequence_parallel ? flags.plan.tensor_parallel_size : 1;
   if (C <= 1 && T <= 1) return flags.run.model_max_length;
   const int64_t padded = split_sequence_length(flags.run.model_max_length, C, T);
   if (padded > config.n_positions) {
@@ -124,39 +105,33 @@ int64_t padded_sequence_length(const DataParallelConfig& flags, const model::GPT
 // The memory plan's input for this run (memory_plan.h): the layout's sizes, a replica's
 // `replica_rows`, the `sequence_length` positions a sequence is padded to (1/C of them a rank),
 // the precision, the ZeRO settings and, with P > 1, the stages' options.
-MemoryPlanInput plan_input(const DataParallelConfig& flags, const parallel::Layout& layout,
-                           const model::GPT2Config& config, int64_t replica_rows, int64_t sequence_length) {
+MemoryPlanInput plan_input(const DataParallelConfig& flags, const model::GPT2Config& config, int64_t replica_rows,
+                           int64_t sequence_length) {
   const RunConfig& f = flags.run;
-  const int C = layout.context_parallel_size(), P = layout.pipeline_parallel_size();
+  const int C = flags.plan.context_parallel_size, P = flags.plan.pipeline_parallel_size;
   MemoryPlanInput in;
   in.program = "run_data_parallel";
   in.model_name = f.model.path.empty() ? f.model.preset : f.model.path;
   in.config = config;
-  in.tensor_parallel_size = layout.tensor_parallel_size();
+  in.plan = flags.plan;
   // With C > 1 the D x C ranks of a slice share its state (ZeRO shards over them), while each
   // replica's rows are split along the sequence: S / C positions a rank.
-  in.data_parallel_size = layout.gradient_group_size();
-  in.context_parallel_size = C;
   in.rows_per_replica = replica_rows;
-  in.sequence_parallel = flags.sequence_parallel;
   in.tokens = sequence_length / C;
   in.bf16 = f.precision == model::Precision::kBf16;
-  in.zero_stage = flags.zero_stage;
-  in.zero_prefetch = flags.zero_prefetch;
-  in.bucket_cap_mb = flags.bucket_cap_mb;
   if (P > 1) {
-    plan_stages(in, P, balanced_pipeline_options(flags.pipe, P, /*processes=*/true, config, replica_rows, sequence_length),
-                flags.pipe.balance.automatic);
+    plan_stages(in, P, balanced_pipeline_options(flags.plan.pipeline, P, /*processes=*/true, config, replica_rows, sequence_length),
+                flags.plan.pipeline.balance.automatic);
   }
   return in;
 }
 
 // The stages' options from the pipeline flags (checked, the flags named), for P > 1 and a replica
 // batch of `replica_batch` rows; the balance numbers are checked against the model's blocks here too.
-PipelineStepOptions stage_options(const DataParallelConfig& flags, const parallel::Layout& layout,
-                                  const model::GPT2Config& config, int64_t replica_batch) {
-  const int P = layout.pipeline_parallel_size();
-  const PipelineScheduleConfig& pipe = flags.pipe;
+PipelineStepOptions stage_options(const DataParallelConfig& flags, const model::GPT2Config& config,
+                                  int64_t replica_batch) {
+  const int P = flags.plan.pipeline_parallel_size;
+  const PipelineScheduleConfig& pipe = flags.plan.pipeline;
   if (pipe.n_chunk < 1 || pipe.n_chunk > replica_batch) {
     throw std::invalid_argument("--n_chunk " + std::to_string(pipe.n_chunk) + " must be between 1 and the " +
                                 std::to_string(replica_batch) + " rows each data-parallel replica trains on");
@@ -173,42 +148,8 @@ PipelineStepOptions stage_options(const DataParallelConfig& flags, const paralle
 
 }  // namespace
 
-void check_zero_stage(const DataParallelConfig& flags) {
-  if (flags.zero_prefetch < 0) {
-    throw std::invalid_argument("--zero_prefetch " + std::to_string(flags.zero_prefetch) + " must be >= 0");
-  }
-  if (flags.zero_stage == 0) return;
-  if (flags.grad_sync != dp::GradientSyncKind::kBucketed) {
-    throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) +
-                                " reduce-scatters gradient buckets: it needs --grad_sync bucketed, not " +
-                                dp::to_string(flags.grad_sync));
-  }
-  if (flags.allreduce != dp::AllReduceAlgorithm::kBuiltin) {
-    throw std::invalid_argument("--zero_stage " + std::to_string(flags.zero_stage) +
-                                " reduce-scatters with the process group's collectives: it cannot take --allreduce ring");
-  }
-}
-
-void check_elastic_run(const DataParallelConfig& flags, int world_size) {
-  if (!flags.elastic) return;
-  const parallel::Layout layout = run_layout(flags, world_size > 0 ? world_size : flags.world_size);
-  const int D = layout.data_parallel_size();
-  if (D < 2) {
-    throw std::invalid_argument("--elastic keeps training when a data-parallel replica is lost: it needs at least "
-                                "2 replicas, and --world_size " + std::to_string(flags.world_size) + " makes " +
-                                std::to_string(D) + " (with one, use --max_restarts)");
-  }
-  if (flags.zero_stage != 0) {
-    throw std::invalid_argument("--elastic with --zero_stage " + std::to_string(flags.zero_stage) +
-                                ": a lost rank's shard of the optimizer state" +
-                                (flags.zero_stage >= 2 ? std::string(" and of the gradients") : std::string()) +
-                                (flags.zero_stage == 3 ? std::string(" and parameters") : std::string()) +
-                                " exists nowhere else, so its replica could not be dropped; use --zero_stage 0");
-  }
-  if (flags.min_replicas < 1 || flags.min_replicas > D) {
-    throw std::invalid_argument("--min_replicas " + std::to_string(flags.min_replicas) + ": expected 1 to " +
-                                std::to_string(D) + " (the data-parallel replicas)");
-  }
+void check_elastic_run(const DataParallelConfig& flags) {
+  if (!flags.plan.elastic) return;
   if (flags.save_every_rank) {
     throw std::invalid_argument("--save_every_rank with --elastic: the replicas hold the same weights, and the "
                                 "current rank 0 saves them to --workdir");
@@ -218,11 +159,10 @@ void check_elastic_run(const DataParallelConfig& flags, int world_size) {
 
 void check_data_parallel_run(const DataParallelConfig& flags) {
   const RunConfig& f = flags.run;
-  const parallel::Layout layout = run_layout(flags, flags.world_size);
-  check_zero_stage(flags);
+  flags.plan.validate();
   check_elastic_run(flags);
-  const int64_t replica_batch = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
-  dp::resolve_backend(flags.backend, worker_device(flags, flags.world_size - 1));
+  const int64_t replica_batch = dp::per_device_batch_size(f.batch_size, flags.plan.data_parallel_size());
+  dp::resolve_backend(flags.backend, worker_device(flags, flags.plan.world_size - 1));
   check_writable_folder(f.workdir, "--workdir");
   if (flags.pytest) check_writable_folder(flags.grad_dir, "--grad_dir");
   load_corpus(f.dataset, f.sizes, f.seed, f.sizes_given);
@@ -230,18 +170,17 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
   shipped_tokenizer(f.model, config);
   check_positions(config, f.model_max_length);
   const int64_t sequence_length = padded_sequence_length(flags, config);
-  if (layout.pipeline_parallel_size() > 1) (void)stage_options(flags, layout, config, replica_batch);
-  if (flags.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.tensor_parallel_size);
+  if (flags.plan.pipeline_parallel_size > 1) (void)stage_options(flags, config, replica_batch);
+  if (flags.plan.tensor_parallel_size > 1) model::validate_tensor_parallel(config, flags.plan.tensor_parallel_size);
   // Each rank's model state against the memory each has on this machine, before any weight is read.
-  check_model_state_fits(plan_memory(plan_input(flags, layout, config, replica_batch, sequence_length)),
-                         available_memory(data_parallel_devices(flags.device, flags.world_size),
+  check_model_state_fits(plan_memory(plan_input(flags, config, replica_batch, sequence_length)),
+                         available_memory(data_parallel_devices(flags.device, flags.plan.world_size),
                                           /*release_gpu_context=*/true),
                          [&flags](int stage) -> std::string {
-                           DataParallelConfig other = flags;
-                           other.zero_stage = stage;
+                           Plan other = flags.plan;
+                           other.zero.stage = stage;
                            try {
-                             (void)run_layout(other, other.world_size);
-                             check_zero_stage(other);
+                             other.validate();
                            } catch (const std::invalid_argument& e) {
                              return e.what();
                            }
@@ -252,28 +191,25 @@ void check_data_parallel_run(const DataParallelConfig& flags) {
 }
 
 int print_memory_plan(const DataParallelConfig& flags) {
-  // The sizes as a run checks them (the flags named); the ZeRO stage is planned even where this
-  // build cannot run it yet, and said so below.
-  parallel::LayoutSizes sizes;
-  sizes.tensor = flags.tensor_parallel_size;
-  sizes.context = flags.context_parallel_size;
-  sizes.pipeline = flags.pipeline_parallel_size;
-  const parallel::Layout layout = parallel::Layout::create(flags.world_size, sizes);
+  // The sizes as a run checks them (the flags named); the ZeRO stage and sequence parallelism are
+  // planned even where this build cannot run them, and said so below.
+  Plan sizes = flags.plan;
+  sizes.sequence_parallel = false;
+  (void)sizes.layout();
   const RunConfig& f = flags.run;
-  const int64_t sequence_length = split_sequence_length(
-      f.model_max_length, flags.context_parallel_size, flags.sequence_parallel ? flags.tensor_parallel_size : 1);
-  const MemoryPlan plan =
-      plan_memory(plan_input(flags, layout, resolve_config(f.model),
-                             dp::per_device_batch_size(f.batch_size, layout.data_parallel_size()), sequence_length));
-  std::vector<Device> devices = data_parallel_devices(flags.device, flags.world_size);
-  if (devices.front().is_cuda() && static_cast<int>(torch::cuda::device_count()) < flags.world_size) {
+  const Plan& plan = flags.plan;
+  const int64_t sequence_length = split_sequence_length(f.model_max_length, plan.context_parallel_size,
+                                                        plan.sequence_parallel ? plan.tensor_parallel_size : 1);
+  const MemoryPlan memory = plan_memory(plan_input(flags, resolve_config(f.model),
+                                                   dp::per_device_batch_size(f.batch_size, plan.data_parallel_size()),
+                                                   sequence_length));
+  std::vector<Device> devices = data_parallel_devices(flags.device, plan.world_size);
+  if (devices.front().is_cuda() && static_cast<int>(torch::cuda::device_count()) < plan.world_size) {
     devices.resize(std::max<size_t>(1, torch::cuda::device_count()));  // the plan still prints
   }
-  std::cout << format_memory_plan(plan, available_memory(devices)) << std::flush;
+  std::cout << format_memory_plan(memory, available_memory(devices)) << std::flush;
   try {
-    sizes.zero_stage = flags.zero_stage;
-    sizes.sequence_parallel = flags.sequence_parallel;
-    (void)parallel::Layout::create(flags.world_size, sizes);
+    plan.validate();
   } catch (const std::invalid_argument& e) {
     std::cout << "note: planned as asked, but this build cannot run it: " << e.what() << std::endl;
   }
@@ -348,58 +284,60 @@ void prepare_rank_inputs(const DataParallelConfig& flags, int rank, const dp::Di
 // Under --elastic, where rank 0 leaves the balance `--balance auto` agreed on (a replacement reads it).
 constexpr const char* kAgreedBalanceKey = "elastic/agreed balance";
 
-// P > 1: this rank's stage options. --balance auto: every rank times GPT-2's pieces and rank 0's
-// balance is everyone's. Each data-parallel replica draws its own dropout masks, the same on
-// every stage of it.
-PipelineStepOptions agreed_stage_options(const DataParallelConfig& flags, const parallel::Layout& layout,
-                                         const RankInputs& in, model::GPT2LMHeadModel& model, const Device& device,
-                                         int rank, const dp::DistContext& world, bool joining) {
-  const RunConfig& f = flags.run;
-  PipelineStepOptions stage = stage_options(flags, layout, model->config(), in.rows);
-  stage.devices = {device};
-  stage.seed = f.seed + static_cast<uint64_t>(layout.coordinates_of(rank).data);
-  if (!flags.pipe.balance.automatic) return stage;
-  if (joining) {
-    // The balance the run agreed on at its start, which rank 0 left in the store.
-    const std::vector<uint8_t> text = world.store->get(kAgreedBalanceKey);
+// What one rank of run_data_parallel works with, built once in run_data_parallel_worker and
+// passed whole: its flags, how it was started, and its place in the run.
+struct Worker {
+  const DataParallelConfig& flags;
+  const dp::WorkerEnv& env;
+  RankContext rank;  // the plan, this rank, its groups, its device, the launch's world
+  int threads = 1;
+  int join_id = -1;  // under --elastic, a replacement's launch id (it joins the run under way)
+  bool joining() const { return join_id >= 0; }
+};
+
+// The step's parts as the flags choose them. P > 1: this rank's stage options (--balance auto is
+// timed by build_step; a replacement reads the balance the run agreed on at its start). Each
+// data-parallel replica draws its own dropout masks, the same on every stage of it.
+StepComposition rank_composition(const Worker& w, const RankInputs& in, Tracer* tracer) {
+  const DataParallelConfig& flags = w.flags;
+  StepComposition composition;
+  composition.optimizer = flags.run.optimizer_settings();
+  // (Under --elastic no stage steps before the others are known alive: post-validation is off.)
+  composition.optimizer.post_validate = !flags.synchronous_step && !flags.plan.elastic;
+  composition.debug_sync = flags.debug_sync;
+  if (flags.plan.pipeline_parallel_size == 1) return composition;
+  PipelineStepOptions stage = stage_options(flags, in.config, in.rows);
+  stage.devices = {w.rank.device};
+  stage.seed = flags.run.seed + static_cast<uint64_t>(w.rank.coordinates().data);
+  stage.tracer = tracer;  // each stage action a slice on the rank's trace
+  if (flags.plan.pipeline.balance.automatic && w.joining()) {
+    const std::vector<uint8_t> text = w.rank.world.store->get(kAgreedBalanceKey);
     std::istringstream halves(std::string(text.begin(), text.end()));
-    stage.balance_halves.clear();
     for (int h = 0; halves >> h;) stage.balance_halves.push_back(h);
-    return stage;
   }
-  const int P = layout.pipeline_parallel_size();
-  const int64_t rows = std::max<int64_t>(1, in.rows / stage.micro_batches);
-  std::vector<int> halves =
-      pipeline::balance_gpt2_by_time(model, device, P * stage.virtual_stages, rows, f.model_max_length);
-  at::Tensor agreed =
-      torch::tensor(std::vector<int64_t>(halves.begin(), halves.end()), torch::kLong).to(device.torch_device());
-  std::vector<at::Tensor> tensors{agreed};
-  world.group->broadcast(tensors)->wait();
-  agreed = agreed.to(torch::kCPU);
-  stage.balance_halves.assign(agreed.data_ptr<int64_t>(), agreed.data_ptr<int64_t>() + agreed.numel());
-  if (flags.elastic && rank == 0) {  // for replacements, which time nothing
-    std::string text;
-    for (const int h : stage.balance_halves) text += std::to_string(h) + " ";
-    world.store->set(kAgreedBalanceKey, std::vector<uint8_t>(text.begin(), text.end()));
-  }
-  return stage;
+  composition.stages = stage;
+  composition.balance_rows = std::max<int64_t>(1, in.rows / stage.micro_batches);
+  composition.balance_tokens = flags.run.model_max_length;
+  return composition;
 }
 
-DataParallelSettings data_parallel_settings(const DataParallelConfig& flags) {
-  DataParallelSettings s;
-  s.zero_stage = flags.zero_stage;
-  s.zero_prefetch = flags.zero_prefetch;
-  s.gradient_sync = flags.grad_sync;
-  s.bucket_cap_mb = flags.bucket_cap_mb;
-  s.allreduce = flags.allreduce;
-  s.reduce_dtype = flags.grad_reduce_dtype;
-  return s;
+// Under --elastic rank 0 leaves the agreed --balance auto in the store, for replacements, which time nothing.
+void leave_agreed_balance(const Worker& w, const std::vector<int>& halves) {
+  if (!w.flags.plan.elastic || !w.flags.plan.pipeline.balance.automatic || w.rank.rank != 0 || w.joining()) return;
+  std::string text;
+  for (const int h : halves) text += std::to_string(h) + " ";
+  w.rank.world.store->set(kAgreedBalanceKey, std::vector<uint8_t>(text.begin(), text.end()));
 }
 
 // Rank 0's lines before training: the run, the layout's table and the memory plan.
-void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
-               const Device& device, int threads, dp::Backend backend, model::GPT2LMHeadModel& model,
-               const RankInputs& in, const StepParts& parts) {
+void print_run(const Worker& w, const BuiltStep& built, const RankInputs& in) {
+  const DataParallelConfig& flags = w.flags;
+  const dp::WorkerEnv& env = w.env;
+  const Device& device = w.rank.device;
+  const parallel::Layout layout = w.rank.layout();
+  model::GPT2LMHeadModel model = built.model;
+  const int threads = w.threads;
+  const dp::Backend backend = w.rank.groups.gradient.backend;
   const RunConfig& f = flags.run;
   const int T = layout.tensor_parallel_size(), P = layout.pipeline_parallel_size();
   const int dp_size = layout.data_parallel_size();
@@ -412,38 +350,40 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
                                 : std::string())
             << ") vocab=" << in.tokenizer->vocab_size() << " batch_size=" << f.batch_size << " (per rank "
             << in.rows << ")"
-            << " grad_sync=" << dp::to_string(flags.grad_sync) << " allreduce=" << dp::to_string(flags.allreduce)
+            << " grad_sync=" << dp::to_string(flags.plan.gradient_sync.kind) << " allreduce=" << dp::to_string(flags.plan.gradient_sync.allreduce)
             << " reshuffle_each_epoch=" << (flags.reshuffle_each_epoch ? "true" : "false")
-            << " precision=" << model::to_string(f.precision) << " grad_reduce_dtype=" << (flags.grad_reduce_dtype == at::kBFloat16 ? "bf16" : "fp32")
-            << " zero_stage=" << flags.zero_stage << (flags.debug_sync ? " debug_sync=true" : "")
+            << " precision=" << model::to_string(f.precision) << " grad_reduce_dtype=" << (flags.plan.gradient_sync.reduce_dtype == at::kBFloat16 ? "bf16" : "fp32")
+            << " zero_stage=" << flags.plan.zero.stage << (flags.debug_sync ? " debug_sync=true" : "")
             << (f.gradient_accumulation_steps > 1
                     ? " gradient_accumulation_steps=" + std::to_string(f.gradient_accumulation_steps)
                     : "");
-  if (flags.elastic) std::cerr << " elastic=true min_replicas=" << flags.min_replicas;
+  if (flags.plan.elastic) std::cerr << " elastic=true min_replicas=" << flags.plan.min_replicas;
   if (T > 1) std::cerr << " tensor_parallel_size=" << T << " data_parallel_size=" << dp_size;
   if (layout.sequence_parallel()) std::cerr << " sequence_parallel=true";
   if (const int C = layout.context_parallel_size(); C > 1) {
     std::cerr << " context_parallel_size=" << C << (T > 1 ? "" : " data_parallel_size=" + std::to_string(dp_size))
               << " sequence_length=" << in.sequence_length << " (" << in.sequence_length / C << " positions per rank)";
   }
-  if (parts.stages) {
+  if (const PipelineForwardBackward* stages = built.stages) {
     std::cerr << " pipeline_parallel_size=" << P << " data_parallel_size=" << dp_size
-              << " pipeline_schedule=" << pipeline::to_string(flags.pipe.schedule) << " n_chunk=" << flags.pipe.n_chunk
-              << " virtual_stages=" << pipeline::chunks_per_device(flags.pipe.schedule, flags.pipe.virtual_stages)
-              << " stages=" << parts.stages->stages()
-              << " balance=" << parts.stages->balance_text()
-              << pipeline::balance_origin(flags.pipe.balance, /*pipelined=*/true)
-              << " activation_checkpointing=" << pipeline::to_string(flags.pipe.activation_checkpointing);
-    if (pipeline::splits_backward(flags.pipe.schedule)) {
+              << " pipeline_schedule=" << pipeline::to_string(flags.plan.pipeline.schedule) << " n_chunk=" << flags.plan.pipeline.n_chunk
+              << " virtual_stages=" << pipeline::chunks_per_device(flags.plan.pipeline.schedule, flags.plan.pipeline.virtual_stages)
+              << " stages=" << stages->stages()
+              << " balance=" << stages->balance_text()
+              << pipeline::balance_origin(flags.plan.pipeline.balance, /*pipelined=*/true)
+              << " activation_checkpointing=" << pipeline::to_string(flags.plan.pipeline.activation_checkpointing);
+    if (pipeline::splits_backward(flags.plan.pipeline.schedule)) {
       std::cerr << " post_validation=" << (flags.synchronous_step ? "false" : "true");
     }
   }
-  std::cerr << std::endl << layout.coordinates_table() << std::flush;
+  std::cerr << std::endl
+            << layout.coordinates_table(flags.plan.zero.stage ? ", ZeRO stage " + std::to_string(flags.plan.zero.stage) : "")
+            << std::flush;
   try {
     const int ranks_here = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
     const std::vector<Device> here = device.is_cuda() ? std::vector<Device>{device} : std::vector<Device>(ranks_here, device);
     std::cerr << "run_data_parallel: "
-              << memory_plan_line(plan_memory(plan_input(flags, layout, model->config(), in.rows, in.sequence_length)),
+              << memory_plan_line(plan_memory(plan_input(flags, model->config(), in.rows, in.sequence_length)),
                                   available_memory(here))
               << std::endl;
   } catch (const std::exception& e) {
@@ -451,28 +391,9 @@ void print_run(const DataParallelConfig& flags, const parallel::Layout& layout, 
   }
 }
 
-// Rank 0's line on what ZeRO keeps there, against what a replicated run keeps on every rank.
-void print_zero_state(const DataParallelConfig& flags, int shards, model::GPT2LMHeadModel& model,
-                      const StepOptimizer& optimizer) {
-  int64_t replicated = 0;
-  for (const auto& p : model->parameters()) replicated += 2 * p.numel() * static_cast<int64_t>(p.element_size());
-  std::cerr << "run_data_parallel: --zero_stage " << flags.zero_stage << " keeps " << optimizer.state_bytes()
-            << " bytes of AdamW state on rank 0 (replicated: " << replicated << " on every rank)"
-            << (flags.zero_stage == 2   ? ", and 1/" + std::to_string(shards) + " of the gradients"
-                : flags.zero_stage == 3 ? ", and 1/" + std::to_string(shards) + " of the gradients and of the parameters"
-                                        : std::string())
-            << std::endl;
-}
-
 // Rank 0's lines after training: what ZeRO-3 gathered at once and what the synchronizer sent.
 void print_after_training(const DataParallelConfig& flags, const dp::GradientSynchronizer* sync) {
-  if (const auto* units = dynamic_cast<const zero::ShardedUnits*>(sync); units != nullptr) {
-    int64_t largest = 0;
-    for (size_t u = 0; u < units->size(); ++u) largest = std::max(largest, units->full_bytes(u));
-    std::cerr << "run_data_parallel: --zero_stage 3 held at most " << units->peak_bytes()
-              << " bytes of gathered parameters at once while training on rank 0 (largest unit " << largest
-              << " bytes, --zero_prefetch " << flags.zero_prefetch << ")" << std::endl;
-  }
+  if (const std::string zero3 = zero::zero3_peak_line(flags.plan, sync); !zero3.empty()) std::cerr << zero3 << std::endl;
   if (sync && sync->finalized_steps() > 0) {
     std::cerr << "run_data_parallel: gradient sync put " << sync->communicated_bytes() << " bytes into all-reduces in "
               << sync->finalized_steps() << " optimizer steps ("
@@ -486,9 +407,7 @@ TrainingOptions rank_training_options(const DataParallelConfig& flags, const par
   const int rank = env.rank;
   TrainingOptions training = training_options(f, "run_data_parallel", ReportStyle::kDataParallel);
   training.rank = rank;
-  training.world_size = env.world_size;
-  training.tensor_parallel_size = layout.tensor_parallel_size();
-  training.data_parallel_size = layout.data_parallel_size();
+  training.plan = flags.plan;
   // One report per model replica: its tensor rank 0 prints the lines, as its data-parallel rank.
   training.reports = layout.reports(rank);
   training.report_rank = layout.coordinates_of(rank).data;
@@ -569,168 +488,144 @@ struct RankLoaders {
   data::BatchLoader validation;
 };
 
-// The step a rank trains with: composed once for the layout (`plain`, from `parts`), or under
-// --elastic composed again for each generation (elastic_step.h), the dropped replicas' batches
-// read from their loaders' mirror.
-struct RankStep {
-  StepParts parts;  // its forward-backward and optimizer moved into `plain`
-  std::unique_ptr<GPT2TrainStep> plain;
+// Under --elastic: how the step recovers (elastic_step.h), the dropped replicas' batches read
+// from their loaders' mirror.
+struct ElasticParts {
   std::unique_ptr<ReplicaBatchMirror> mirror;
-  std::unique_ptr<ElasticTrainStep> elastic;
-
-  TrainStep& step() { return elastic ? static_cast<TrainStep&>(*elastic) : *plain; }
+  ElasticSettings settings;
 };
 
-RankStep compose_rank_step(const DataParallelConfig& flags, const parallel::Layout& layout, int rank,
-                           const parallel::ProcessGroups& groups, const dp::DistOptions& options,
-                           const dp::DistContext& world, int join_id, const RankLoaders& loaders,
-                           model::GPT2LMHeadModel& model, const StepComposition& composition,
-                           const TrainStepSettings& settings) {
-  const RunConfig& f = flags.run;
-  RankStep out;
-  if (!flags.elastic) {
-    out.parts = compose_step(model, layout, groups, composition);
-    out.plain = std::make_unique<GPT2TrainStep>(model, std::move(out.parts.forward_backward),
-                                                std::move(out.parts.optimizer), out.parts.sync.get(), settings);
-    return out;
-  }
-  const int dp_rank = layout.coordinates_of(rank).data, dp_size = layout.data_parallel_size();
-  const int C = layout.context_parallel_size(), cp_rank = layout.coordinates_of(rank).context;
-  out.mirror = std::make_unique<ReplicaBatchMirror>([&loaders](int replica) { return loaders.shard_of(replica); });
-  ElasticSettings elastic_settings;
-  elastic_settings.min_replicas = flags.min_replicas;
-  elastic_settings.sizes = run_layout_sizes(flags);
+std::optional<ElasticParts> elastic_parts(const Worker& w, const RankLoaders& loaders) {
+  if (!w.flags.plan.elastic) return std::nullopt;
+  ElasticParts parts;
+  parts.mirror = std::make_unique<ReplicaBatchMirror>([&loaders](int replica) { return loaders.shard_of(replica); });
+  parts.settings.plan = w.flags.plan;
   // The launcher's replacements (their count: its option) take dropped replicas back whole.
-  elastic_settings.accept_joiners = true;
-  elastic_settings.join_id = join_id;
+  parts.settings.accept_joiners = true;
+  parts.settings.join_id = w.join_id;
   // A survivor blocked in a collective with another survivor learns of the loss when the
   // collective times out, and the launcher declares a stopped process lost a little later.
-  elastic_settings.join_window = std::chrono::seconds(flags.dist_timeout_s + 15);
-  out.elastic = std::make_unique<ElasticTrainStep>(model, composition, options, world, *out.mirror, elastic_settings,
-                                                   settings);
-  if (const auto joined = out.elastic->joined_at()) {
-    // Its own dropout stream, unlike any other replica's or replacement's (the lost one's
-    // cannot be recovered), the same on the tensor ranks of its replica (they join together).
-    torch::manual_seed(f.seed + static_cast<uint64_t>((dp_rank + (joined->global_step + 1) * dp_size) * C + cp_rank));
-  }
-  return out;
+  parts.settings.join_window = std::chrono::seconds(w.flags.dist_timeout_s + 15);
+  return parts;
 }
 
-// Training (or, with --pytest, one step's gradients written), then this rank's lines after it.
-void train_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
-                const Device& device, const RankInputs& in, RankLoaders& loaders, RankStep& rank_step,
-                model::GPT2LMHeadModel& model, Tracer* tracer, const std::string& track,
-                const dp::DistContext& current_world) {
-  const RunConfig& f = flags.run;
-  const int rank = env.rank;
-  TrainStep& step = rank_step.step();
-  if (flags.pytest) {
-    // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
-    // gradients, written before any optimizer step.
-    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
-    write_gradients_of_one_step(step, loaders.train->set_epoch(0), path, f.gradient_accumulation_steps);
-    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
-    return;
-  }
-  TrainingOptions training = rank_training_options(flags, layout, env, device, in);
-  training.tracer = tracer;
-  training.trace_track = track;
-  TrainingData data;
-  data.train = [&loaders](int64_t epoch) -> data::BatchLoader& { return loaders.train->set_epoch(epoch); };
-  data.validation = &loaders.validation;
-  data.test = &in.corpus.test;
-  data.tokenizer = &*in.tokenizer;
-  if (ElasticTrainStep* elastic = rank_step.elastic.get()) {
-    training.elastic = true;
-    training.peers_alive = [elastic] { elastic->trainer().check_members_alive(); };
-    training.keeps_metrics = [elastic] { return elastic->trainer().keeps_the_log(); };
-    training.lost_peer = [](const std::exception& e) {
-      return is_communication_failure(e) || dynamic_cast<const LostProcessError*>(&e) != nullptr;
-    };
-    ReplicaBatchMirror* mirror = rank_step.mirror.get();
-    data.epoch_started = [mirror](int64_t epoch, int64_t first_batch) { mirror->start_epoch(epoch, first_batch); };
-    data.membership_changes = [elastic] { return elastic->take_membership_changes(); };
-    training.joined_at = elastic->joined_at();
-  }
-  run_training(step, data, training, &current_world);
-  record_weight_digest_if_asked(model, rank_step.elastic ? rank_step.elastic->trainer().launch_rank() : rank);
-  if (rank_step.plain) {
-    if (rank == 0) print_after_training(flags, rank_step.parts.sync.get());
-    if (const StepOptimizer::PostValidation pv = rank_step.plain->optimizer().post_validation(); pv.early > 0) {
-      std::cerr << "[rank " << rank << "] optimizer: post-validation stepped " << pv.early
-                << " times before the global norm arrived, " << pv.undone << " of them undone (clipped or skipped)"
-                << std::endl;
-    }
-  }
-  if (tracer) write_trace(*tracer, f.trace, env);
-  if (current_world.rank == 0) {
-    std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
-  }
-}
-
-// `join_id`: under --elastic, a replacement's launch id (launcher.h's kElasticJoinIdVariable), whose
-// `world` is the store alone: it joins the run under way and receives its state; -1 otherwise.
-int train_this_rank(const DataParallelConfig& flags, const parallel::Layout& layout, const dp::WorkerEnv& env,
-                    const Device& device, int threads, const dp::DistOptions& options, const dp::DistContext& world,
-                    int join_id) {
-  const RunConfig& f = flags.run;
-  const int rank = env.rank;
-  const bool joining = join_id >= 0;
-  RankInputs in;
-  in.rows = dp::per_device_batch_size(f.batch_size, layout.data_parallel_size());
-  prepare_rank_inputs(flags, rank, world, joining, in);
-
-  // The model, split over its tensor-parallel group from the start (each rank builds and loads its
-  // own slices), starts from rank 0's weights on every rank that holds the same slices (a
-  // replacement: from the weights the others send it as it joins).
-  const parallel::ProcessGroups groups = joining ? parallel::ProcessGroups{}
-                                                 : parallel::make_process_groups(world, options, layout);
-  const int T = layout.tensor_parallel_size();
-  std::shared_ptr<model::TensorParallelGroup> split =
-      T == 1    ? nullptr
-      : joining ? tp::make_unconnected_tensor_parallel_group(layout.coordinates_of(rank).tensor, T)
-                : tp::make_tensor_parallel_group(groups.tensor);
-  model::GPT2LMHeadModel model = build_model(f.model, in.config, f.seed, split);
-  model->to(device.torch_device());
-  if (!joining) broadcast_parameters(groups.gradient, *model);
-
-  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  const std::string track = "rank " + std::to_string(rank);
-  StepComposition composition;
-  composition.optimizer = f.optimizer_settings();
-  // (Under --elastic no stage steps before the others are known alive: post-validation is off.)
-  composition.optimizer.post_validate = !flags.synchronous_step && !flags.elastic;
-  composition.data_parallel = data_parallel_settings(flags);
-  composition.debug_sync = flags.debug_sync;
-  if (layout.pipeline_parallel_size() > 1) {
-    composition.stages = agreed_stage_options(flags, layout, in, model, device, rank, world, joining);
-    composition.stages->tracer = tracer.get();  // each stage action a slice on the rank's trace
-  }
-  TrainStepSettings settings;
-  settings.precision = f.precision;
-  settings.tracer = tracer.get();
-  settings.trace_track = track;
+// This rank's step (build_step.h). The model, split over its tensor-parallel group from the start
+// (each rank builds and loads its own slices), starts from rank 0's weights on every rank that
+// holds the same slices (a replacement: from the weights the others send it as it joins).
+BuiltStep build_rank_step(const Worker& w, const RankInputs& in, const StepComposition& composition,
+                          const TrainStepSettings& settings, const std::optional<ElasticParts>& elastic) {
+  const RunConfig& f = w.flags.run;
+  const MakeModel make_model = [&](std::shared_ptr<model::TensorParallelGroup> split) {
+    model::GPT2LMHeadModel model = build_model(f.model, in.config, f.seed, std::move(split));
+    model->to(w.rank.device.torch_device());
+    if (!w.joining()) broadcast_parameters(w.rank.groups.gradient, *model);
+    return model;
+  };
+  std::optional<ElasticStepSource> source;
+  if (elastic) source = ElasticStepSource{elastic->mirror.get(), &elastic->settings};
+  BuiltStep built = build_step(w.rank, make_model, composition, settings, source);
+  leave_agreed_balance(w, built.balance_halves);
   // Dropout differs per data-parallel rank, as it would in PyTorch's DDP with one seed per
   // process; the ranks of one tensor-parallel group share the seed, so that they draw the same
   // masks on the activations they all hold (Megatron does the same for its replicated regions;
   // attention dropout on each rank's own heads draws from a stream of its own, parallel_rng.h).
   // The ranks of a context group hold different positions: each draws its own masks.
-  const int C = layout.context_parallel_size();
-  const parallel::Coordinates here = layout.coordinates_of(rank);
+  const parallel::Layout layout = w.rank.layout();
+  const int C = layout.context_parallel_size(), D = layout.data_parallel_size();
+  const parallel::Coordinates here = w.rank.coordinates();
   torch::manual_seed(f.seed + static_cast<uint64_t>(here.data * C + here.context));
-  RankLoaders loaders(flags, layout, rank, in);
+  if (const auto joined = built.elastic ? built.elastic->joined_at() : std::nullopt) {
+    // Its own dropout stream, unlike any other replica's or replacement's (the lost one's
+    // cannot be recovered), the same on the tensor ranks of its replica (they join together).
+    torch::manual_seed(f.seed + static_cast<uint64_t>((here.data + (joined->global_step + 1) * D) * C + here.context));
+  }
+  return built;
+}
 
-  RankStep rank_step =
-      compose_rank_step(flags, layout, rank, groups, options, world, join_id, loaders, model, composition, settings);
-  if (rank_step.plain && flags.zero_stage >= 1 && rank == 0) {
-    print_zero_state(flags, layout.gradient_group_size(), model, rank_step.plain->optimizer());
+// What the driver trains on: this rank's loaders, and under --elastic how it follows the membership.
+TrainingData rank_training_data(const RankInputs& in, RankLoaders& loaders, BuiltStep& built,
+                                const std::optional<ElasticParts>& elastic, TrainingOptions& training) {
+  TrainingData data;
+  data.train = [&loaders](int64_t epoch) -> data::BatchLoader& { return loaders.train->set_epoch(epoch); };
+  data.validation = &loaders.validation;
+  data.test = &in.corpus.test;
+  data.tokenizer = &*in.tokenizer;
+  if (ElasticTrainStep* step = built.elastic.get()) {
+    training.elastic = true;
+    training.peers_alive = [step] { step->trainer().check_members_alive(); };
+    training.keeps_metrics = [step] { return step->trainer().keeps_the_log(); };
+    training.lost_peer = [](const std::exception& e) {
+      return is_communication_failure(e) || dynamic_cast<const LostProcessError*>(&e) != nullptr;
+    };
+    ReplicaBatchMirror* mirror = elastic->mirror.get();
+    data.epoch_started = [mirror](int64_t epoch, int64_t first_batch) { mirror->start_epoch(epoch, first_batch); };
+    data.membership_changes = [step] { return step->take_membership_changes(); };
+    training.joined_at = step->joined_at();
   }
-  if (rank == 0 && !joining) {
-    print_run(flags, layout, env, device, threads, groups.gradient.backend, model, in, rank_step.parts);
+  return data;
+}
+
+// Training (or, with --pytest, one step's gradients written), then this rank's lines after it.
+void train_rank(const Worker& w, const RankInputs& in, RankLoaders& loaders, BuiltStep& built,
+                const std::optional<ElasticParts>& elastic, Tracer* tracer, const dp::DistContext& current_world) {
+  const DataParallelConfig& flags = w.flags;
+  const RunConfig& f = flags.run;
+  const int rank = w.env.rank;
+  if (flags.pytest) {
+    // One batch (or --gradient_accumulation_steps of them): forward, backward, averaged
+    // gradients, written before any optimizer step.
+    const std::string path = flags.grad_dir + "/model" + std::to_string(rank) + "_gradients.pth";
+    write_gradients_of_one_step(built.step(), loaders.train->set_epoch(0), path, f.gradient_accumulation_steps);
+    std::cout << "Rank " << rank << ": wrote " << path << std::endl;
+    return;
   }
+  TrainingOptions training = rank_training_options(flags, w.rank.layout(), w.env, w.rank.device, in);
+  training.tracer = tracer;
+  training.trace_track = "rank " + std::to_string(rank);
+  const TrainingData data = rank_training_data(in, loaders, built, elastic, training);
+  run_training(built.step(), data, training, &current_world);
+  record_weight_digest_if_asked(built.model, built.elastic ? built.elastic->trainer().launch_rank() : rank);
+  if (built.plain) {
+    if (rank == 0) print_after_training(flags, built.sync.get());
+    if (const StepOptimizer::PostValidation pv = built.plain->optimizer().post_validation(); pv.early > 0) {
+      std::cerr << "[rank " << rank << "] optimizer: post-validation stepped " << pv.early
+                << " times before the global norm arrived, " << pv.undone << " of them undone (clipped or skipped)"
+                << std::endl;
+    }
+  }
+  if (tracer) write_trace(*tracer, f.trace, w.env);
+  if (current_world.rank == 0) {
+    std::cerr << "run_data_parallel: model, tokenizer and results are in " << f.workdir << std::endl;
+  }
+}
+
+// A replacement (w.joining()) has the store alone for a world: it joins the run under way and
+// receives its state.
+int train_this_rank(Worker& w) {
+  const DataParallelConfig& flags = w.flags;
+  const RunConfig& f = flags.run;
+  const int rank = w.env.rank;
+  RankInputs in;
+  in.rows = dp::per_device_batch_size(f.batch_size, flags.plan.data_parallel_size());
+  prepare_rank_inputs(flags, rank, w.rank.world, w.joining(), in);
+  if (!w.joining()) w.rank.groups = parallel::make_process_groups(w.rank.world, w.rank.options, w.rank.layout());
+
+  std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
+  const StepComposition composition = rank_composition(w, in, tracer.get());
+  TrainStepSettings settings;
+  settings.precision = f.precision;
+  settings.tracer = tracer.get();
+  settings.trace_track = "rank " + std::to_string(rank);
+  RankLoaders loaders(flags, w.rank.layout(), rank, in);
+  const std::optional<ElasticParts> elastic = elastic_parts(w, loaders);
+  BuiltStep built = build_rank_step(w, in, composition, settings, elastic);
+  if (built.plain && flags.plan.zero.stage >= 1 && rank == 0) {
+    std::cerr << zero::zero_state_line(flags.plan, built.model, built.plain->optimizer()) << std::endl;
+  }
+  if (rank == 0 && !w.joining()) print_run(w, built, in);
   // The world the run's collectives and checkpoints go over: the current generation's under --elastic.
-  const dp::DistContext& current_world = rank_step.elastic ? rank_step.elastic->world() : world;
-  train_rank(flags, layout, env, device, in, loaders, rank_step, model, tracer.get(), track, current_world);
+  const dp::DistContext& current_world = built.elastic ? built.elastic->world() : w.rank.world;
+  train_rank(w, in, loaders, built, elastic, tracer.get(), current_world);
   dp::barrier(current_world);
   report_debug_sync(current_world);
   return 0;
@@ -760,7 +655,9 @@ std::chrono::milliseconds diagnosis_window(const DataParallelConfig& flags) {
 
 }  // namespace
 
-int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEnv& env) {
+int run_data_parallel_worker(const DataParallelConfig& config, const dp::WorkerEnv& env) {
+  DataParallelConfig flags = config;
+  flags.plan.world_size = env.world_size;  // under torchrun or Slurm, theirs
   const RunConfig& f = flags.run;
   const Device device = worker_device(flags, env.local_rank);
   const int local_world = std::max(1, std::atoi(env_or("LOCAL_WORLD_SIZE", std::to_string(env.world_size)).c_str()));
@@ -772,16 +669,16 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   options.debug_sync = flags.debug_sync;
   // T > 1: this rank holds 1/T of a model replica; its data-parallel group (the ranks holding the
   // same shard) is what the batch is partitioned over and the gradients are averaged over.
-  const parallel::Layout layout = run_layout(flags, env.world_size);
+  flags.plan.validate();
+  check_elastic_run(flags);
+  const parallel::Layout layout = flags.plan.layout();
   (void)layout.coordinates_of(env.rank);  // a rank outside the world is refused before connecting
-  check_zero_stage(flags);
-  check_elastic_run(flags, env.world_size);
   // Under torchrun each host's agent watches only its own workers and lets the others run on; a
   // lost host takes its agent with it, so the workers beat through the agent's store and read a
   // beat that stands still as a loss (elastic_rendezvous.h). srun ends a step when one task fails.
   const bool our_launcher = !env_or(kElasticLaunchVariable, "").empty();
   const bool torchrun = !env_or("TORCHELASTIC_RUN_ID", "").empty();
-  if (flags.elastic && !our_launcher && !torchrun) {
+  if (flags.plan.elastic && !our_launcher && !torchrun) {
     throw std::invalid_argument(
         "--elastic needs run_data_parallel's own launcher or torchrun: they hold the rendezvous store apart "
         "from the workers, and let the other workers go on when one is lost, whereas this launcher (srun?) "
@@ -789,17 +686,22 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   }
   // A replacement the launcher started for a lost worker joins the run under way: the store
   // alone, until the others admit it.
-  const std::string join_id = flags.elastic ? env_or(dp::kElasticJoinIdVariable, "") : "";
+  const std::string join_id = flags.plan.elastic ? env_or(dp::kElasticJoinIdVariable, "") : "";
   const dp::DistContext world =
       join_id.empty() ? dp::init_process_group(options) : dp::connect_rendezvous_store(options);
   const std::string host = host_label(options);
   record_host(host, world);
   const std::unique_ptr<dp::Heartbeat> heartbeat =
-      flags.elastic && !our_launcher ? std::make_unique<dp::Heartbeat>(dp::open_store_client(options), env.rank)
+      flags.plan.elastic && !our_launcher ? std::make_unique<dp::Heartbeat>(dp::open_store_client(options), env.rank)
                                      : nullptr;
+  Worker w{flags, env, RankContext{}, threads, join_id.empty() ? -1 : std::stoi(join_id)};
+  w.rank.plan = flags.plan;
+  w.rank.rank = env.rank;
+  w.rank.device = device;
+  w.rank.options = options;
+  w.rank.world = world;
   try {
-    return train_this_rank(flags, layout, env, device, threads, options, world,
-                           join_id.empty() ? -1 : std::stoi(join_id));
+    return train_this_rank(w);
   } catch (const AgreedStop&) {
     throw;  // every rank says the same
   } catch (const dp::RunEndedError& e) {
@@ -808,7 +710,7 @@ int run_data_parallel_worker(const DataParallelConfig& flags, const dp::WorkerEn
   } catch (const std::exception& e) {
     // Under --elastic the store is what the survivors agree through: without it none goes on.
     const std::string store_address = options.master_addr + ":" + std::to_string(options.master_port);
-    if (flags.elastic && !store_reachable(world, diagnosis_window(flags))) {
+    if (flags.plan.elastic && !store_reachable(world, diagnosis_window(flags))) {
       const std::string what = e.what();
       throw std::runtime_error(
           "the rendezvous store at " + store_address + " cannot be reached from this rank (" + host +

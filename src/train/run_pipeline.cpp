@@ -1,4 +1,4 @@
-// run_pipeline's work (see programs.h): one device, model parallel, or a GPipe pipeline over
+// run_pipeline's work (see run_pipeline.h): one device, model parallel, or a GPipe pipeline over
 // devices (GPUs or CPU lanes), trained by the driver.
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -11,30 +11,11 @@
 #include "harness/pipeline/executor.h"
 #include "harness/pipeline/gpt2_pipeline.h"
 #include "harness/trace.h"
-#include "harness/train/memory_plan.h"
-#include "harness/train/pipeline_train_step.h"
-#include "harness/train/programs.h"
+#include "harness/train/plan/memory_plan.h"
+#include "harness/train/step/build_step.h"
+#include "harness/train/run_pipeline.h"
 
 namespace harness::train {
-
-TrainingOptions training_options(const RunConfig& f, const std::string& program, ReportStyle style) {
-  TrainingOptions o;
-  o.program = program;
-  o.style = style;
-  o.n_epochs = f.n_epochs;
-  o.max_batches = f.max_batches;
-  o.gradient_accumulation_steps = f.gradient_accumulation_steps;
-  o.global_batch_size = f.batch_size;
-  o.model_max_length = f.model_max_length;
-  o.benchmark_only = f.benchmark_only;
-  o.show_progress = f.progress;
-  o.seed = f.seed;
-  o.workdir = f.workdir;
-  o.checkpoint = f.checkpoint;
-  o.learning_rate = f.learning_rate;
-  o.controls = f.controls;
-  return o;
-}
 
 ModelParallelMode parse_model_parallel_mode(const std::string& text) {
   if (text.empty()) return ModelParallelMode::kSingleDevice;
@@ -73,7 +54,7 @@ PipelineDevices devices_of_run(const PipelineConfig& pipeline) {
 // The schedule flags the mode runs: model parallel is the pipeline with one micro-batch (GPipe's
 // order over the same stages, one virtual stage each).
 PipelineScheduleConfig schedule_of_mode(const PipelineConfig& pipeline) {
-  PipelineScheduleConfig flags = pipeline.pipe;
+  PipelineScheduleConfig flags = pipeline.plan.pipeline;
   if (pipeline.mode != ModelParallelMode::kPipelineParallel) {
     flags.schedule = pipeline::ScheduleKind::kGpipe;
     flags.virtual_stages = 1;
@@ -103,56 +84,54 @@ MemoryPlanInput plan_input(const PipelineConfig& pipeline, const model::GPT2Conf
   in.rows_per_replica = f.batch_size;
   in.tokens = f.model_max_length;
   in.bf16 = f.precision == model::Precision::kBf16;
+  in.plan = pipeline.plan;
   for (const Device& d : devices) in.device_names.push_back(d.str());
   if (pipeline.mode == ModelParallelMode::kSingleDevice) {
     in.device_names.resize(1);
     return in;
   }
   const int D = static_cast<int>(devices.size());
-  plan_stages(in, D, stage_options_of_mode(pipeline, D, config), pipeline.pipe.balance.automatic);
+  plan_stages(in, D, stage_options_of_mode(pipeline, D, config), pipeline.plan.pipeline.balance.automatic);
   return in;
 }
 
-// The step of the mode: the model on one device, or its stages over the devices (model parallel is
-// the pipeline with one micro-batch: GPipe's order over the same stages). Everything a schedule
-// needs is checked before the model is placed or a batch is read. `stages` is set for the stages.
-std::unique_ptr<TrainStep> pipeline_mode_step(const PipelineConfig& pipeline, model::GPT2LMHeadModel& model,
-                                              const PipelineDevices& at, Tracer* tracer,
-                                              PipelineForwardBackward** stages) {
+// The step of the mode (build_step.h): the model on one device, or its stages over the devices
+// (model parallel is the pipeline with one micro-batch: GPipe's order over the same stages).
+// Everything a schedule needs is checked before the model is placed or a batch is read.
+BuiltStep pipeline_mode_step(const PipelineConfig& pipeline, const model::GPT2Config& config, const PipelineDevices& at,
+                             Tracer* tracer) {
   const RunConfig& f = pipeline.run;
-  const PipelineScheduleConfig& pipe = pipeline.pipe;
+  const PipelineScheduleConfig& pipe = pipeline.plan.pipeline;
   const bool pipelined = pipeline.mode == ModelParallelMode::kPipelineParallel;
-  const pipeline::BalanceSpec& balance_spec = pipe.balance;
   if (!pipelined && (pipe.schedule != pipeline::ScheduleKind::kOneFOneB || pipe.virtual_stages != 1)) {
     throw std::invalid_argument("--pipeline_schedule and --virtual_stages apply to --model_parallel_mode "
                                 "pipeline_parallel only");
   }
+  const bool single = pipeline.mode == ModelParallelMode::kSingleDevice;
+  if (single && pipe.balance.given()) throw std::invalid_argument("--balance needs --model_parallel_mode");
+  RankContext rank;  // one process, no process group
+  rank.plan = pipeline.plan;
+  rank.device = at.devices.front();
+  StepComposition composition;  // the whole model and its AdamW, or its stages over the devices
+  composition.optimizer = f.optimizer_settings();
+  if (!single) {
+    PipelineStepOptions options = stage_options_of_mode(pipeline, static_cast<int>(at.devices.size()), config);
+    options.devices = at.devices;
+    options.threads_per_device = at.threads;
+    options.seed = f.seed;
+    options.tracer = tracer;
+    composition.balance_rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
+    composition.balance_tokens = f.model_max_length;
+    composition.stages = std::move(options);
+  }
   TrainStepSettings settings;
   settings.precision = f.precision;
-  *stages = nullptr;
-  if (pipeline.mode == ModelParallelMode::kSingleDevice) {
-    if (pipe.balance.given()) throw std::invalid_argument("--balance needs --model_parallel_mode");
-    model->to(at.devices.front().torch_device());
-    StepComposition composition;  // one process, no process group: the whole model and its AdamW
-    composition.optimizer = f.optimizer_settings();
-    StepParts parts = compose_step(model, parallel::Layout::create(1), parallel::ProcessGroups{}, composition);
-    return std::make_unique<GPT2TrainStep>(model, std::move(parts.forward_backward), std::move(parts.optimizer),
-                                           nullptr, settings);
-  }
-  PipelineStepOptions options = stage_options_of_mode(pipeline, static_cast<int>(at.devices.size()), model->config());
-  options.devices = at.devices;
-  options.threads_per_device = at.threads;
-  options.seed = f.seed;
-  options.tracer = tracer;
-  if (balance_spec.automatic) {
-    const int stages_wanted = static_cast<int>(at.devices.size()) * options.virtual_stages;
-    const int64_t rows = (f.batch_size + options.micro_batches - 1) / options.micro_batches;
-    options.balance_halves =
-        pipeline::balance_gpt2_by_time(model, at.devices.front(), stages_wanted, rows, f.model_max_length);
-  }
-  auto made = std::make_unique<PipelineTrainStep>(model, f.optimizer_settings(), options, settings);
-  *stages = &made->pipeline();
-  return made;
+  const MakeModel make_model = [&](std::shared_ptr<model::TensorParallelGroup>) {
+    model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
+    if (single) model->to(at.devices.front().torch_device());  // the stages place their own blocks
+    return model;
+  };
+  return build_step(rank, make_model, composition, settings);
 }
 
 // The run's lines on stderr: what trains where, the schedule of the stages, the memory plan.
@@ -161,7 +140,7 @@ void print_pipeline_run(const PipelineConfig& pipeline, const PipelineDevices& a
                         const data::TranslationCorpus& corpus, const PipelineForwardBackward* stages,
                         const std::string& memory_line) {
   const RunConfig& f = pipeline.run;
-  const PipelineScheduleConfig& pipe = pipeline.pipe;
+  const PipelineScheduleConfig& pipe = pipeline.plan.pipeline;
   const bool pipelined = pipeline.mode == ModelParallelMode::kPipelineParallel;
   std::cerr << "run_pipeline: mode=" << to_string(pipeline.mode) << " devices=";
   for (size_t i = 0; i < at.devices.size(); ++i) std::cerr << (i ? "," : "") << at.devices[i].str();
@@ -191,6 +170,7 @@ TrainingOptions pipeline_training_options(const PipelineConfig& pipeline, const 
                                           Tracer* tracer) {
   const RunConfig& f = pipeline.run;
   TrainingOptions options = training_options(f, "run_pipeline", ReportStyle::kPipeline);
+  options.plan = pipeline.plan;  // one process
   for (const Device& device : at.devices) {
     if (pipeline.mode != ModelParallelMode::kSingleDevice) options.pipeline_devices.push_back(device.str());
     options.devices.push_back(device.torch_device());
@@ -231,12 +211,10 @@ int run_pipeline(const PipelineConfig& pipeline) {
     return std::string("run_pipeline trains one replica, and ZeRO shards over data-parallel replicas "
                        "(run_data_parallel --zero_stage)");
   });
-  model::GPT2LMHeadModel model = build_model(f.model, config, f.seed);
-
   std::unique_ptr<Tracer> tracer = f.trace.empty() ? nullptr : std::make_unique<Tracer>();
-  PipelineForwardBackward* stages = nullptr;
-  std::unique_ptr<TrainStep> step = pipeline_mode_step(pipeline, model, at, tracer.get(), &stages);
-  print_pipeline_run(pipeline, at, config, model::count_parameters(*model), tokenizer, corpus, stages, memory_plan_line(memory, available));
+  BuiltStep built = pipeline_mode_step(pipeline, config, at, tracer.get());
+  print_pipeline_run(pipeline, at, config, model::count_parameters(*built.model), tokenizer, corpus, built.stages,
+                     memory_plan_line(memory, available));
 
   const int64_t max_length = f.model_max_length;
   data::CollateFn collate = [&tokenizer, max_length](const std::vector<data::TranslationExample>& ex) {
@@ -249,7 +227,7 @@ int run_pipeline(const PipelineConfig& pipeline) {
   data.validation = &validation_loader;
   data.test = &corpus.test;
   data.tokenizer = &tokenizer;
-  run_training(*step, data, pipeline_training_options(pipeline, at, tracer.get()));
+  run_training(built.step(), data, pipeline_training_options(pipeline, at, tracer.get()));
 
   if (tracer) tracer->write_chrome_json(f.trace);
   std::cerr << "run_pipeline: model, tokenizer and results are in " << f.workdir

@@ -21,7 +21,7 @@
 #include "harness/data_parallel/process_group.h"
 #include "harness/model/gpt2.h"
 #include "harness/tensor_parallel/group.h"
-#include "harness/train/train_step.h"
+#include "harness/train/step/train_step.h"
 
 namespace harness::data_parallel {
 namespace {

@@ -24,8 +24,8 @@
 #include "harness/pipeline/pipe.h"
 #include "harness/pipeline/with_device.h"
 #include "harness/model/loss.h"
-#include "harness/train/pipeline_train_step.h"
-#include "harness/train/train_step.h"
+#include "harness/train/step/pipeline_train_step.h"
+#include "harness/train/step/train_step.h"
 
 namespace harness {
 namespace {

@@ -1,7 +1,7 @@
 // Checkpoint state on GPUs: the default CUDA generators' states are captured by device name and
 // restored so that the same draws (torch::rand, dropout masks) come again; AdamW's state of CUDA
 // parameters goes to the CPU and back so that the next step is bit-identical.
-#include "harness/train/training_state.h"
+#include "harness/train/checkpoint/training_state.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -1,6 +1,6 @@
 // The embedded corpus: determinism, disjoint splits, sentence shape, and that it is translation.
 #include "harness/data/synthetic_corpus.h"
-#include "harness/train/checkpoint_store.h"
+#include "harness/train/checkpoint/checkpoint_store.h"
 
 #include <gtest/gtest.h>
 

@@ -22,7 +22,7 @@
 #include "harness/data_parallel/launcher.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/data_parallel/ring_all_reduce.h"
-#include "harness/train/zero/sharded_adamw.h"
+#include "harness/zero/sharded_adamw.h"
 #include "test_support.h"
 
 namespace harness::data_parallel {

@@ -1,7 +1,7 @@
 // ShardedUnits (ZeRO-3's units) on one rank: the gradients its reduce-scatters leave in the
 // chunks, and the unit-sized buffers it takes again from its pool instead of allocating them
 // anew every step. The averaged steps over several ranks are test_zero3.py's.
-#include "harness/train/zero/sharded_units.h"
+#include "harness/zero/sharded_units.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -16,12 +16,11 @@ namespace {
 using Groups = std::vector<std::vector<int>>;
 
 // The sizes as the flags give them: --tensor_parallel_size, --pipeline_parallel_size,
-// --zero_stage, --context_parallel_size.
-LayoutSizes sizes(int tensor, int pipeline = 1, int zero_stage = 0, int context = 1) {
+// --context_parallel_size.
+LayoutSizes sizes(int tensor, int pipeline = 1, int context = 1) {
   LayoutSizes s;
   s.tensor = tensor;
   s.pipeline = pipeline;
-  s.zero_stage = zero_stage;
   s.context = context;
   return s;
 }
@@ -115,7 +114,7 @@ TEST(Layout, CoordinatesTable) {
             "     1     0       1         0  -\n"
             "     2     0       0         1  Rank 0\n"
             "     3     0       1         1  -\n");
-  EXPECT_EQ(Layout::create(2, sizes(1, 1, 1)).coordinates_table(),
+  EXPECT_EQ(Layout::create(2, sizes(1, 1)).coordinates_table(", ZeRO stage 1"),
             "layout: data 2 x tensor 1 x pipeline 1 = world 2, rank = (p*D + d)*T + t, ZeRO stage 1\n"
             "  rank  data  tensor  pipeline  reports\n"
             "     0     0       0         0  Rank 0\n"
@@ -124,7 +123,7 @@ TEST(Layout, CoordinatesTable) {
 
 // The four-dimensional tables: rank = ((p*D + d)*C + c)*T + t. Coordinates are {d, t, p, c}.
 TEST(Layout, DataTwoContextTwo) {  // (D, C, T, P) = (2, 2, 1, 1)
-  const Layout l = Layout::create(4, sizes(1, 1, 0, 2));
+  const Layout l = Layout::create(4, sizes(1, 1, 2));
   EXPECT_EQ(l.data_parallel_size(), 2);
   EXPECT_EQ(l.context_parallel_size(), 2);
   EXPECT_EQ(l.gradient_group_size(), 4);
@@ -143,7 +142,7 @@ TEST(Layout, DataTwoContextTwo) {  // (D, C, T, P) = (2, 2, 1, 1)
 }
 
 TEST(Layout, ContextTwoTensorTwoPipelineTwo) {  // (D, C, T, P) = (1, 2, 2, 2)
-  const Layout l = Layout::create(8, sizes(2, 2, 0, 2));
+  const Layout l = Layout::create(8, sizes(2, 2, 2));
   EXPECT_EQ(l.data_parallel_size(), 1);
   EXPECT_EQ(l.tensor_parallel_groups(), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
   EXPECT_EQ(l.context_parallel_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
@@ -172,7 +171,7 @@ TEST(Layout, ContextTwoTensorTwoPipelineTwo) {  // (D, C, T, P) = (1, 2, 2, 2)
 }
 
 TEST(Layout, DataTwoTensorTwoPipelineTwoHasNoContextDimension) {  // (D, C, T, P) = (2, 1, 2, 2)
-  const Layout l = Layout::create(8, sizes(2, 2, 0, 1));
+  const Layout l = Layout::create(8, sizes(2, 2, 1));
   EXPECT_EQ(l.context_parallel_groups(), (Groups{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}}));
   EXPECT_EQ(l.data_parallel_groups(), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
   // Without a context dimension, gradients are averaged over the data-parallel group.
@@ -203,27 +202,27 @@ void expect_refused(int world, const LayoutSizes& refused, const std::string& me
   }
 }
 
-void expect_refused(int world, int t, int p, int zero, const std::string& message, int c = 1) {
-  expect_refused(world, sizes(t, p, zero, c), message);
+void expect_refused(int world, int t, int p, const std::string& message, int c = 1) {
+  expect_refused(world, sizes(t, p, c), message);
 }
 
 // --sequence_parallel splits what the tensor group holds, and needs one; pipeline stages pass each
 // tensor rank's part between them.
 TEST(Layout, SequenceParallelNeedsTensorRanks) {
-  LayoutSizes with = sizes(2, 1, 0, 2);
+  LayoutSizes with = sizes(2, 1, 2);
   with.sequence_parallel = true;
   const Layout l = Layout::create(8, with);
   EXPECT_TRUE(l.sequence_parallel());
   EXPECT_EQ(l.data_parallel_size(), 2);
   EXPECT_EQ(l.tensor_parallel_group(5), (std::vector<int>{4, 5}));  // the rank order is unchanged
-  EXPECT_FALSE(Layout::create(8, sizes(2, 1, 0, 2)).sequence_parallel());
-  LayoutSizes staged = sizes(2, 2, 0);
+  EXPECT_FALSE(Layout::create(8, sizes(2, 1, 2)).sequence_parallel());
+  LayoutSizes staged = sizes(2, 2);
   staged.sequence_parallel = true;
   const Layout p = Layout::create(8, staged);
   EXPECT_TRUE(p.sequence_parallel());
   EXPECT_EQ(p.pipeline_parallel_size(), 2);
   EXPECT_EQ(p.tensor_parallel_group(6), (std::vector<int>{6, 7}));
-  LayoutSizes bad = sizes(1, 1, 0);
+  LayoutSizes bad = sizes(1, 1);
   bad.sequence_parallel = true;
   expect_refused(4, bad,
                  "--sequence_parallel splits the sequence over the tensor-parallel group: it needs "
@@ -231,33 +230,26 @@ TEST(Layout, SequenceParallelNeedsTensorRanks) {
 }
 
 TEST(Layout, RefusalsNameTheFlagsAndValues) {
-  expect_refused(6, 4, 1, 0, "--world_size 6 is not divisible by --tensor_parallel_size 4");
-  expect_refused(6, 2, 2, 0,
+  expect_refused(6, 4, 1, "--world_size 6 is not divisible by --tensor_parallel_size 4");
+  expect_refused(6, 2, 2,
                  "--world_size 6 is not divisible by --tensor_parallel_size 2 x --pipeline_parallel_size 2 = 4");
-  expect_refused(0, 1, 1, 0, "--world_size 0 must be at least 1");
-  expect_refused(4, 0, 1, 0, "--tensor_parallel_size 0 must be at least 1");
-  expect_refused(4, 1, -1, 0, "--pipeline_parallel_size -1 must be at least 1");
-  expect_refused(4, 1, 1, 4, "--zero_stage 4: expected 0, 1, 2 or 3");
-  expect_refused(4, 1, 1, 0, "--context_parallel_size 0 must be at least 1", 0);
-  expect_refused(6, 1, 1, 0,
+  expect_refused(0, 1, 1, "--world_size 0 must be at least 1");
+  expect_refused(4, 0, 1, "--tensor_parallel_size 0 must be at least 1");
+  expect_refused(4, 1, -1, "--pipeline_parallel_size -1 must be at least 1");
+  expect_refused(4, 1, 1, "--context_parallel_size 0 must be at least 1", 0);
+  expect_refused(6, 1, 1,
                  "--world_size 6 is not divisible by --context_parallel_size 4 x --tensor_parallel_size 1 = 4 "
                  "(world size = data-parallel x context-parallel x tensor-parallel size)", 4);
-  expect_refused(12, 2, 2, 0,
+  expect_refused(12, 2, 2,
                  "--world_size 12 is not divisible by --context_parallel_size 2 x --tensor_parallel_size 2 x "
                  "--pipeline_parallel_size 2 = 8 (world size = data-parallel x context-parallel x tensor-parallel x "
                  "pipeline-parallel size)", 2);
-  // ZeRO-3 shards each pipeline stage's units over the stage's data-parallel group.
-  const Layout staged = Layout::create(4, sizes(1, 2, 3));
-  EXPECT_EQ(staged.data_parallel_size(), 2);
-  EXPECT_EQ(staged.zero_stage(), 3);
-  EXPECT_EQ(Layout::create(4, sizes(1, 1, 3)).data_parallel_size(), 4);
-  // ZeRO-3 shards each tensor-parallel rank's slices of every unit over its data-parallel group.
-  EXPECT_EQ(Layout::create(4, sizes(2, 1, 3)).data_parallel_size(), 2);
-  // ZeRO-1 shards each tensor-parallel shard's and each pipeline stage's state over its
-  // data-parallel group.
-  const Layout sharded = Layout::create(8, sizes(2, 2, 1));
-  EXPECT_EQ(sharded.data_parallel_size(), 2);
-  EXPECT_EQ(sharded.zero_stage(), 1);
+  // ZeRO shards each pipeline stage's and each tensor-parallel shard's state over its data-parallel
+  // group (train/plan/plan.h holds the stage).
+  EXPECT_EQ(Layout::create(4, sizes(1, 2)).data_parallel_size(), 2);
+  EXPECT_EQ(Layout::create(4, sizes(1, 1)).data_parallel_size(), 4);
+  EXPECT_EQ(Layout::create(4, sizes(2, 1)).data_parallel_size(), 2);
+  EXPECT_EQ(Layout::create(8, sizes(2, 2)).data_parallel_size(), 2);
   const Layout l = Layout::create(4, sizes(2));
   EXPECT_THROW(l.coordinates_of(4), std::invalid_argument);
   EXPECT_THROW(l.rank_of({0, 2, 0}), std::invalid_argument);

@@ -1,6 +1,6 @@
 // Checkpoint storage without torch: SHA-256 against the FIPS vectors, the strict manifest reader,
 // the atomic writer under a failure injected at each stage, verification and pruning.
-#include "harness/train/checkpoint_store.h"
+#include "harness/train/checkpoint/checkpoint_store.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -66,9 +66,7 @@ class CheckpointStoreTest : public ::testing::Test {
   static CheckpointManifest sample_manifest(int64_t step) {
     CheckpointManifest m;
     m.program = "run_pipeline";
-    m.world_size = 4;
-    m.tensor_parallel_size = 2;
-    m.data_parallel_size = 2;
+    m.plan = {{"world_size", 4}, {"tensor_parallel_size", 2}, {"data_parallel_size", 2}, {"zero_stage", 1}};
     m.pipeline_devices = {"cuda:0", "cuda:1"};
     m.model_config = {{"n_layer", 2}, {"n_embd", 64}, {"model_type", "gpt2"}};
     m.global_step = step;
@@ -168,9 +166,7 @@ TEST_F(CheckpointStoreTest, ManifestRoundTripsFieldByField) {
       manifest_from_json(json::parse(manifest_to_json(m).dump()), "test");
   EXPECT_EQ(back.format_version, kCheckpointFormatVersion);
   EXPECT_EQ(back.program, m.program);
-  EXPECT_EQ(back.world_size, m.world_size);
-  EXPECT_EQ(back.tensor_parallel_size, m.tensor_parallel_size);
-  EXPECT_EQ(back.data_parallel_size, m.data_parallel_size);
+  EXPECT_EQ(back.plan, m.plan);
   EXPECT_EQ(back.pipeline_devices, m.pipeline_devices);
   EXPECT_EQ(back.model_config, m.model_config);
   EXPECT_EQ(back.global_step, m.global_step);
@@ -205,6 +201,8 @@ TEST_F(CheckpointStoreTest, BadManifestsAreRefusedNamingTheField) {
        {"'global_step'", "integer", "string"}},
       {"negative step", [](json& j) { j["epoch"] = -1; }, {"'epoch'", ">= 0"}},
       {"zero world", [](json& j) { j["world_size"] = 0; }, {"'world_size'", ">= 1"}},
+      {"plan not object", [](json& j) { j["plan"] = 3; }, {"'plan'", "object"}},
+      {"plan disagrees", [](json& j) { j["plan"]["world_size"] = 8; }, {"'plan.world_size'", "is 8", "4"}},
       {"fractional", [](json& j) { j["batch_in_epoch"] = 1.5; }, {"'batch_in_epoch'", "integer"}},
       {"other version",
        [](json& j) { j["format_version"] = 2; },

@@ -5,7 +5,7 @@
 
 #include <stdexcept>
 
-#include "harness/train/context_parallel_step.h"
+#include "harness/train/step/context_parallel_step.h"
 
 namespace harness::train {
 namespace {

@@ -1,7 +1,7 @@
-// An elastic generation's batches (train/elastic_batches.h): the members' averaged gradient,
+// An elastic generation's batches (train/elastic/elastic_batches.h): the members' averaged gradient,
 // each training its own step and a share of a dropped replica's, is the undisturbed run's average
 // over every replica; with every replica a member, the step is the plain one bit for bit.
-#include "harness/train/elastic_batches.h"
+#include "harness/train/elastic/elastic_batches.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "harness/train/train_step.h"
+#include "harness/train/step/train_step.h"
 #include "test_support.h"
 
 namespace harness::train {

@@ -2,7 +2,7 @@
 // serving the store and elastic): 6 steps of a tiny GPT-2, each replica's batches from a seed of
 // its own. Killed at the start of its third step (k = 2), replica 1's rows go to the other two, which end with
 // the undisturbed run's weights by the AdamW rule, bit-identical to each other.
-#include "harness/train/elastic_trainer.h"
+#include "harness/train/elastic/elastic_trainer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

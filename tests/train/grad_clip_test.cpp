@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "harness/data/collate.h"
-#include "harness/train/pipeline_train_step.h"
-#include "harness/train/train_step.h"
+#include "harness/train/step/pipeline_train_step.h"
+#include "harness/train/step/train_step.h"
 #include "test_support.h"
 
 namespace harness::train {

@@ -11,7 +11,7 @@
 #include "harness/model/gpt2.h"
 #include "harness/model/tensor_parallel.h"
 #include "harness/pipeline/gpt2_pipeline.h"
-#include "harness/train/memory_plan.h"
+#include "harness/train/plan/memory_plan.h"
 
 namespace harness::train {
 namespace {
@@ -53,7 +53,7 @@ MemoryPlanInput input_for(const GPT2Config& config, int D = 1) {
   MemoryPlanInput in;
   in.model_name = "test";
   in.config = config;
-  in.data_parallel_size = D;
+  in.plan.world_size = D;  // D data-parallel ranks
   in.rows_per_replica = 4;
   in.tokens = 40;
   return in;
@@ -79,7 +79,8 @@ TEST(MemoryPlan, ParameterCountsAreThoseOfBuiltModels) {
 TEST(MemoryPlan, ATensorParallelRankHoldsItsBuiltSlices) {
   const GPT2Config config = GPT2Config::preset("gpt2-tiny");
   MemoryPlanInput in = input_for(config, 2);
-  in.tensor_parallel_size = 2;
+  in.plan.tensor_parallel_size = 2;
+  in.plan.world_size = 4;
   const MemoryPlan plan = plan_memory(in);
   ASSERT_EQ(plan.kinds.size(), 1u);
   EXPECT_EQ(plan.kinds[0].who, "ranks 0-3");
@@ -149,7 +150,7 @@ TEST(MemoryPlan, EachZeroStageSharesWhatTheTableSays) {
   };
   for (const Row& row : table) {
     MemoryPlanInput in = input_for(GPT2Config::preset("gpt2"), row.D);
-    in.zero_stage = row.stage;
+    in.plan.zero.stage = row.stage;
     const RankMemory r = plan_memory(in).kinds.at(0);
     EXPECT_EQ(r.parameters, 124439808);
     EXPECT_EQ(r.weight_bytes, row.weights) << "D " << row.D << " stage " << row.stage;
@@ -163,7 +164,7 @@ TEST(MemoryPlan, StagesOfAPipelineShardTheirOwnState) {
   MemoryPlanInput in = input_for(GPT2Config::preset("gpt2-tiny"), 2);
   in.pipeline = true;
   in.pipeline_devices = 2;
-  in.zero_stage = 1;
+  in.plan.zero.stage = 1;
   const MemoryPlan plan = plan_memory(in);
   EXPECT_EQ(plan.kinds[0].weight_bytes, 494848);  // 4 x 123712
   EXPECT_EQ(plan.kinds[0].gradient_bytes, 494848);
@@ -173,7 +174,7 @@ TEST(MemoryPlan, StagesOfAPipelineShardTheirOwnState) {
   EXPECT_EQ(plan.largest_model_state().who, "ranks 0-1");
   // ZeRO-3: a stage's chunks, and every unit of it gathered for the whole step (weights, and
   // gradients until the last micro-batch's backward).
-  in.zero_stage = 3;
+  in.plan.zero.stage = 3;
   const MemoryPlan units = plan_memory(in);
   EXPECT_EQ(units.kinds[0].weight_bytes, 742272);     // 4 x 61856 + 4 x 123712
   EXPECT_EQ(units.kinds[0].gradient_bytes, 742272);
@@ -285,9 +286,11 @@ TEST(MemoryPlan, AModelStateThatDoesNotFitIsRefusedNamingTheStageThatWould) {
 
 TEST(MemoryPlan, LayoutsTheModelCannotTakeAreRefusedNamingTheValues) {
   MemoryPlanInput in = input_for(GPT2Config::preset("gpt2-tiny"));
-  in.tensor_parallel_size = 3;  // 4 heads
+  in.plan.tensor_parallel_size = 3;  // 4 heads
+  in.plan.world_size = 3;
   EXPECT_THROW(plan_memory(in), std::invalid_argument);
-  in.tensor_parallel_size = 1;
+  in.plan.tensor_parallel_size = 1;
+  in.plan.world_size = 1;
   in.pipeline = true;
   in.pipeline_devices = 2;
   in.balance_halves = {2, 4};  // 6 halves, the model has 4

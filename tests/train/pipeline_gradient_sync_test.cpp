@@ -21,10 +21,10 @@
 #include "harness/data_parallel/process_group.h"
 #include "harness/parallel/layout.h"
 #include "harness/parallel/process_groups.h"
-#include "harness/train/compose_step.h"
-#include "harness/train/pipeline_forward_backward.h"
-#include "harness/train/step_optimizer.h"
-#include "harness/train/train_step.h"
+#include "harness/train/step/build_step.h"
+#include "harness/train/step/pipeline_forward_backward.h"
+#include "harness/train/step/step_optimizer.h"
+#include "harness/train/step/train_step.h"
 
 namespace harness::train {
 namespace {
@@ -192,8 +192,14 @@ ValidatedRun zb1p_run(const parallel::Layout& layout, const parallel::ProcessGro
   composition.optimizer = OptimizerSettings(1e-2);
   composition.optimizer.max_grad_norm = max_grad_norm;
   composition.optimizer.post_validate = post_validate;
-  composition.data_parallel.zero_stage = zero_stage;
-  composition.data_parallel.bucket_cap_mb = 2.0 / 1024;  // several buckets, several chunks
+  Plan plan;  // the layout's sizes, ZeRO and the schedule
+  plan.world_size = layout.world_size();
+  plan.tensor_parallel_size = layout.tensor_parallel_size();
+  plan.context_parallel_size = layout.context_parallel_size();
+  plan.pipeline_parallel_size = layout.pipeline_parallel_size();
+  plan.pipeline.schedule = pipeline::ScheduleKind::kZb1p;
+  plan.zero.stage = zero_stage;
+  plan.gradient_sync.bucket_cap_mb = 2.0 / 1024;  // several buckets, several chunks
   PipelineStepOptions stages;
   stages.devices = {Device::cpu(0)};
   stages.schedule = pipeline::ScheduleKind::kZb1p;
@@ -201,7 +207,7 @@ ValidatedRun zb1p_run(const parallel::Layout& layout, const parallel::ProcessGro
   composition.stages = stages;
   double factor = 1.0;
   model->transformer->wpe->weight.register_hook([&factor](const at::Tensor& grad) { return grad * factor; });
-  StepParts parts = compose_step(model, layout, groups, composition);
+  StepParts parts = compose_step(model, plan, groups, composition);
   GPT2TrainStep step(model, std::move(parts.forward_backward), std::move(parts.optimizer), parts.sync.get());
   step.set_training(true);
   ValidatedRun run;

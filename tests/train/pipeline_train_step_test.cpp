@@ -15,8 +15,8 @@
 #include "harness/data/collate.h"
 #include "harness/model/gpt2.h"
 #include "harness/pipeline/gpt2_pipeline.h"
-#include "harness/train/pipeline_train_step.h"
-#include "harness/train/train_step.h"
+#include "harness/train/step/pipeline_train_step.h"
+#include "harness/train/step/train_step.h"
 #include "test_support.h"
 
 namespace harness::train {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "harness/train/tensorboard_writer.h"
+#include "harness/train/run/tensorboard_writer.h"
 
 namespace harness::train {
 namespace {

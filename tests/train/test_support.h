@@ -12,7 +12,7 @@
 #include "../support/after_adamw.h"
 #include "harness/model/gpt2.h"
 #include "harness/pipeline/executor.h"
-#include "harness/train/train_step.h"
+#include "harness/train/step/train_step.h"
 
 namespace harness::train::testing {
 

@@ -12,9 +12,9 @@
 #include "harness/data/tokenizer.h"
 #include "harness/model/loss.h"
 #include "harness/train/loss.h"
-#include "harness/train/report.h"
+#include "harness/train/run/report.h"
 #include "harness/train/setup.h"
-#include "harness/train/trainer.h"
+#include "harness/train/run/trainer.h"
 
 namespace harness::train {
 namespace {

@@ -1,8 +1,8 @@
 // Checkpoint state outside the weights: AdamW's state survives capture, a file and restore
 // exactly (the next step is bit-identical), generator states replay the same draws.
-#include "harness/train/training_state.h"
+#include "harness/train/checkpoint/training_state.h"
 
-#include "harness/train/train_step.h"
+#include "harness/train/step/train_step.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

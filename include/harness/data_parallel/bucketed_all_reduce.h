@@ -56,8 +56,8 @@ std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t> hook_gradient_accum
                                                                                       size_t index);
 
 // What a bucket's collective leaves on each rank: the whole average (DDP), or the rank's chunk of
-// it (ZeRO: reduce-scatter; each rank steps only that chunk, zero.h). kShardedGradients is ZeRO-2:
-// as kReduceScatter, but each parameter's .grad() is let go as soon as it is copied into its
+// it (reduce-scatter: each rank steps only that chunk; zero/zero.h decides which ZeRO stage uses
+// which). kShardedGradients is ZeRO-2's: as kReduceScatter, but each parameter's .grad() is let go as soon as it is copied into its
 // bucket, each bucket's buffers as soon as its reduce-scatter is done, and every finalize() adds
 // its average into the chunk, so a rank keeps 1/N of the gradients plus the buckets in flight, and
 // gradient accumulation accumulates into the chunk (finalize() after each batch).

@@ -1,5 +1,5 @@
-// How a run's processes split the work: data x context x tensor x pipeline parallelism and the
-// ZeRO stage, validated once before launch, and every rank's coordinates and groups as plain rank
+// How a run's processes split the work: data x context x tensor x pipeline parallelism, the
+// geometry of a run's plan (train/plan/plan.h), and every rank's coordinates and groups as plain rank
 // lists (process_groups.h builds the c10d groups from them).
 //
 // Rank order, tensor fastest, then context, then data, then pipeline (Megatron's tp-cp-dp-pp):
@@ -48,7 +48,6 @@ struct LayoutSizes {
   int tensor = 1;    // --tensor_parallel_size
   int context = 1;   // --context_parallel_size
   int pipeline = 1;  // --pipeline_parallel_size
-  int zero_stage = 0;  // --zero_stage
   bool sequence_parallel = false;  // --sequence_parallel: T > 1 splits the sequence between its layers too
   // --pipeline_schedule zbv: the stages go down the pipeline ranks and back up (a V), so the
   // model's last stage, with the head and the loss, is on pipeline rank 0 beside the embedding.
@@ -58,9 +57,8 @@ struct LayoutSizes {
 class Layout {
  public:
   // World size = D * C * T * P with D inferred. Throws std::invalid_argument naming the flags and
-  // their values: a size below 1, a world size that C * T * P does not divide, or a ZeRO stage
-  // other than 0 to 3, or sequence parallelism without T > 1 or with P > 1. ZeRO shards over the
-  // gradient group of each tensor-parallel shard and each pipeline stage.
+  // their values: a size below 1, a world size that C * T * P does not divide, or sequence
+  // parallelism without T > 1. (train/plan/plan.h holds the rest of a run's choices.)
   static Layout create(int world_size, const LayoutSizes& sizes = {});
 
   int world_size() const { return data_ * context_ * tensor_ * pipeline_; }
@@ -70,7 +68,6 @@ class Layout {
   int pipeline_parallel_size() const { return pipeline_; }
   // The ranks gradients are averaged over, and ZeRO shards over: D * C.
   int gradient_group_size() const { return data_ * context_; }
-  int zero_stage() const { return zero_stage_; }
   // Megatron's sequence parallelism over each tensor-parallel group (--sequence_parallel).
   bool sequence_parallel() const { return sequence_parallel_; }
 
@@ -112,13 +109,13 @@ class Layout {
   // world 4" when C > 1)
   std::string sizes_text() const;
   // The coordinates of every rank, one line each under a header, as the program prints them at
-  // start.
-  std::string coordinates_table() const;
+  // start; `note` ends the header (the plan's ", ZeRO stage 1").
+  std::string coordinates_table(const std::string& note = "") const;
 
  private:
   Layout(int data, const LayoutSizes& sizes)
       : data_(data), context_(sizes.context), tensor_(sizes.tensor), pipeline_(sizes.pipeline),
-        zero_stage_(sizes.zero_stage), sequence_parallel_(sizes.sequence_parallel),
+        sequence_parallel_(sizes.sequence_parallel),
         loss_on_first_stage_(sizes.loss_on_first_stage) {}
   void check_rank(int rank) const;
   // The ranks that share every coordinate of `rank` but `axis`, by that coordinate.
@@ -128,7 +125,6 @@ class Layout {
   int context_ = 1;
   int tensor_ = 1;
   int pipeline_ = 1;
-  int zero_stage_ = 0;
   bool sequence_parallel_ = false;
   bool loss_on_first_stage_ = false;
 };
