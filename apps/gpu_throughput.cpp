@@ -203,97 +203,136 @@ struct Trainer {
   }
 };
 
-json measure(Trainer& trainer, const Flags& f, int64_t tokens, double peak_bf16, double peak_fp32,
-             const Clock::time_point& deadline) {
-  json run;
-  run["tokens"] = tokens;
-  run["precision"] = harness::model::to_string(trainer.precision);
+// The matmul peaks that MFU is measured against, in TFLOP/s.
+struct Peaks {
+  double bf16 = 0.0;
+  double fp32 = 0.0;
+};
+
+// The batch search's outcome: each batch tried, the largest that fit (0: none), what stopped the
+// search ("cap", "out of memory" or "time budget") and the last out-of-memory error.
+struct BatchSearch {
+  json tries = json::array();
+  int64_t largest = 0;
+  std::string stopped_by = "cap";
+  std::string error;
+};
+
+// The largest batch of `tokens`-long rows that fits, up to the flags' caps, searched until `deadline`.
+BatchSearch search_batch(Trainer& trainer, const Flags& f, int64_t tokens, const Clock::time_point& deadline) {
   const int64_t cap = std::max<int64_t>(1, std::min(f.max_batch, f.max_tokens_per_step / tokens));
-  json search = json::array();
-  std::string error, bound = "cap";
+  BatchSearch s;
   auto try_rows = [&](int64_t rows) {
     const auto t0 = Clock::now();
-    const bool ok = trainer.fits(rows, tokens, &error);
-    search.push_back({{"batch", rows}, {"fits", ok}, {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}});
-    if (!ok) bound = "out of memory";
+    const bool ok = trainer.fits(rows, tokens, &s.error);
+    s.tries.push_back({{"batch", rows}, {"fits", ok}, {"seconds", std::chrono::duration<double>(Clock::now() - t0).count()}});
+    if (!ok) s.stopped_by = "out of memory";
     return ok;
   };
   // Doubling from a batch of about 8K tokens (at least 1 row), then bisecting to 1/8 of the last fit.
-  int64_t good = 0, bad = cap + 1;
+  int64_t bad = cap + 1;
   int64_t rows = std::clamp<int64_t>(8192 / tokens, 1, cap);
   while (rows <= cap && Clock::now() < deadline) {
     if (!try_rows(rows)) {
       bad = rows;
       break;
     }
-    good = rows;
+    s.largest = rows;
     if (rows == cap) break;
     rows = std::min(cap, rows * 2);
   }
-  if (good == 0) {
-    run["error"] = "no batch fits: " + error;
-    run["search"] = search;
-    return run;
-  }
-  while (bad - good > std::max<int64_t>(1, good / 8) && Clock::now() < deadline) {
-    const int64_t mid = good + (bad - good) / 2;
+  if (s.largest == 0) return s;
+  while (bad - s.largest > std::max<int64_t>(1, s.largest / 8) && Clock::now() < deadline) {
+    const int64_t mid = s.largest + (bad - s.largest) / 2;
     if (try_rows(mid)) {
-      good = mid;
+      s.largest = mid;
     } else {
       bad = mid;
     }
   }
-  if (Clock::now() >= deadline && bound == "cap" && good < cap) bound = "time budget";
-  run["search"] = search;
-  run["largest_batch_that_fits"] = good;
-  run["search_stopped_by"] = bound;
+  if (Clock::now() >= deadline && s.stopped_by == "cap" && s.largest < cap) s.stopped_by = "time budget";
+  return s;
+}
 
-  // A batch right at the edge can fit once and fail later (fragmentation): then 7/8 of it, twice.
+// The timed steps: the batch they ran at, each step's seconds, and the last step's loss.
+struct TimedSteps {
+  int64_t rows = 0;
   std::vector<double> seconds;
-  double loss = 0.0;
+  double last_loss = 0.0;
+};
+
+// --warmup untimed steps, then --steps timed ones, at `rows` (the memory peaks reset between).
+// A batch right at the edge can fit once and fail later (fragmentation): then 7/8 of it, twice.
+TimedSteps time_steps(Trainer& trainer, const Flags& f, int64_t rows, int64_t tokens) {
+  TimedSteps timed;
+  timed.rows = rows;
   for (int attempt = 0;; ++attempt) {
     try {
-      seconds.clear();
-      for (int k = 0; k < f.warmup; ++k) trainer.step(good, tokens);
+      timed.seconds.clear();
+      for (int k = 0; k < f.warmup; ++k) trainer.step(timed.rows, tokens);
 #ifdef HARNESS_GPU_STATS
       if (trainer.device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(trainer.device.index());
 #endif
       for (int k = 0; k < f.steps; ++k) {
         const auto t0 = Clock::now();
-        loss = trainer.step(good, tokens);  // item() waits for the step's kernels
-        seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        timed.last_loss = trainer.step(timed.rows, tokens);  // item() waits for the step's kernels
+        timed.seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
       }
-      break;
+      return timed;
     } catch (const std::exception& e) {
-      if (!is_out_of_memory(e) || attempt == 2 || good < 2) throw;
+      if (!is_out_of_memory(e) || attempt == 2 || timed.rows < 2) throw;
       trainer.optimizer->zero_grad(/*set_to_none=*/true);
       release_cached_memory(trainer.device);
-      good = std::max<int64_t>(1, good * 7 / 8);
+      timed.rows = std::max<int64_t>(1, timed.rows * 7 / 8);
     }
   }
-  run["batch_size"] = good;
-  std::vector<double> sorted = seconds;
-  std::sort(sorted.begin(), sorted.end());
-  const double median = sorted[sorted.size() / 2];
-  const double tokens_per_second = static_cast<double>(good * tokens) / median;
-  const double achieved = tokens_per_second * flops_per_token(trainer.model->config(), tokens) / 1e12;
-  run["step_seconds"] = seconds;
-  run["step_seconds_median"] = median;
-  run["tokens_per_step"] = good * tokens;
-  run["tokens_per_second"] = tokens_per_second;
-  run["achieved_tflops"] = achieved;
-  run["mfu_vs_bf16_peak"] = achieved / peak_bf16;
-  run["mfu_vs_fp32_peak"] = achieved / peak_fp32;
-  run["last_loss"] = loss;
+}
+
+// The peaks of memory allocated and reserved since the timed steps began (allocated: null off CUDA).
+void add_peak_memory(json& run, const c10::Device& device) {
 #ifdef HARNESS_GPU_STATS
-  if (trainer.device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(trainer.device.index());
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     const size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     run["peak_memory_allocated_bytes"] = stats.allocated_bytes[all].peak;
     run["peak_memory_reserved_bytes"] = stats.reserved_bytes[all].peak;
   }
 #endif
   if (!run.contains("peak_memory_allocated_bytes")) run["peak_memory_allocated_bytes"] = nullptr;
+}
+
+// One configuration (`tokens`, the trainer's precision): the batch search, then the timed steps at
+// the largest batch that fits, their throughput and MFU against `peaks`, and the memory peaks.
+json measure(Trainer& trainer, const Flags& f, int64_t tokens, const Peaks& peaks, const Clock::time_point& deadline) {
+  json run;
+  run["tokens"] = tokens;
+  run["precision"] = harness::model::to_string(trainer.precision);
+  const BatchSearch search = search_batch(trainer, f, tokens, deadline);
+  run["search"] = search.tries;
+  if (search.largest == 0) {
+    run["error"] = "no batch fits: " + search.error;
+    return run;
+  }
+  run["largest_batch_that_fits"] = search.largest;
+  run["search_stopped_by"] = search.stopped_by;
+
+  const TimedSteps timed = time_steps(trainer, f, search.largest, tokens);
+  const int64_t good = timed.rows;
+  run["batch_size"] = good;
+  std::vector<double> sorted = timed.seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const double tokens_per_second = static_cast<double>(good * tokens) / median;
+  const double achieved = tokens_per_second * flops_per_token(trainer.model->config(), tokens) / 1e12;
+  run["step_seconds"] = timed.seconds;
+  run["step_seconds_median"] = median;
+  run["tokens_per_step"] = good * tokens;
+  run["tokens_per_second"] = tokens_per_second;
+  run["achieved_tflops"] = achieved;
+  run["mfu_vs_bf16_peak"] = achieved / peaks.bf16;
+  run["mfu_vs_fp32_peak"] = achieved / peaks.fp32;
+  run["last_loss"] = timed.last_loss;
+  add_peak_memory(run, trainer.device);
   return run;
 }
 
@@ -302,6 +341,55 @@ std::string device_name(const c10::Device& device) {
   if (device.is_cuda()) return at::cuda::getDeviceProperties(device.index())->name;
 #endif
   return "CPU (--cpu_smoke: not a measurement)";
+}
+
+// The bf16 and fp32 peaks of `n` x `n` x `n` matmuls on `device`.
+Peaks measure_peaks(int64_t n, const c10::Device& device) {
+  Peaks peaks;
+  peaks.bf16 = matmul_tflops(torch::kBFloat16, n, device);
+  peaks.fp32 = matmul_tflops(torch::kFloat32, n, device);
+  return peaks;
+}
+
+// GPT-2 of `config` (seeded, so every run starts from the same weights) on `device`, in training
+// mode, with its AdamW; fp32 until a configuration sets its precision.
+Trainer make_trainer(const harness::model::GPT2Config& config, const c10::Device& device) {
+  torch::manual_seed(1234);
+  Trainer trainer{harness::model::GPT2LMHeadModel(config), nullptr, device, harness::model::Precision::kFp32};
+  trainer.model->to(device);
+  trainer.model->train();
+  trainer.optimizer = std::make_unique<torch::optim::AdamW>(trainer.model->parameters(), torch::optim::AdamWOptions(1e-4));
+  return trainer;
+}
+
+// When a configuration's search must stop: each of the `left` configurations gets an equal share
+// of what is left of the search budget.
+Clock::time_point search_deadline(const Flags& f, const Clock::time_point& start, size_t left) {
+  const double budget_left = f.time_budget_s - std::chrono::duration<double>(Clock::now() - start).count();
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(std::max(0.0, budget_left) / left));
+}
+
+// measure(), or the configuration with its error: one configuration's failure leaves the others' figures.
+json measure_or_error(Trainer& trainer, const Flags& f, int64_t tokens, const std::string& precision,
+                      const Peaks& peaks, const Clock::time_point& deadline) {
+  try {
+    return measure(trainer, f, tokens, peaks, deadline);
+  } catch (const std::exception& e) {
+    return {{"tokens", tokens}, {"precision", precision}, {"error", std::string(e.what()).substr(0, 400)}};
+  }
+}
+
+// The goal's verdict, from the bf16 run at 1024 tokens (none when that run has no MFU).
+void add_goal(json& report, const json& runs) {
+  for (const json& run : runs) {
+    if (run["tokens"] == 1024 && run["precision"] == "bf16" && run.contains("mfu_vs_bf16_peak")) {
+      const double mfu = run["mfu_vs_bf16_peak"].get<double>();
+      report["goal"] = {{"what", "bf16 autocast, 1024 tokens per example: MFU >= 0.40 of the measured bf16 peak"},
+                        {"mfu", mfu},
+                        {"met", mfu >= 0.40}};
+    }
+  }
 }
 
 }  // namespace
@@ -323,20 +411,15 @@ int main(int argc, char** argv) {
     report["device"] = device_name(device);
     report["cpu_smoke"] = f.cpu_smoke;
     report["matmul_size"] = f.matmul_size;
-    const double peak_bf16 = matmul_tflops(torch::kBFloat16, f.matmul_size, device);
-    const double peak_fp32 = matmul_tflops(torch::kFloat32, f.matmul_size, device);
-    report["peaks_tflops"] = {{"bf16_matmul", peak_bf16}, {"fp32_matmul", peak_fp32}};
-    std::cerr << "gpu_throughput: " << report["device"].get<std::string>() << ": matmul peaks bf16 " << peak_bf16
-              << " TFLOP/s, fp32 " << peak_fp32 << " TFLOP/s" << std::endl;
+    const Peaks peaks = measure_peaks(f.matmul_size, device);
+    report["peaks_tflops"] = {{"bf16_matmul", peaks.bf16}, {"fp32_matmul", peaks.fp32}};
+    std::cerr << "gpu_throughput: " << report["device"].get<std::string>() << ": matmul peaks bf16 " << peaks.bf16
+              << " TFLOP/s, fp32 " << peaks.fp32 << " TFLOP/s" << std::endl;
 
     const harness::model::GPT2Config config = harness::model::GPT2Config::preset(f.model);
     report["model"] = f.model;
-    torch::manual_seed(1234);
-    Trainer trainer{harness::model::GPT2LMHeadModel(config), nullptr, device, harness::model::Precision::kFp32};
+    Trainer trainer = make_trainer(config, device);
     report["parameters"] = harness::model::count_parameters(*trainer.model);
-    trainer.model->to(device);
-    trainer.model->train();
-    trainer.optimizer = std::make_unique<torch::optim::AdamW>(trainer.model->parameters(), torch::optim::AdamWOptions(1e-4));
     report["flops_per_token"] = "6 (12 L C^2 + V C) + 12 L C T";
     json runs = json::array();
     // --out holds what is measured so far ("complete": false until the end), so that a run stopped
@@ -360,16 +443,8 @@ int main(int argc, char** argv) {
       }
       for (const std::string& precision : f.precisions) {
         trainer.precision = harness::model::parse_precision(precision);
-        // Each configuration gets an equal share of what is left of the search budget.
-        const double left = f.time_budget_s - std::chrono::duration<double>(Clock::now() - start).count();
-        const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                 std::chrono::duration<double>(std::max(0.0, left) / (total - index)));
-        json run;
-        try {
-          run = measure(trainer, f, tokens, peak_bf16, peak_fp32, deadline);
-        } catch (const std::exception& e) {  // one configuration's failure leaves the others' figures
-          run = {{"tokens", tokens}, {"precision", precision}, {"error", std::string(e.what()).substr(0, 400)}};
-        }
+        const auto deadline = search_deadline(f, start, total - index);
+        json run = measure_or_error(trainer, f, tokens, precision, peaks, deadline);
         run["flops_per_token"] = flops_per_token(config, tokens);
         std::cerr << "gpu_throughput: " << run.dump() << std::endl;
         runs.push_back(run);
@@ -380,14 +455,7 @@ int main(int argc, char** argv) {
       }
     }
     report["runs"] = runs;
-    for (const json& run : runs) {
-      if (run["tokens"] == 1024 && run["precision"] == "bf16" && run.contains("mfu_vs_bf16_peak")) {
-        const double mfu = run["mfu_vs_bf16_peak"].get<double>();
-        report["goal"] = {{"what", "bf16 autocast, 1024 tokens per example: MFU >= 0.40 of the measured bf16 peak"},
-                          {"mfu", mfu},
-                          {"met", mfu >= 0.40}};
-      }
-    }
+    add_goal(report, runs);
     write_out(true);
     report["seconds"] = std::chrono::duration<double>(Clock::now() - start).count();
     std::cout << report.dump(2) << std::endl;

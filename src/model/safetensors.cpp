@@ -162,7 +162,9 @@ void check_tiling(const std::vector<Entry>& sorted, uint64_t data_size, const st
   }
 }
 
-Header parse_header(const char* text, size_t length, uint64_t data_size, const std::string& origin) {
+// The header parsed as JSON: nesting bounded, a top-level key named twice refused, and the
+// whole a JSON object.
+json parse_header_json(const char* text, size_t length, const std::string& origin) {
   detail::check_json_nesting(text, length, kMaxJsonDepth, origin + ": header");
   // JSON objects keep the last of duplicate keys silently; a header naming a tensor twice is
   // ambiguous, so the top-level keys are checked while parsing.
@@ -181,70 +183,92 @@ Header parse_header(const char* text, size_t length, uint64_t data_size, const s
     fail(origin, std::string("header is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) fail(origin, std::string("header must be a JSON object, got ") + j.type_name());
+  return j;
+}
 
+// The "__metadata__" entry into `metadata`: an object whose every value is a string.
+void read_metadata(const json& value, const std::string& origin, std::map<std::string, std::string>& metadata) {
+  if (!value.is_object()) fail(origin, "__metadata__ must be an object of strings, got " + shown(value));
+  for (auto m = value.begin(); m != value.end(); ++m) {
+    if (!m.value().is_string()) {
+      fail(origin, "__metadata__ key \"" + printable(m.key()) + "\" must be a string, got " +
+                       shown(m.value()));
+    }
+    metadata[m.key()] = m.value().get<std::string>();
+  }
+}
+
+// Tensor `name`'s "shape" into e.shape; returns its element count, checked to fit int64.
+uint64_t read_shape(const json& value, const std::string& origin, const std::string& name, Entry& e) {
+  auto shape = value.find("shape");
+  if (shape == value.end() || !shape->is_array()) fail(origin, "tensor " + name + ": missing array \"shape\"");
+  // Product of the dimensions (zeros counted as one) must fit int64, or torch would overflow.
+  uint64_t bounded = 1, numel = 1;
+  for (size_t i = 0; i < shape->size(); ++i) {
+    const json& d = (*shape)[i];
+    if (!d.is_number_unsigned()) {
+      fail(origin, "tensor " + name + ": shape must hold non-negative integers, got " + shown(d) +
+                       " at index " + std::to_string(i));
+    }
+    const uint64_t dim = d.get<uint64_t>();
+    if (__builtin_mul_overflow(bounded, dim == 0 ? 1 : dim, &bounded) ||
+        bounded > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      fail(origin, "tensor " + name + ": shape is too large: dimension " + std::to_string(i) +
+                       " = " + std::to_string(dim) + " takes the element count past 2^63 - 1");
+    }
+    numel *= dim;
+    e.shape.push_back(static_cast<int64_t>(dim));
+  }
+  return numel;
+}
+
+// One tensor's entry (`key`: its name in the file): dtype, shape, and data_offsets that lie in
+// the data section and span exactly the shape's bytes.
+Entry read_entry(const std::string& key, const json& value, uint64_t data_size, const std::string& origin) {
+  const std::string name = printable(key);  // for messages; the entry keeps the key itself
+  if (!value.is_object()) fail(origin, "tensor " + name + ": entry must be an object, got " + shown(value));
+  Entry e;
+  e.name = key;
+
+  auto dtype = value.find("dtype");
+  if (dtype == value.end() || !dtype->is_string()) fail(origin, "tensor " + name + ": missing string \"dtype\"");
+  e.dtype = parse_dtype(dtype->get<std::string>(), origin, name);
+
+  const uint64_t numel = read_shape(value, origin, name, e);
+
+  auto offsets = value.find("data_offsets");
+  if (offsets == value.end() || !offsets->is_array() || offsets->size() != 2) {
+    fail(origin, "tensor " + name + ": \"data_offsets\" must be [begin, end]");
+  }
+  e.begin = read_offset((*offsets)[0], origin, name);
+  e.end = read_offset((*offsets)[1], origin, name);
+  if (e.begin > e.end || e.end > data_size) {
+    fail(origin, "tensor " + name + ": data_offsets [" + std::to_string(e.begin) + ", " +
+                     std::to_string(e.end) + "] lie outside the data section of " +
+                     std::to_string(data_size) + " bytes (truncated file?)");
+  }
+  const uint64_t itemsize = c10::elementSize(e.dtype);
+  uint64_t nbytes = 0;
+  if (__builtin_mul_overflow(numel, itemsize, &nbytes) || nbytes != e.end - e.begin) {
+    fail(origin, "tensor " + name + ": shape " + shape_str(e.shape) + " of " +
+                     dtype_name(e.dtype) + " needs " + std::to_string(numel) + " x " +
+                     std::to_string(itemsize) + " bytes but data_offsets span " +
+                     std::to_string(e.end - e.begin));
+  }
+  return e;
+}
+
+// The header's metadata and its tensors in file order, every entry checked and the data section
+// tiled by them.
+Header parse_header(const char* text, size_t length, uint64_t data_size, const std::string& origin) {
+  const json j = parse_header_json(text, length, origin);
   Header header;
   for (auto it = j.begin(); it != j.end(); ++it) {
-    const std::string name = printable(it.key());  // for messages; the entry keeps the key itself
-    const json& value = it.value();
     if (it.key() == "__metadata__") {
-      if (!value.is_object()) fail(origin, "__metadata__ must be an object of strings, got " + shown(value));
-      for (auto m = value.begin(); m != value.end(); ++m) {
-        if (!m.value().is_string()) {
-          fail(origin, "__metadata__ key \"" + printable(m.key()) + "\" must be a string, got " +
-                           shown(m.value()));
-        }
-        header.metadata[m.key()] = m.value().get<std::string>();
-      }
+      read_metadata(it.value(), origin, header.metadata);
       continue;
     }
-    if (!value.is_object()) fail(origin, "tensor " + name + ": entry must be an object, got " + shown(value));
-    Entry e;
-    e.name = it.key();
-
-    auto dtype = value.find("dtype");
-    if (dtype == value.end() || !dtype->is_string()) fail(origin, "tensor " + name + ": missing string \"dtype\"");
-    e.dtype = parse_dtype(dtype->get<std::string>(), origin, name);
-
-    auto shape = value.find("shape");
-    if (shape == value.end() || !shape->is_array()) fail(origin, "tensor " + name + ": missing array \"shape\"");
-    // Product of the dimensions (zeros counted as one) must fit int64, or torch would overflow.
-    uint64_t bounded = 1, numel = 1;
-    for (size_t i = 0; i < shape->size(); ++i) {
-      const json& d = (*shape)[i];
-      if (!d.is_number_unsigned()) {
-        fail(origin, "tensor " + name + ": shape must hold non-negative integers, got " + shown(d) +
-                         " at index " + std::to_string(i));
-      }
-      const uint64_t dim = d.get<uint64_t>();
-      if (__builtin_mul_overflow(bounded, dim == 0 ? 1 : dim, &bounded) ||
-          bounded > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        fail(origin, "tensor " + name + ": shape is too large: dimension " + std::to_string(i) +
-                         " = " + std::to_string(dim) + " takes the element count past 2^63 - 1");
-      }
-      numel *= dim;
-      e.shape.push_back(static_cast<int64_t>(dim));
-    }
-
-    auto offsets = value.find("data_offsets");
-    if (offsets == value.end() || !offsets->is_array() || offsets->size() != 2) {
-      fail(origin, "tensor " + name + ": \"data_offsets\" must be [begin, end]");
-    }
-    e.begin = read_offset((*offsets)[0], origin, name);
-    e.end = read_offset((*offsets)[1], origin, name);
-    if (e.begin > e.end || e.end > data_size) {
-      fail(origin, "tensor " + name + ": data_offsets [" + std::to_string(e.begin) + ", " +
-                       std::to_string(e.end) + "] lie outside the data section of " +
-                       std::to_string(data_size) + " bytes (truncated file?)");
-    }
-    const uint64_t itemsize = c10::elementSize(e.dtype);
-    uint64_t nbytes = 0;
-    if (__builtin_mul_overflow(numel, itemsize, &nbytes) || nbytes != e.end - e.begin) {
-      fail(origin, "tensor " + name + ": shape " + shape_str(e.shape) + " of " +
-                       dtype_name(e.dtype) + " needs " + std::to_string(numel) + " x " +
-                       std::to_string(itemsize) + " bytes but data_offsets span " +
-                       std::to_string(e.end - e.begin));
-    }
-    header.entries.push_back(std::move(e));
+    header.entries.push_back(read_entry(it.key(), it.value(), data_size, origin));
   }
   // The file's own order (what the writer wrote); JSON objects do not keep it.
   std::stable_sort(header.entries.begin(), header.entries.end(), [](const Entry& a, const Entry& b) {
