@@ -394,5 +394,74 @@ class Docs(unittest.TestCase):
         self.assertEqual(slug("Memory plan (`--memory_plan`)"), "memory-plan---memory_plan")
 
 
+# The tour of the code (docs/architecture.md): the paths and symbols it names, in backticks.
+ARCHITECTURE = os.path.join(SOURCE, "docs", "architecture.md")
+CODE_PATH = re.compile(r"^(?:src|include|apps|tests|scripts|docs|cmake)(?:/[\w.-]+)*/?$|^[\w.-]+\.(?:txt|md)$")
+SYMBOL = re.compile(r"^(?:harness::)?((?:\w+::)+)(~?\w+)$")
+
+
+@functools.lru_cache(maxsize=None)
+def code_files():
+    """Every header and source of the library, relative path -> text."""
+    files = {}
+    for pattern in ("include/**/*.h", "src/**/*.h", "src/**/*.cpp"):
+        for path in glob.glob(os.path.join(SOURCE, pattern), recursive=True):
+            files[rel(path)] = read(path)
+    return files
+
+
+def declares(text, name):
+    """Whether `text` declares `name` as a type, an alias or a function (a definition or a declaration)."""
+    return re.search(r"\b(?:class|struct|enum class|using)\s+%s\b|\b%s\s*\(" % (name, name), text) is not None
+
+
+def symbol_problem(symbol):
+    """Why `symbol` (namespace::Name or Class::member, harness:: optional) names nothing, or None."""
+    m = SYMBOL.match(symbol)
+    qualifiers, name = m.group(1).rstrip(":").split("::"), m.group(2)
+    for path, text in code_files().items():
+        if not declares(text, name):
+            continue
+        outer = qualifiers[-1]
+        in_namespace = re.search(r"namespace harness(?:::\w+)*::%s\b" % outer, text)
+        in_class = re.search(r"\b(?:class|struct)\s+%s\b" % outer, text) or ("%s::%s" % (outer, name)) in text
+        if in_namespace or in_class:
+            return None
+    return f"`{symbol}`: no header or source declares {name} in {'::'.join(qualifiers)}"
+
+
+def architecture_problems(text):
+    problems = []
+    for token in re.findall(r"`([^`\n]+)`", text):
+        if CODE_PATH.match(token) and not os.path.exists(os.path.join(SOURCE, token)):
+            problems.append(f"`{token}`: no such file or folder")
+        elif SYMBOL.match(token):
+            problem = symbol_problem(token)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+class Architecture(unittest.TestCase):
+    def test_every_path_and_symbol_it_names_exists(self):
+        text = read(ARCHITECTURE)
+        self.assertGreater(len(re.findall(r"`[^`\n]+::[^`\n]+`", text)), 20, "the tour names the code's symbols")
+        self.assertEqual(architecture_problems(text), [])
+
+    def test_every_folder_of_the_library_has_its_paragraph(self):
+        text = read(ARCHITECTURE)
+        for folder in sorted(os.listdir(os.path.join(SOURCE, "src"))):
+            self.assertIn(f"`src/{folder}/`", text, f"src/{folder}/ is not toured")
+        for folder in sorted(os.listdir(os.path.join(SOURCE, "src", "train"))):
+            if os.path.isdir(os.path.join(SOURCE, "src", "train", folder)):
+                self.assertIn(f"`src/train/{folder}/`", text, f"src/train/{folder}/ is not toured")
+
+    def test_the_checker_catches_a_moved_file_or_a_renamed_symbol(self):
+        self.assertEqual(architecture_problems("`src/train/step/build_step.cpp` `train::build_step` "
+                                               "`GPT2TrainStep::step` `harness::parallel::Layout`"), [])
+        self.assertEqual(len(architecture_problems("`src/train/compose_step.cpp` `train::compose_steps` "
+                                                   "`GPT2TrainStep::stepp` `zero::build_step`")), 4)
+
+
 if __name__ == "__main__":
     unittest.main()
