@@ -653,6 +653,39 @@ std::chrono::milliseconds diagnosis_window(const DataParallelConfig& flags) {
   return std::chrono::milliseconds(std::clamp(flags.dist_timeout_s * 500, 1000, 5000));
 }
 
+// Why a rank's training failed, said in the words every rank can agree on, and thrown: under
+// --elastic a store out of reach; a collective that failed for want of a peer, who answers and
+// who is behind a cut link; else the peer that stopped first, named.
+[[noreturn]] void explain_failure(const std::exception& e, const DataParallelConfig& flags,
+                                  const dp::DistOptions& options, const dp::DistContext& world, const std::string& host,
+                                  bool our_launcher) {
+  // Under --elastic the store is what the survivors agree through: without it none goes on.
+  const std::string store_address = options.master_addr + ":" + std::to_string(options.master_port);
+  if (flags.plan.elastic && !store_reachable(world, diagnosis_window(flags))) {
+    const std::string what = e.what();
+    throw std::runtime_error(
+        "the rendezvous store at " + store_address + " cannot be reached from this rank (" + host +
+        "): under --elastic the store is the run's one single point of failure, and the host that holds it (" +
+        (our_launcher ? std::string("the launcher's") : std::string("MASTER_ADDR's, torchrun's agent")) +
+        ") is lost or cut off from this one, so the run cannot go on here (" + what.substr(0, what.find('\n')) +
+        ")");
+  }
+  // A collective that failed for want of a peer: who answers through the store, who stopped with
+  // a reason, and who is behind a cut link. A peer that finds this rank gone then reads that.
+  const CollectiveDiagnosis failure =
+      explain_failed_collective(e.what(), world, host, store_address, diagnosis_window(flags));
+  if (failure.message != e.what()) {
+    if (failure.reached_store) record_stop(failure.message, world);
+    // Rank 0 may serve the store: it stays a moment, so that the others finish reading it.
+    if (world.rank == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+    throw std::runtime_error(failure.message);
+  }
+  // A peer that finds this rank gone reads why in the store; this rank, finding a peer gone,
+  // names it rather than repeating the transport's words.
+  record_stop(e.what(), world);
+  throw std::runtime_error(explain_stop(e.what(), world));
+}
+
 }  // namespace
 
 int run_data_parallel_worker(const DataParallelConfig& config, const dp::WorkerEnv& env) {
@@ -708,31 +741,7 @@ int run_data_parallel_worker(const DataParallelConfig& config, const dp::WorkerE
     std::cerr << e.what() << "; nothing to do" << std::endl;
     return 0;
   } catch (const std::exception& e) {
-    // Under --elastic the store is what the survivors agree through: without it none goes on.
-    const std::string store_address = options.master_addr + ":" + std::to_string(options.master_port);
-    if (flags.plan.elastic && !store_reachable(world, diagnosis_window(flags))) {
-      const std::string what = e.what();
-      throw std::runtime_error(
-          "the rendezvous store at " + store_address + " cannot be reached from this rank (" + host +
-          "): under --elastic the store is the run's one single point of failure, and the host that holds it (" +
-          (our_launcher ? std::string("the launcher's") : std::string("MASTER_ADDR's, torchrun's agent")) +
-          ") is lost or cut off from this one, so the run cannot go on here (" + what.substr(0, what.find('\n')) +
-          ")");
-    }
-    // A collective that failed for want of a peer: who answers through the store, who stopped with
-    // a reason, and who is behind a cut link. A peer that finds this rank gone then reads that.
-    const CollectiveDiagnosis failure =
-        explain_failed_collective(e.what(), world, host, store_address, diagnosis_window(flags));
-    if (failure.message != e.what()) {
-      if (failure.reached_store) record_stop(failure.message, world);
-      // Rank 0 may serve the store: it stays a moment, so that the others finish reading it.
-      if (world.rank == 0) std::this_thread::sleep_for(std::chrono::seconds(1));
-      throw std::runtime_error(failure.message);
-    }
-    // A peer that finds this rank gone reads why in the store; this rank, finding a peer gone,
-    // names it rather than repeating the transport's words.
-    record_stop(e.what(), world);
-    throw std::runtime_error(explain_stop(e.what(), world));
+    explain_failure(e, flags, options, world, host, our_launcher);
   }
 }
 
