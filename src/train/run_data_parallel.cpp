@@ -26,7 +26,6 @@
 #include "harness/parallel/process_groups.h"
 #include "harness/pipeline/balance.h"
 #include "harness/pipeline/gpt2_pipeline.h"
-#include "harness/tensor_parallel/group.h"
 #include "harness/trace.h"
 #include "harness/train/step/context_parallel_step.h"
 #include "harness/train/plan/memory_plan.h"
@@ -41,7 +40,6 @@ namespace harness::train {
 namespace {
 
 namespace dp = harness::data_parallel;
-namespace tp = harness::tensor_parallel;
 namespace fs = std::filesystem;
 
 std::string env_or(const char* name, const std::string& fallback) {

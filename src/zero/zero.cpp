@@ -54,28 +54,24 @@ void check_zero_rules(const train::Plan& plan) {
                               " exists nowhere else, so its replica could not be dropped; use --zero_stage 0");
 }
 
-ZeroParts whole_model_zero(model::GPT2LMHeadModel model, const train::Plan& plan, const dp::DistContext& gradient,
-                           const train::OptimizerSettings& optimizer) {
-  ZeroParts parts;
+train::StepParts whole_model_zero(model::GPT2LMHeadModel model, const train::Plan& plan, const dp::DistContext& gradient,
+                                  const train::OptimizerSettings& optimizer) {
   if (plan.zero.stage == 3) {  // the units gathered around their forward and backward (zero3_step.h)
-    Zero3Parts zero3 = make_zero3(model, gradient, optimizer, plan.zero.prefetch);
-    parts.forward_backward = std::move(zero3.forward_backward);
-    parts.optimizer = std::move(zero3.optimizer);
-    parts.sync = std::move(zero3.units);
-    return parts;
+    return make_zero3(model, gradient, optimizer, plan.zero.prefetch);
   }
   std::unique_ptr<dp::BucketedAllReduce> buckets = buckets_of(plan, gradient);
+  train::StepParts parts;
   parts.forward_backward = train::whole_model(model);
   parts.optimizer = train::whole_model_adamw(model, optimizer, sharded_state(optimizer, *buckets));
   parts.sync = std::move(buckets);
   return parts;
 }
 
-ZeroParts stage_zero(model::GPT2LMHeadModel model, const train::Plan& plan, const dp::DistContext& gradient,
-                     bool embedding, std::unique_ptr<train::ForwardBackward> forward_backward,
-                     train::PipelineForwardBackward& stages, const train::OptimizerSettings& optimizer,
-                     train::PipelineStageParameters held) {
-  ZeroParts parts;
+train::StepParts stage_zero(model::GPT2LMHeadModel model, const train::Plan& plan, const dp::DistContext& gradient,
+                            bool embedding, std::unique_ptr<train::ForwardBackward> forward_backward,
+                            train::PipelineForwardBackward& stages, const train::OptimizerSettings& optimizer,
+                            train::PipelineStageParameters held) {
+  train::StepParts parts;
   if (plan.zero.stage == 3) {  // the units of what the stages hold, sharded over the stage's replicas
     auto units = std::make_unique<ShardedUnits>(gradient, stage_units(model, held.held));
     if (const std::optional<size_t> wte = tied_wte_unit(*units); wte && embedding) {

@@ -181,12 +181,13 @@ std::vector<size_t> zero3_use_order(int64_t n_layer) {
   return order;
 }
 
-Zero3Parts make_zero3(model::GPT2LMHeadModel model, const DistContext& data, const train::OptimizerSettings& settings,
-                      int prefetch) {
-  Zero3Parts parts;
-  parts.units = std::make_unique<ShardedUnits>(data, gpt2_units(model));
-  parts.forward_backward = std::make_unique<Zero3ForwardBackward>(model, *parts.units, prefetch);
-  parts.optimizer = train::whole_model_adamw(model, settings, unit_state(settings, *parts.units));
+train::StepParts make_zero3(model::GPT2LMHeadModel model, const DistContext& data,
+                             const train::OptimizerSettings& settings, int prefetch) {
+  auto units = std::make_unique<ShardedUnits>(data, gpt2_units(model));
+  train::StepParts parts;
+  parts.forward_backward = std::make_unique<Zero3ForwardBackward>(model, *units, prefetch);
+  parts.optimizer = train::whole_model_adamw(model, settings, unit_state(settings, *units));
+  parts.sync = std::move(units);
   return parts;
 }
 

@@ -19,6 +19,7 @@
 #include "harness/data_parallel/grad_sync.h"
 #include "harness/data_parallel/process_group.h"
 #include "harness/model/gpt2.h"
+#include "harness/train/step/build_step.h"
 #include "harness/train/step/forward_backward.h"
 #include "harness/train/step/held_adamw.h"
 #include "harness/train/step/step_optimizer.h"
@@ -35,32 +36,29 @@ namespace harness::zero {
 // to 3, --zero_prefetch >= 0.
 void check_zero_choice(const train::ZeroChoice& zero);
 
-// Every ZeRO rule, the flags named: check_zero_choice's, and --zero_stage 0 to 3, --zero_prefetch >= 0, and for a stage
-// above 0 --grad_sync bucketed, the process group's collectives (not --allreduce ring), and no
-// --elastic (a lost rank's shards exist nowhere else). Called by train::Plan::validate().
+// Every ZeRO rule, the flags named: check_zero_choice's, and for a stage above 0 --grad_sync
+// bucketed, the process group's collectives (not --allreduce ring), and no --elastic (a lost
+// rank's shards exist nowhere else). Called by train::Plan::validate().
 void check_zero_rules(const train::Plan& plan);
 
-// What ZeRO gives one rank's step: the gradient synchronizer (the buckets that reduce-scatter, or
-// the sharded units), the optimizer over this rank's shards, and under ZeRO-3 the forward-backward
-// that gathers the units around their use (which replaces the one it is given).
-struct ZeroParts {
-  std::unique_ptr<train::ForwardBackward> forward_backward;
-  std::unique_ptr<data_parallel::GradientSynchronizer> sync;
-  std::unique_ptr<train::StepOptimizer> optimizer;
-};
-
+// What ZeRO gives one rank's step (build_step.h's parts): the gradient synchronizer (the buckets
+// that reduce-scatter, or the sharded units), the optimizer over this rank's shards, and under
+// ZeRO-3 the forward-backward that gathers the units around their use.
+//
 // The whole model (or this rank's tensor-parallel slices of it) on this rank, sharded over
 // `gradient` (the ranks holding the same slice) by `plan.zero.stage` >= 1.
-ZeroParts whole_model_zero(model::GPT2LMHeadModel model, const train::Plan& plan,
-                           const data_parallel::DistContext& gradient, const train::OptimizerSettings& optimizer);
+train::StepParts whole_model_zero(model::GPT2LMHeadModel model, const train::Plan& plan,
+                                  const data_parallel::DistContext& gradient, const train::OptimizerSettings& optimizer);
 
 // This rank's pipeline stages (`stages`, holding `held`), their state sharded over `gradient` by
 // `plan.zero.stage` >= 1. A stage holding the tied wte (`embedding`: the group of the first and the
-// last stage) keeps it apart, so that both stages' shards of it are the same elements.
-ZeroParts stage_zero(model::GPT2LMHeadModel model, const train::Plan& plan, const data_parallel::DistContext& gradient,
-                     bool embedding, std::unique_ptr<train::ForwardBackward> forward_backward,
-                     train::PipelineForwardBackward& stages, const train::OptimizerSettings& optimizer,
-                     train::PipelineStageParameters held);
+// last stage) keeps it apart, so that both stages' shards of it are the same elements. Under
+// ZeRO-3 the forward-backward returned wraps `forward_backward`; the caller sets `stages`.
+train::StepParts stage_zero(model::GPT2LMHeadModel model, const train::Plan& plan,
+                            const data_parallel::DistContext& gradient, bool embedding,
+                            std::unique_ptr<train::ForwardBackward> forward_backward,
+                            train::PipelineForwardBackward& stages, const train::OptimizerSettings& optimizer,
+                            train::PipelineStageParameters held);
 
 // Rank 0's line on what ZeRO keeps there, against what a replicated run keeps on every rank
 // ("run_data_parallel: --zero_stage 2 keeps N bytes of AdamW state on rank 0 (replicated: M on

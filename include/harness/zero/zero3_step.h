@@ -22,6 +22,7 @@
 
 #include "harness/data_parallel/process_group.h"
 #include "harness/model/gpt2.h"
+#include "harness/train/step/build_step.h"
 #include "harness/train/step/forward_backward.h"
 #include "harness/train/step/step_optimizer.h"
 #include "harness/zero/sharded_units.h"
@@ -54,15 +55,11 @@ std::optional<size_t> tied_wte_unit(const ShardedUnits& units);
 std::unique_ptr<train::ForwardBackward> gathered_stages(std::unique_ptr<train::ForwardBackward> stages,
                                                  ShardedUnits& units);
 
-struct Zero3Parts {
-  std::unique_ptr<ShardedUnits> units;  // the step's synchronizer
-  std::unique_ptr<train::ForwardBackward> forward_backward;
-  std::unique_ptr<train::StepOptimizer> optimizer;
-};
-
-// The three parts for `model` (whole or this rank's tensor-parallel slices, on this rank's device,
-// the same weights on every rank of `data`) sharded over `data`; `prefetch` >= 0 units gathered ahead (--zero_prefetch).
-Zero3Parts make_zero3(model::GPT2LMHeadModel model, const data_parallel::DistContext& data,
-                      const train::OptimizerSettings& settings, int prefetch);
+// The step's three parts for `model` (whole or this rank's tensor-parallel slices, on this rank's
+// device, the same weights on every rank of `data`) sharded over `data`: the units (the step's
+// synchronizer), the forward-backward that gathers them, and AdamW on their chunks; `prefetch` >= 0
+// units gathered ahead (--zero_prefetch).
+train::StepParts make_zero3(model::GPT2LMHeadModel model, const data_parallel::DistContext& data,
+                             const train::OptimizerSettings& settings, int prefetch);
 
 }  // namespace harness::zero

@@ -147,6 +147,7 @@ struct Shapes {
   int64_t replica_rows = 0, micro_rows = 0;
   int64_t padded_length = 0, rank_tokens = 0;  // a sequence's positions, and a rank's share of them
   double element_bytes = 4.0;                   // of activations on the wire
+  double activation_bytes = 0.0;                // one micro-batch's [rows, rank tokens, n_embd] on the wire
   double rate = 0.0;                            // matmul FLOP/s reached, per device
   Link tensor, context, pipeline, gradient;
   std::vector<int> halves;                      // P > 1: half blocks per stage
@@ -177,6 +178,7 @@ Shapes shapes_of(const PlanQuestion& q, const Plan& plan) {
   }
   s.rank_tokens = s.padded_length / s.C;
   s.element_bytes = q.bf16 ? 2.0 : 4.0;
+  s.activation_bytes = static_cast<double>(s.micro_rows * s.rank_tokens * q.config.n_embd) * s.element_bytes;
   s.rate = (q.bf16 ? q.machine.bf16_flops : q.machine.fp32_flops) * q.machine.matmul_efficiency;
   const int per_host = q.nproc_per_node > 0 ? q.nproc_per_node : q.machine.devices_per_host;
   s.tensor = link_of(layout.tensor_parallel_groups(), per_host, q.machine);
@@ -202,8 +204,8 @@ struct BlockComm {
   double context = 0.0;  // forward and backward
 };
 
-BlockComm block_comm(const PlanQuestion& q, const Plan& plan, const Shapes& s) {
-  const double activation = static_cast<double>(s.micro_rows * s.rank_tokens * q.config.n_embd) * s.element_bytes;
+BlockComm block_comm(const Plan& plan, const Shapes& s) {
+  const double activation = s.activation_bytes;
   BlockComm comm;
   comm.tensor = plan.sequence_parallel
                     ? 2.0 * (collective_seconds(Collective::kAllGather, activation, s.T, s.tensor) +
@@ -218,9 +220,8 @@ BlockComm block_comm(const PlanQuestion& q, const Plan& plan, const Shapes& s) {
 
 // What tensor parallelism adds once a micro-batch besides the blocks: the vocabulary-parallel
 // embedding's all-reduce forward and the split head's input gradient backward.
-double embedding_comm(const PlanQuestion& q, const Shapes& s) {
-  const double activation = static_cast<double>(s.micro_rows * s.rank_tokens * q.config.n_embd) * s.element_bytes;
-  return 2.0 * collective_seconds(Collective::kAllReduce, activation, s.T, s.tensor);
+double embedding_comm(const Shapes& s) {
+  return 2.0 * collective_seconds(Collective::kAllReduce, s.activation_bytes, s.T, s.tensor);
 }
 
 // The pieces' costs for one micro-batch on one rank, in seconds (forward and backward): the
@@ -241,10 +242,10 @@ struct StepTimes {
 // P = 1: the replica's one micro-batch, its blocks' collectives exposed.
 StepTimes whole_model_times(const PlanQuestion& q, const Plan& plan, const Shapes& s) {
   const pipeline::Gpt2PieceCosts c = piece_seconds(q, s);
-  const BlockComm comm = block_comm(q, plan, s);
+  const BlockComm comm = block_comm(plan, s);
   StepTimes t;
   t.compute = c.embedding + q.config.n_layer * (c.attention + c.mlp) + c.head;
-  t.comm = q.config.n_layer * (2.0 * comm.tensor + comm.context) + embedding_comm(q, s);
+  t.comm = q.config.n_layer * (2.0 * comm.tensor + comm.context) + embedding_comm(s);
   return t;
 }
 
@@ -256,11 +257,9 @@ StepTimes pipeline_times(const PlanQuestion& q, const Plan& plan, const Shapes& 
   const std::vector<double> stage_seconds = pipeline::gpt2_stage_costs(c, s.halves);
   const std::vector<pipeline::ActionTicks> shares =
       pipeline::estimate_gpt2_stage_ticks(q.config, s.halves, s.micro_rows, s.rank_tokens);
-  const BlockComm comm = block_comm(q, plan, s);
-  const double send = collective_seconds(Collective::kSendRecv,
-                                         static_cast<double>(s.micro_rows * s.rank_tokens * q.config.n_embd) *
-                                             s.element_bytes / s.T,
-                                         2, s.pipeline);
+  const BlockComm comm = block_comm(plan, s);
+  const double send = collective_seconds(Collective::kSendRecv, s.activation_bytes / s.T, 2, s.pipeline);
+  const double embedding = embedding_comm(s) / 2.0;  // half forward, half backward
   const int stages = static_cast<int>(s.halves.size());
   struct Seconds {
     double f = 0, b = 0, w = 0, comm_f = 0, comm_b = 0;
@@ -275,9 +274,9 @@ StepTimes pipeline_times(const PlanQuestion& q, const Plan& plan, const Shapes& 
     x.w = stage_seconds[k] * shares[k].weight_gradient / ticks;
     const double blocks = s.halves[k] / 2.0;
     x.comm_f = blocks * (comm.tensor + comm.context / 3.0) + (k + 1 < stages ? send : 0.0) +
-               (k == 0 || k + 1 == stages ? embedding_comm(q, s) / 2.0 : 0.0);
+               (k == 0 || k + 1 == stages ? embedding : 0.0);
     x.comm_b = blocks * (comm.tensor + 2.0 * comm.context / 3.0) + (k > 0 ? send : 0.0) +
-               (k == 0 || k + 1 == stages ? embedding_comm(q, s) / 2.0 : 0.0);
+               (k == 0 || k + 1 == stages ? embedding : 0.0);
     const bool recompute = plan.pipeline.activation_checkpointing == pipeline::ActivationCheckpointing::kAlways ||
                            (plan.pipeline.activation_checkpointing == pipeline::ActivationCheckpointing::kExceptLast &&
                             k + 1 < stages);

@@ -3,23 +3,11 @@
 
 #include <stdexcept>
 
+#include "harness/pipeline/balance.h"
 #include "harness/pipeline/training_schedule.h"
 #include "harness/zero/zero.h"
 
 namespace harness::train {
-namespace {
-
-std::string balance_text(const pipeline::BalanceSpec& balance) {
-  if (balance.automatic) return "auto";
-  std::string text;
-  for (const int halves : balance.halves_per_stage) {
-    text += (text.empty() ? "" : ",") + std::to_string(halves / 2) + (halves % 2 ? ".5" : "");
-  }
-  return text;
-}
-
-}  // namespace
-
 int Plan::data_parallel_size() const {
   const int model_ranks = context_parallel_size * tensor_parallel_size * pipeline_parallel_size;
   return model_ranks > 0 && world_size % model_ranks == 0 ? world_size / model_ranks : 0;
@@ -66,7 +54,7 @@ nlohmann::json plan_to_json(const Plan& plan) {
       {"pipeline_schedule", pipeline::to_string(pipe.schedule)},
       {"n_chunk", pipe.n_chunk},
       {"virtual_stages", pipe.virtual_stages},
-      {"balance", balance_text(pipe.balance)},
+      {"balance", pipe.balance.automatic ? "auto" : pipeline::format_halves(pipe.balance.halves_per_stage)},
       {"activation_checkpointing", pipeline::to_string(pipe.activation_checkpointing)},
       {"grad_sync", data_parallel::to_string(plan.gradient_sync.kind)},
       {"bucket_cap_mb", plan.gradient_sync.bucket_cap_mb},

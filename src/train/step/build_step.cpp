@@ -44,13 +44,11 @@ StepParts cut_pipeline(model::GPT2LMHeadModel model, const Plan& plan, const par
     if (std::find(held.held.begin(), held.held.end(), item.key()) != held.held.end()) parameters.push_back(item.value());
   }
   if (plan.zero.stage > 0) {
-    zero::ZeroParts sharded = zero::stage_zero(model, plan, groups.gradient, groups.embedding.has_value(),
-                                               std::move(parts.forward_backward), *parts.stages, settings.optimizer,
-                                               std::move(held));
-    parts.forward_backward = std::move(sharded.forward_backward);
-    parts.optimizer = std::move(sharded.optimizer);
-    parts.sync = std::move(sharded.sync);
-    return parts;
+    StepParts sharded = zero::stage_zero(model, plan, groups.gradient, groups.embedding.has_value(),
+                                         std::move(parts.forward_backward), *parts.stages, settings.optimizer,
+                                         std::move(held));
+    sharded.stages = parts.stages;
+    return sharded;
   }
   if (plan.gradient_group_size() > 1) {  // a stage of the only replica has nothing to average with
     const GradientSyncChoice& g = plan.gradient_sync;
@@ -76,14 +74,8 @@ StepParts in_process_stages(model::GPT2LMHeadModel model, const StepComposition&
 // averaged over the replicas: replicated AdamW, or ZeRO's parts (zero/zero.h).
 StepParts whole_model_step(model::GPT2LMHeadModel model, const Plan& plan, const parallel::ProcessGroups& groups,
                            const StepComposition& settings) {
+  if (plan.zero.stage > 0) return zero::whole_model_zero(model, plan, groups.gradient, settings.optimizer);
   StepParts parts;
-  if (plan.zero.stage > 0) {
-    zero::ZeroParts sharded = zero::whole_model_zero(model, plan, groups.gradient, settings.optimizer);
-    parts.forward_backward = std::move(sharded.forward_backward);
-    parts.optimizer = std::move(sharded.optimizer);
-    parts.sync = std::move(sharded.sync);
-    return parts;
-  }
   parts.forward_backward = whole_model(model);
   parts.optimizer = replicated_adamw(model, settings.optimizer);
   if (!groups.gradient.group) return parts;  // one process and no process group (run_pipeline on one device)
